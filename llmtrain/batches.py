@@ -1,0 +1,75 @@
+"""Batching: a seeded per-epoch order, padding collation, and data loaders.
+
+The order of examples depends only on (seed, epoch), never on the number of processes
+or the micro-batch size, so one global batch holds the same rows whether it is taken as
+8 x 1, 2 x 4, or 2 processes x 2 x 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .data import IGNORE
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A permutation of range(n) drawn from (seed, epoch); sequential if shuffle is off."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+class Collator:
+    """Pads a list of examples to the longest (right padding, labels IGNORE).
+
+    Packed examples (with position_ids and doc_ids) keep them; padding gets doc id -1 so
+    it forms its own block and never joins a real sample."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, examples: list[dict]) -> dict:
+        width = max(len(e["input_ids"]) for e in examples)
+        packed = "doc_ids" in examples[0]
+
+        def pad(key, value):
+            return torch.tensor([e[key] + [value] * (width - len(e[key])) for e in examples], dtype=torch.long)
+
+        batch = {"input_ids": pad("input_ids", self.pad_id), "labels": pad("labels", IGNORE)}
+        if packed:
+            batch["doc_ids"] = pad("doc_ids", -1)
+            batch["position_ids"] = torch.tensor(
+                [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples], dtype=torch.long)
+        else:
+            batch["attention_mask"] = torch.tensor(
+                [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in examples], dtype=torch.long)
+        return batch
+
+    def empty_batch(self, packed: bool) -> dict:
+        """A one-token batch with nothing to train: what a process runs when it has no
+        data left in a window, so every process still joins the same collectives."""
+        example = {"input_ids": [self.pad_id], "labels": [IGNORE]}
+        if packed:
+            example |= {"position_ids": [0], "doc_ids": [0]}
+        return self([example])
+
+
+def make_loader(dataset, batch_size: int, collator: Collator, seed: int, shuffle: bool, num_workers: int):
+    """A DataLoader over `dataset` (a datasets.Dataset of input_ids/labels or a PackedDataset)."""
+    if hasattr(dataset, "select_columns"):
+        dataset = dataset.select_columns(["input_ids", "labels"])
+    sampler = EpochSampler(len(dataset), seed, shuffle)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
+                                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), drop_last=False)

@@ -1,0 +1,40 @@
+"""Command-line plumbing shared by the recipes: arguments and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .checkpoint import CheckpointError
+from .config import Config, ConfigError, load_config
+from .data import DataError
+from .model import ModelError
+
+USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
+
+
+def parse_args(argv: list[str] | None, default_config: Path | None, description: str = "") -> Config:
+    parser = argparse.ArgumentParser(description=description,
+                                     epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true")
+    parser.add_argument("--config", type=Path, default=default_config,
+                        help=f"YAML config (default: {default_config})")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run main(argv); turn a user error into 'error: ...' lines on stderr and exit 2.
+
+    Anything else is a bug and keeps its traceback."""
+    from accelerate import PartialState
+
+    state = PartialState()  # set up the process group first, so only one process reports
+    try:
+        main(argv)
+    except USER_ERRORS as e:
+        if state.is_main_process:
+            for line in str(e).splitlines():
+                print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,384 @@
+"""The one typed config tree for llmtrain.
+
+A run is described by a YAML file plus dotted `key.sub=value` overrides from the
+command line. Every field has a default here (never in `cfg.get(...)` calls), a
+docstring below it, and is checked at start-up before any model is loaded. All
+problems are collected and reported together; each line names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration. `problems` holds one line per problem, each naming its key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (through peft) instead of all weights."""
+    r: int = 16
+    """Rank of the LoRA update matrices."""
+    alpha: int = 32
+    """LoRA scaling numerator; the update is scaled by alpha / r."""
+    dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: Union[str, list[str]] = "all-linear"
+    """Modules to adapt: 'all-linear' or a list of module names such as [q_proj, v_proj]."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = ""
+    """Hugging Face hub name or local directory loaded with AutoModelForCausalLM.
+    'demo:tiny-llama' builds the small offline demo model."""
+    revision: str = ""
+    """Hub revision (branch, tag or commit); empty for the default branch."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """dtype the weights are loaded in. Keep float32 master weights and choose bf16/fp16
+    compute with Accelerate's mixed_precision; bfloat16 here halves weight memory."""
+    attn_implementation: str = "sdpa"
+    """Attention backend passed to transformers: sdpa, eager, flash_attention_2, ..."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub to run. Off unless you trust the repository."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    train: Union[str, list[str]] = field(default_factory=list)
+    """Training data: a path (jsonl, json, parquet, csv), a hub data set name
+    ('owner/name' or 'owner/name:split'), or a list of these to mix."""
+    eval: Union[str, list[str]] = field(default_factory=list)
+    """Evaluation data, same forms as data.train; empty for no evaluation."""
+    format: Literal["auto", "text", "prompt_completion", "alpaca", "chat", "sharegpt"] = "auto"
+    """Row format; 'auto' detects it from the columns of each source."""
+    chat_template: str = ""
+    """Jinja chat template (or a path to a .jinja file) used instead of the tokenizer's."""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """Which tokens are trained: the assistant turns / completions (end-of-turn token
+    included), or every token of the row."""
+    max_seq_len: int = 1024
+    """Longest sequence in tokens; packed sequences have exactly this length."""
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+    """What to do with a row longer than max_seq_len."""
+    packing: bool = False
+    """Pack rows into max_seq_len sequences. Samples never attend to each other and their
+    positions restart at 0."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    """Rows (or packed sequences) per forward pass on each process."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step on each process."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 means run train.epochs epochs."""
+    epochs: int = 1
+    """Passes over the training data when train.max_steps is 0."""
+    lr: float = 2e-5
+    """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to train.lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine/linear decay, as a fraction of train.lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to biases and norm weights)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 42
+    """Seed for weights of new modules, data order and dropout."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate every N optimizer steps (0: only at the end). Needs data.eval."""
+    micro_batch_size: int = 0
+    """Rows per evaluation forward pass; 0 uses train.micro_batch_size."""
+    sample_prompts: list[str] = field(default_factory=list)
+    """User messages answered by the trained model at the end of the run (printed)."""
+    sample_max_new_tokens: int = 64
+    """Longest generated answer for eval.sample_prompts."""
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 1
+    """Write a train row to metrics.jsonl (and the tracker) every N steps."""
+    tracker: Literal["auto", "none", "tensorboard", "wandb", "mlflow"] = "auto"
+    """Experiment tracker through Accelerate; 'auto' uses TensorBoard when installed."""
+    project: str = "llmtrain"
+    """Project name given to the tracker."""
+    progress_bar: bool = True
+    """Show a progress bar on the main process."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Write a resumable checkpoint every N steps (0: only the final export)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep (0 keeps all). The previous one is deleted only after
+    the new one is complete."""
+    resume: str = "auto"
+    """'auto' continues from the newest complete checkpoint in output_dir if there is one,
+    'none' starts fresh (refusing to mix with an earlier run's checkpoints), or a path to a
+    checkpoint directory."""
+
+
+@dataclass
+class ExportConfig:
+    merge_lora: bool = False
+    """For LoRA runs, write the merged full model to final/ (the adapter goes to
+    final/adapter/). Without it, final/ holds the adapter."""
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/demo"
+    """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading: YAML + dotted overrides -> typed tree, collecting every problem.
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Return `value` as type `tp`, or raise TypeError. Strings from the command line
+    arrive already parsed by YAML; a few YAML 1.1 quirks (like '2e-5' being a string)
+    are mended here."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise TypeError
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg)
+            except TypeError:
+                continue
+        raise TypeError
+    if origin is list:
+        if not isinstance(value, list):
+            raise TypeError
+        return [_coerce(v, typing.get_args(tp)[0]) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise TypeError from None
+        raise TypeError
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if value is None:
+            return ""
+        raise TypeError
+    raise TypeError
+
+
+def _closest(key: str, names: list[str]) -> str | None:
+    """The valid name a typo most likely meant: a close spelling, else a shared prefix."""
+    close = difflib.get_close_matches(key, names, n=1)
+    if close:
+        return close[0]
+    related = [n for n in names if key.startswith(n) or n.startswith(key)]
+    return max(related, key=len) if related else None
+
+
+def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = _closest(str(key), names)
+            hint = f"; did you mean '{prefix}{close}'?" if close else f"; valid keys: {', '.join(prefix + n for n in names)}"
+            problems.append(f"{full}: unknown key{hint}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{full}: expected a section (mapping), got {value!r}")
+                continue
+            kwargs[key] = _build(tp, value, f"{full}.", problems)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp)
+        except TypeError:
+            problems.append(f"{full}: expected {_type_name(tp)}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=2e-5' -> ('train.lr', 2e-5). Values are parsed as YAML, so lists work:
+    data.train=[a.jsonl,b.jsonl]."""
+    if "=" not in text:
+        raise ConfigError([f"{text}: overrides look like key.sub=value (e.g. train.lr=2e-5)"])
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Load a YAML file (optional) and apply dotted overrides; validate everything."""
+    raw: dict = {}
+    problems: list[str] = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"--config: no such file: {path}"])
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise ConfigError([f"{where}: invalid YAML ({getattr(e, 'problem', e)})"]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+        raw = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    cfg = _build(Config, raw, "", problems)
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def validate(cfg: Config) -> list[str]:
+    """Range and consistency checks; returns one line per problem."""
+    p = []
+    t = cfg.train
+    if not cfg.model.name_or_path:
+        p.append("model.name_or_path: required; a hub name or a local model directory")
+    if not cfg.data.train:
+        p.append("data.train: required; a path, a list of paths, or a hub data set name")
+    if not cfg.output_dir:
+        p.append("output_dir: required")
+    for key, value in [("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum_steps", t.grad_accum_steps),
+                       ("data.max_seq_len", cfg.data.max_seq_len), ("log.every_steps", cfg.log.every_steps)]:
+        if value < 1:
+            p.append(f"{key}: must be at least 1, got {value}")
+    for key, value in [("train.max_steps", t.max_steps), ("train.warmup_steps", t.warmup_steps),
+                       ("eval.every_steps", cfg.eval.every_steps), ("eval.micro_batch_size", cfg.eval.micro_batch_size),
+                       ("checkpoint.every_steps", cfg.checkpoint.every_steps), ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+                       ("data.num_workers", cfg.data.num_workers), ("train.max_grad_norm", t.max_grad_norm),
+                       ("train.weight_decay", t.weight_decay)]:
+        if value < 0:
+            p.append(f"{key}: must not be negative, got {value}")
+    if t.max_steps == 0 and t.epochs < 1:
+        p.append(f"train.epochs: must be at least 1 when train.max_steps is 0, got {t.epochs}")
+    if not t.lr > 0:
+        p.append(f"train.lr: must be positive, got {t.lr}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio: must be between 0 and 1, got {t.min_lr_ratio}")
+    for key, value in [("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)]:
+        if not 0 <= value < 1:
+            p.append(f"{key}: must be in [0, 1), got {value}")
+    if cfg.eval.every_steps and not cfg.data.eval:
+        p.append("eval.every_steps: set data.eval too, or set eval.every_steps=0")
+    lora = cfg.model.lora
+    if lora.enabled and (lora.r < 1 or lora.alpha < 1 or not 0 <= lora.dropout < 1):
+        p.append(f"model.lora: r and alpha must be at least 1 and dropout in [0, 1), got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}")
+    if cfg.export.merge_lora and not lora.enabled:
+        p.append("export.merge_lora: only applies with model.lora.enabled=true")
+    return p
+
+
+def as_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(as_dict(cfg), sort_keys=False)
+
+
+def flat_dict(cfg: Config) -> dict:
+    """{'train.lr': 2e-5, ...} for trackers, which want scalars."""
+    out = {}
+
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+
+    walk(as_dict(cfg), "")
+    return out

@@ -1,0 +1,84 @@
+"""Run records: metrics.jsonl, the tracker, the loss-curve PNG, and the run description."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import platform
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def tracker_name(choice: str) -> str | None:
+    """The Accelerate `log_with` value for log.tracker ('auto': TensorBoard when installed)."""
+    if choice == "auto":
+        installed = importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
+        return "tensorboard" if installed else None
+    return None if choice == "none" else choice
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("llmtrain", "torch", "accelerate", "transformers", "datasets", "peft", "deepspeed"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class MetricsLog:
+    """Appends rows to metrics.jsonl and the tracker, on the main process only.
+
+    On resume, rows after the checkpoint's step are dropped first, so the file reads as
+    one uninterrupted run."""
+
+    def __init__(self, accelerator, output_dir: str, resume_step: int | None):
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / METRICS_FILE
+        if accelerator.is_main_process:
+            kept = []
+            if resume_step is not None and self.path.exists():
+                kept = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, row: dict) -> None:
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        self.accelerator.log(scalars, step=row["step"])
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_losses(metrics_path: str | Path, png_path: str | Path) -> bool:
+    """Train and eval loss against step; returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over trained tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return True

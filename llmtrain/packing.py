@@ -1,0 +1,75 @@
+"""Packing rows into fixed-length sequences with no attention across samples.
+
+Positions restart at 0 for every sample, and each sequence carries `doc_ids` (which
+sample a token belongs to, -1 for padding). `document_mask` turns them into a
+block-diagonal causal mask. Position ids alone are not enough: with the SDPA and eager
+backends a plain causal mask would still let a sample attend to the ones packed before it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+import torch
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: indices of rows grouped so each group's total
+    length is at most `capacity`. Deterministic; each group lists indices in order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    space: list[tuple[int, int]] = []  # sorted (room left, bin index)
+    for i in order:
+        n = lengths[i]
+        if n > capacity:
+            raise ValueError(f"row {i} has {n} tokens, more than the pack capacity {capacity}")
+        k = bisect_left(space, (n, -1))
+        if k < len(space):
+            room, b = space.pop(k)
+            bins[b].append(i)
+        else:
+            b, room = len(bins), capacity
+            bins.append([i])
+        if room - n > 0:
+            insort(space, (room - n, b))
+    return [sorted(b) for b in bins]
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """A view of a tokenized data set (input_ids, labels, length) as packed sequences."""
+
+    def __init__(self, rows, capacity: int):
+        self.rows = rows
+        self.capacity = capacity
+        self.bins = pack_lengths(rows["length"], capacity)
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def efficiency(self) -> float:
+        """Share of packed positions that hold real tokens."""
+        return sum(self.rows["length"]) / (len(self.bins) * self.capacity)
+
+    def __getitem__(self, j: int) -> dict:
+        rows = self.rows[self.bins[j]]
+        input_ids, labels, position_ids, doc_ids = [], [], [], []
+        for d, (ids, lab) in enumerate(zip(rows["input_ids"], rows["labels"])):
+            input_ids += ids
+            labels += lab
+            position_ids += range(len(ids))
+            doc_ids += [d] * len(ids)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
+
+
+def document_mask(doc_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, L, L] causal mask that only lets a token see earlier tokens of its own sample.
+
+    Boolean (True = attend) for SDPA; additive float for eager, whose kernel adds the mask."""
+    L = doc_ids.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

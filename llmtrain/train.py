@@ -1,0 +1,211 @@
+"""Setup and the training loop.
+
+The loss of an optimizer step is the sum of token losses over every micro-batch of the
+step on every process, divided by the number of trained tokens in that global batch. To
+get that, each step first draws its whole window of micro-batches, sums their trained
+tokens across processes, and only then runs forward and backward, scaling each
+micro-batch's summed loss by world_size / global_tokens (DDP averages gradients over
+processes, so the world_size cancels). A per-micro-batch mean divided by the number of
+accumulation steps would weight short rows more and break 8x1 == 2x4 equivalence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .batches import Collator, make_loader
+from .config import Config, to_yaml
+from .data import DataStats, as_list, prepare_split
+from .metrics import MetricsLog, tracker_name
+from .model import pad_id, token_loss
+from .packing import PackedDataset
+
+
+def setup_accelerator(cfg: Config):
+    """The Accelerator; topology and precision come from `accelerate launch` / its config."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+
+    tracker = tracker_name(cfg.log.tracker)
+    accelerator = Accelerator(
+        log_with=tracker,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
+        # Uneven last batches are not padded by repeating rows (which would count them
+        # twice); a process with nothing left runs an empty batch instead (see `windows`).
+        dataloader_config=DataLoaderConfiguration(even_batches=False),
+        # The schedule is written in optimizer steps, so step it once per step.
+        step_scheduler_with_optimizer=False,
+    )
+    set_seed(cfg.train.seed)
+    return accelerator
+
+
+def build_datasets(cfg: Config, accelerator, tokenizer):
+    """Tokenize train/eval once (main process first; the others read its cache) and pack
+    them if asked. Returns (train_set, eval_set or None)."""
+    sets: list = []
+    with accelerator.main_process_first():
+        for key, names in (("data.train", as_list(cfg.data.train)), ("data.eval", as_list(cfg.data.eval))):
+            if not names:
+                sets.append(None)
+                continue
+            ds, stats = prepare_split(key, names, tokenizer, cfg.data)
+            accelerator.print(stats.summary(key))
+            if cfg.data.packing:
+                ds = PackedDataset(ds, cfg.data.max_seq_len)
+                accelerator.print(f"{key}: packed {stats.kept} rows into {len(ds)} sequences of "
+                                  f"{cfg.data.max_seq_len} tokens ({ds.efficiency():.1%} filled)")
+            sets.append(ds)
+    return sets[0], sets[1]
+
+
+def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    t = cfg.train
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=device.type == "cuda" or None)
+
+
+def lr_factor(step: int, total: int, cfg: Config) -> float:
+    """Multiplier of train.lr at optimizer step `step` (0-based): linear warm-up, then decay."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - t.warmup_steps) / max(1, total - t.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+
+def windows(batches, size: int, accelerator):
+    """Yield (micro_batches, global_trained_tokens) per optimizer step until every
+    process has run out. A process may get fewer than `size`, or none, at the end."""
+    while True:
+        window = list(islice(batches, size))
+        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window)],
+                             device=accelerator.device)
+        total = accelerator.reduce(local, reduction="sum")
+        if total[0] == 0:
+            return
+        yield window, int(total[1])
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str) -> float:
+    """Mean loss over all trained tokens of the eval set, across processes."""
+    model.eval()
+    empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
+    sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    for window, _ in windows(iter(loader), 1, accelerator):
+        loss, n = token_loss(model, window[0] if window else empty, attn)
+        sums += torch.stack([loss.double(), n.double()])
+    model.train()
+    sums = accelerator.reduce(sums, reduction="sum")
+    return float(sums[0] / sums[1])
+
+
+def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resume_from: Path | None):
+    """Run the optimizer steps; returns the (prepared) model."""
+    t, attn, packed = cfg.train, cfg.model.attn_implementation, cfg.data.packing
+    collator = Collator(pad_id(tokenizer))
+    train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, True, cfg.data.num_workers)
+    sampler = train_loader.sampler  # kept: prepare() wraps it, and we set its epoch
+    eval_loader = None
+    if eval_set is not None:
+        eval_loader = make_loader(eval_set, cfg.eval.micro_batch_size or t.micro_batch_size, collator, t.seed,
+                                  False, cfg.data.num_workers)
+
+    world = accelerator.num_processes
+    per_process = math.ceil(math.ceil(len(train_set) / t.micro_batch_size) / world)
+    steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
+    total_steps = t.max_steps or t.epochs * steps_per_epoch
+
+    model = model.to(accelerator.device)
+    optimizer = build_optimizer(model, cfg, accelerator.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare(eval_loader)
+
+    step, epoch, consumed = 0, 0, 0
+    if resume_from is not None:
+        state = checkpoint.load(accelerator, resume_from, cfg)
+        step, epoch, consumed = state["step"], state["epoch"], state["batches_in_epoch"]
+        accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch})")
+    log = MetricsLog(accelerator, cfg.output_dir, step if resume_from is not None else None)
+    if tracker_name(cfg.log.tracker):
+        from .config import flat_dict
+
+        accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
+    accelerator.print(f"training {total_steps} steps ({steps_per_epoch} per epoch), global batch "
+                      f"{t.micro_batch_size * t.grad_accum_steps * world} sequences on {world} process(es)")
+
+    progress = None
+    if cfg.log.progress_bar and accelerator.is_main_process:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True)
+    empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
+    config_yaml = to_yaml(cfg)
+    model.train()
+    tick = time.perf_counter()
+
+    while step < total_steps:
+        sampler.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
+        for window, global_tokens in windows(iter(loader), t.grad_accum_steps, accelerator):
+            consumed += len(window)
+            micro = window or [empty]
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for i, batch in enumerate(micro):
+                # Gradients are all-reduced only on the last micro-batch of the step.
+                sync = nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
+                with sync:
+                    loss, _ = token_loss(model, batch, attn)
+                    accelerator.backward(loss * (world / global_tokens))
+                loss_sum += loss.detach()
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            step_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / global_tokens
+            now = time.perf_counter()
+            if step % cfg.log.every_steps == 0 or step == total_steps:
+                log.log({"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
+                         "tokens": global_tokens, "tokens_per_s": global_tokens / (now - tick)})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+            if eval_loader is not None and (step == total_steps or
+                                            (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
+                eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn)
+                log.log({"step": step, "eval_loss": eval_loss})
+                accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
+            if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == total_steps):
+                state = {"step": step, "epoch": epoch, "batches_in_epoch": consumed,
+                         "settings": checkpoint.position_settings(cfg, world)}
+                checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
+            tick = time.perf_counter()
+            if step >= total_steps:
+                break
+        else:  # the epoch ran out before total_steps
+            epoch, consumed = epoch + 1, 0
+
+    if progress is not None:
+        progress.close()
+    accelerator.end_training()
+    return model

@@ -1,0 +1,62 @@
+"""Fine-tune a causal language model (full or LoRA) on instruction, chat or text data.
+
+    accelerate launch recipes/finetune.py                       # offline demo (recipes/configs/demo.yaml)
+    accelerate launch recipes/finetune.py --config recipes/configs/llama_full.yaml train.lr=2e-5
+    python recipes/finetune.py output_dir=runs/try data.packing=true     # one process, same thing
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/finetune.py   # DDP on CPU
+
+Writes to output_dir: config.yaml, run.json, metrics.jsonl, loss.png, checkpoints/step-N/, final/.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from llmtrain import checkpoint, demo
+from llmtrain.cli import parse_args, run_cli
+from llmtrain.config import to_yaml
+from llmtrain.data import resolve_chat_template
+from llmtrain.export import sample, save_final
+from llmtrain.metrics import plot_losses, versions
+from llmtrain.model import load_model, load_tokenizer
+from llmtrain.train import build_datasets, setup_accelerator, train
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+
+
+def main(argv=None):
+    cfg = parse_args(argv, DEFAULT_CONFIG, description=__doc__.splitlines()[0])
+    accelerator = setup_accelerator(cfg)
+    with accelerator.main_process_first():
+        demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
+    out = Path(cfg.output_dir)
+    resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+        run = {"versions": versions(), "world_size": accelerator.num_processes,
+               "mixed_precision": accelerator.mixed_precision, "resumed_from": str(resume_from or "")}
+        (out / "run.json").write_text(json.dumps(run, indent=2))
+
+    tokenizer = load_tokenizer(cfg.model)
+    template = resolve_chat_template(cfg.data)
+    if template:
+        tokenizer.chat_template = template  # exported with the model
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
+    model = load_model(cfg.model)
+
+    model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from)
+
+    final = save_final(accelerator, model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
+    if accelerator.is_main_process:
+        plot_losses(out / "metrics.jsonl", out / "loss.png")
+        print(f"saved {final}")
+        prompts = cfg.eval.sample_prompts
+        if prompts:
+            answers = sample(accelerator.unwrap_model(model), tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
+            for prompt, answer in zip(prompts, answers):
+                print(f"sample> {prompt!r} -> {answer!r}")
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])

@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny Llama + tokenizer built locally, data files, and a runner for
+the real recipe (one process, or two DDP processes on CPU through accelerate launch)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmtrain.demo import build_model_dir, make_rows, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "finetune.py"
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory):
+    """Environment for recipe subprocesses: private caches, no network, no tracker noise."""
+    root = tmp_path_factory.mktemp("cache")
+    env = dict(os.environ)
+    env.update(LLMTRAIN_CACHE=str(root / "llmtrain"), HF_DATASETS_CACHE=str(root / "datasets"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer Llama with the demo's character tokenizer and chat template."""
+    rows = make_rows(200, seed=0)
+    corpus = [m["content"] for r in rows for m in r["messages"]]
+    return build_model_dir(tmp_path_factory.mktemp("model") / "tiny", corpus, hidden_size=64, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory) -> Path:
+    """20 chat rows whose trained-token counts differ (1 or 2 exchanges, answers of 1-6 chars)."""
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    write_jsonl(make_rows(20, seed=3), path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recipe_command(args: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, str(RECIPE), *args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), str(RECIPE), *args]
+
+
+def run_recipe(args: list[str], env: dict, nproc: int = 1, check: bool = True, timeout: int = 300):
+    """Run recipes/finetune.py as a user would; returns the CompletedProcess."""
+    env = dict(env)
+    if nproc > 1:
+        env["ACCELERATE_USE_CPU"] = "1"
+    proc = subprocess.run(recipe_command(args, nproc), env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def train_rows(output_dir: Path) -> list[dict]:
+    return [r for r in metrics(output_dir) if "loss" in r]

@@ -1,0 +1,84 @@
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config import Config, ConfigError, load_config, parse_override
+
+from .conftest import ROOT, run_recipe
+
+SHIPPED = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+    assert len(SHIPPED) >= 3
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert path.read_text().startswith("#"), "each shipped YAML opens with the command that uses it"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(ROOT / "recipes/configs/demo.yaml",
+                      ["train.lr=2e-5", "data.packing=false", "data.train=[a.jsonl,b.parquet]", "train.max_steps=7"])
+    assert cfg.train.lr == 2e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.data.packing is False
+    assert cfg.data.train == ["a.jsonl", "b.parquet"]
+    assert cfg.train.max_steps == 7
+
+
+def test_unknown_key_names_the_closest_valid_one():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=x", "data.train=a.jsonl", "train.lrr=1e-4"])
+    assert "train.lrr: unknown key; did you mean 'train.lr'?" in str(e.value)
+
+
+def test_unknown_section_and_nested_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name_or_path: x\n  lora:\n    rank: 8\ndata:\n  train: a.jsonl\ntrian:\n  lr: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    text = str(e.value)
+    assert "model.lora.rank: unknown key; did you mean 'model.lora.r'?" in text
+    assert "trian: unknown key; did you mean 'train'?" in text
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.micro_batch_size=abc", "train.lr=-1", "data.overlong=cut", "data.max_seq_len=0"])
+    problems = e.value.problems
+    keys = [p.split(":")[0] for p in problems]
+    for key in ["train.micro_batch_size", "train.lr", "data.overlong", "data.max_seq_len", "model.name_or_path",
+                "data.train"]:
+        assert key in keys, problems
+    assert any("expected an integer" in p for p in problems)
+    assert any("one of 'truncate', 'drop', 'error'" in p for p in problems)
+
+
+def test_bool_is_not_an_int_and_string_is_not_a_bool():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=x", "data.train=a", "train.epochs=true", "data.packing=yes please"])
+    assert {p.split(":")[0] for p in e.value.problems} == {"train.epochs", "data.packing"}
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("train.lr")
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: 1\n  epochs: [1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(path)
+
+
+def test_recipe_reports_config_errors_before_loading_anything(cache_env, tmp_path):
+    proc = run_recipe([f"output_dir={tmp_path}/out", "train.lrr=1", "model.name_or_path=/nonexistent"],
+                      cache_env, check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: train.lrr: unknown key; did you mean 'train.lr'?"]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from llmtrain.batches import Collator
+from llmtrain.config import DataConfig
+from llmtrain.data import process_row
+from llmtrain.demo import make_rows
+from llmtrain.model import token_loss
+from llmtrain.packing import PackedDataset, pack_lengths
+
+
+def test_pack_lengths_fills_bins_without_overflow():
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 100) for _ in range(500)]
+    bins = pack_lengths(lengths, 128)
+    assert sorted(i for b in bins for i in b) == list(range(500))
+    assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
+    assert sum(lengths) / (128 * len(bins)) > 0.95  # best-fit decreasing packs tightly
+    assert bins == pack_lengths(lengths, 128)  # deterministic
+
+
+def test_pack_lengths_rejects_rows_longer_than_a_pack():
+    with pytest.raises(ValueError, match="more than the pack capacity"):
+        pack_lengths([10, 300], 256)
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    import datasets
+
+    rows = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(12, seed=5)]
+    return datasets.Dataset.from_list(rows)
+
+
+def load(tiny_model, attn):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_samples_do_not_see_each_other(tiny_model, tokenizer, examples, attn):
+    """Each packed sample's logits equal those of the same sample run alone."""
+    from llmtrain.packing import document_mask
+
+    model = load(tiny_model, attn)
+    packed = PackedDataset(examples, capacity=256)
+    assert len(packed) < len(examples)  # several rows per pack
+    batch = Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))])
+    with torch.no_grad():
+        mask = document_mask(batch["doc_ids"], attn, torch.float32)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
+        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        checked, leaked = 0, 0
+        for j, rows in enumerate(packed.bins):
+            start = 0
+            for i in rows:
+                ids = torch.tensor([examples[i]["input_ids"]])
+                alone = model(input_ids=ids).logits[0]
+                span = slice(start, start + ids.shape[1])
+                torch.testing.assert_close(logits[j, span], alone, atol=1e-5, rtol=1e-5)
+                leaked += start > 0 and not torch.allclose(leaky[j, span], alone, atol=1e-3)
+                start += ids.shape[1]
+                checked += 1
+    assert checked == len(examples)
+    assert leaked > 0, "position_ids alone should leak across samples; the mask is what isolates them"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_and_unpacked_give_the_same_summed_loss(tiny_model, tokenizer, examples, attn):
+    model = load(tiny_model, attn)
+    collate = Collator(tokenizer.pad_token_id)
+    packed = PackedDataset(examples, capacity=256)
+    with torch.no_grad():
+        p_loss, p_n = token_loss(model, collate([packed[j] for j in range(len(packed))]), attn)
+        u_loss, u_n = token_loss(model, collate([examples[i] for i in range(len(examples))]), attn)
+    assert p_n == u_n == sum(examples["n_trained"])
+    torch.testing.assert_close(p_loss, u_loss, rtol=1e-5, atol=1e-4)
+
+
+def test_padding_in_a_pack_is_its_own_block(tokenizer, examples):
+    packed = PackedDataset(examples, capacity=512)
+    batch = Collator(tokenizer.pad_token_id)([packed[0], {"input_ids": [5], "labels": [-100], "position_ids": [0],
+                                                         "doc_ids": [0]}])
+    assert batch["doc_ids"][1, 1:].eq(-1).all() and batch["labels"][1, 1:].eq(-100).all()
