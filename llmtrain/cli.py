@@ -29,8 +29,12 @@ def run_cli(main, argv: list[str] | None = None) -> None:
 
     Anything else is a bug and keeps its traceback."""
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
-    state = PartialState()  # set up the process group first, so only one process reports
+    # Set up the process group first, so only one process reports. It must honour
+    # ACCELERATE_USE_CPU exactly as Accelerator() will, or CPU runs launched with
+    # --num_processes 2 would silently become two unrelated single-process runs.
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     try:
         main(argv)
     except USER_ERRORS as e:

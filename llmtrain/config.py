@@ -184,7 +184,7 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(typing.get_args(tp)[0], "values")
     return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(tp, str(tp))
 
 

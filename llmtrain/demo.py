@@ -13,11 +13,10 @@ import json
 import os
 import random
 import shutil
-import string
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = "v2"
+DEMO_VERSION = "v3"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -36,19 +35,30 @@ def cache_dir() -> Path:
 # --- data ---------------------------------------------------------------------------
 
 
+WORDS = ["cat", "dog", "sun", "tree", "blue", "fish", "milk", "star", "rain", "bird", "book", "lamp",
+         "frog", "cake", "ship", "wolf", "king", "rose", "snow", "gold"]
+OPPOSITES = {"hot": "cold", "up": "down", "big": "small", "fast": "slow", "day": "night", "old": "new",
+             "open": "closed", "left": "right", "early": "late", "full": "empty", "wet": "dry", "loud": "quiet"}
+
+
 def _task(rng: random.Random) -> tuple[str, str]:
-    kind = rng.randrange(4)
+    """One question with a single right answer, drawn from a small closed world so that a
+    tiny model can learn it within a minute on a CPU."""
+    kind = rng.randrange(5)
     if kind == 0:
-        a, b = rng.randrange(20), rng.randrange(20)
+        a, b = rng.randrange(10), rng.randrange(10)
         return f"What is {a} + {b}?", str(a + b)
     if kind == 1:
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5)))
-        return f"Reverse the word: {word}", word[::-1]
-    if kind == 2:
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
+        word = rng.choice(WORDS)
         return f"Uppercase: {word}", word.upper()
-    n = rng.randrange(100)
-    return f"What number comes after {n}?", str(n + 1)
+    if kind == 2:
+        word = rng.choice(WORDS)
+        return f"Reverse the word: {word}", word[::-1]
+    if kind == 3:
+        n = rng.randrange(30)
+        return f"What number comes after {n}?", str(n + 1)
+    word, opposite = rng.choice(sorted(OPPOSITES.items()))
+    return f"What is the opposite of {word}?", opposite
 
 
 def make_rows(n: int, seed: int) -> list[dict]:

@@ -207,5 +207,4 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
 
     if progress is not None:
         progress.close()
-    accelerator.end_training()
     return model

@@ -56,6 +56,7 @@ def main(argv=None):
             answers = sample(accelerator.unwrap_model(model), tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")
+    accelerator.end_training()  # closes trackers and the process group: last
 
 
 if __name__ == "__main__":

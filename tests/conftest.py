@@ -50,6 +50,21 @@ def chat_file(tmp_path_factory) -> Path:
     return path
 
 
+BASE_CONFIG = """\
+# Test runs: plain settings, no demo tuning, quiet output.
+log: {tracker: none, progress_bar: false}
+train: {schedule: constant, lr: 1.0e-3, seed: 7, epochs: 1}
+data: {max_seq_len: 256}
+"""
+
+
+@pytest.fixture(scope="session")
+def base_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "base.yaml"
+    path.write_text(BASE_CONFIG)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

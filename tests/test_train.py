@@ -1,0 +1,153 @@
+"""The real recipe, launched as a user launches it (python, or accelerate launch with two
+DDP processes on CPU), on a tiny model."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmtrain.demo import make_rows, write_jsonl
+
+from .conftest import ROOT, recipe_command, run_recipe, train_rows
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def common(base_config, tiny_model):
+    def args(data, out) -> list[str]:
+        return ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={data}",
+                f"output_dir={out}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def rows18(tmp_path_factory) -> Path:
+    """18 rows: a global batch of 8 leaves a last step of 2 rows, which with 2 processes x
+    micro-batch 2 falls on one process only (the other runs an empty batch)."""
+    path = tmp_path_factory.mktemp("d") / "rows18.jsonl"
+    write_jsonl(make_rows(18, seed=11), path)
+    return path
+
+
+def final_weights(out: Path) -> dict:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, rows18, cache_env, tmp_path):
+    layouts = {"8x1": (1, 8, 1), "2x4": (1, 2, 4), "2proc_2x2": (2, 2, 2)}
+    results = {}
+    for name, (nproc, micro, accum) in layouts.items():
+        out = tmp_path / name
+        run_recipe(common(rows18, out) + [f"train.micro_batch_size={micro}",
+                                                       f"train.grad_accum_steps={accum}"], cache_env, nproc=nproc)
+        results[name] = (train_rows(out), final_weights(out))
+    ref_rows, ref_w = results["8x1"]
+    assert [r["step"] for r in ref_rows] == [1, 2, 3]
+    for name, (rows, weights) in results.items():
+        assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref_rows], name
+        for a, b in zip(rows, ref_rows):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), name
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
+        for key in ref_w:
+            torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_killed_run_resumes_to_the_same_losses(common, cache_env, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(make_rows(120, seed=12), data)
+    args = common(data, "{out}") + ["train.micro_batch_size=2", "train.epochs=2",
+                                                  "checkpoint.every_steps=5", "checkpoint.keep_last=2",
+                                                  "checkpoint.resume=auto", "train.schedule=cosine"]
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    run_recipe([a.format(out=ref) for a in args], cache_env, nproc=2)
+
+    env = dict(cache_env, ACCELERATE_USE_CPU="1")
+    proc = subprocess.Popen(recipe_command([a.format(out=killed) for a in args], nproc=2), env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (killed / "checkpoints" / "step-10" / "train_state.json").exists():
+            os.killpg(proc.pid, signal.SIGKILL)  # every rank and the launcher, mid-epoch
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-3000:]
+    assert not (killed / "final").exists()
+    saved = json.loads((killed / "checkpoints" / "step-10" / "train_state.json").read_text())
+    assert saved["epoch"] == 0 and saved["step"] == 10  # 30 steps per epoch: stopped mid-epoch
+
+    proc = run_recipe([a.format(out=killed) for a in args], cache_env, nproc=2)
+    assert "resumed from" in proc.stdout + proc.stderr
+    ref_rows, got_rows = train_rows(ref), train_rows(killed)
+    assert [r["step"] for r in got_rows] == list(range(1, 61))
+    assert [r["loss"] for r in got_rows] == [r["loss"] for r in ref_rows]  # exactly
+    assert [r["tokens"] for r in got_rows] == [r["tokens"] for r in ref_rows]
+    for key, value in final_weights(ref).items():
+        torch.testing.assert_close(final_weights(killed)[key], value, rtol=0, atol=0)
+    kept = sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert kept == ["step-55", "step-60"]
+
+
+def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    eval_file = tmp_path / "eval.jsonl"
+    write_jsonl(make_rows(6, seed=99), eval_file)
+    proc = run_recipe(common(chat_file, out) + [
+        f"data.eval={eval_file}", "log.tracker=tensorboard", "train.max_steps=6", "eval.every_steps=3",
+        "data.packing=true", "data.max_seq_len=128", "eval.sample_prompts=['What is 1 + 1?']",
+        "eval.sample_max_new_tokens=4"], cache_env)
+    assert "sample> 'What is 1 + 1?' ->" in proc.stdout
+    for name in ["config.yaml", "run.json", "metrics.jsonl", "loss.png", "final/model.safetensors",
+                 "final/config.json", "final/tokenizer.json", "final/llmtrain_config.yaml"]:
+        assert (out / name).exists(), name
+    assert list((out / "logs").rglob("events.out.tfevents*")), "tensorboard events"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(train[0])
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pt"))
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    after = model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(after[k], v) for k, v in final_weights(out).items())
+
+
+def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cache_env, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    run_recipe(common(chat_file, out) + ["model.lora.enabled=true", "model.lora.r=4",
+                                                      "export.merge_lora=true", "train.max_steps=3"], cache_env)
+    assert (out / "final" / "adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    peft = PeftModel.from_pretrained(base, out / "final" / "adapter").eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft(ids).logits, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(merged(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_model)(ids).logits)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_malformed_data_line_is_one_clear_error(common, cache_env, tmp_path, nproc):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
+    proc = run_recipe(common(data, tmp_path / "out"), cache_env, nproc=nproc, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: data.train: {data} line 3: invalid JSON")
