@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import demo
 from .checkpoint import CheckpointError
 from .config import Config, ConfigError, load_config
-from .data import DataError
+from .data import DataError, as_list
 from .model import ModelError
 
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
@@ -21,7 +22,15 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
                         help=f"YAML config (default: {default_config})")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    own = [cfg.model.name_or_path, *as_list(cfg.data.train)]
+    if args.config == default_config and any(name not in demo.DEMO_NAMES for name in own):
+        from accelerate import PartialState
+
+        PartialState().print(f"note: no --config given, so the demo's settings from {default_config} apply "
+                             f"(train.lr={cfg.train.lr}, train.epochs={cfg.train.epochs}, ...), which suit its tiny "
+                             "model; pass --config with your own YAML (see recipes/configs/) for a real run")
+    return cfg
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:

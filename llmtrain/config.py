@@ -68,7 +68,7 @@ class DataConfig:
     eval: Union[str, list[str]] = field(default_factory=list)
     """Evaluation data, same forms as data.train; empty for no evaluation."""
     format: Literal["auto", "text", "prompt_completion", "alpaca", "chat", "sharegpt"] = "auto"
-    """Row format; 'auto' detects it from the columns of each source."""
+    """Row format; 'auto' takes each row's format from the fields it fills (see README)."""
     chat_template: str = ""
     """Jinja chat template (or a path to a .jinja file) used instead of the tokenizer's."""
     loss_on: Literal["assistant", "all"] = "assistant"
@@ -382,3 +382,39 @@ def flat_dict(cfg: Config) -> dict:
 
     walk(as_dict(cfg), "")
     return out
+
+
+def field_docs() -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every leaf field, read from this file's source
+    so the reference can never drift from the schema."""
+    import ast
+    import inspect
+    import json
+    import sys
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[(node.name, a.target.id)] = " ".join(b.value.value.split())
+    rows = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{prefix}{f.name}", json.dumps(default), docs.get((cls.__name__, f.name), "")))
+
+    walk(Config, "")
+    return rows
+
+
+if __name__ == "__main__":
+    for key, default, doc in field_docs():
+        print(f"| `{key}` | `{default}` | {doc} |")

@@ -12,6 +12,7 @@ accumulation steps would weight short rows more and break 8x1 == 2x4 equivalence
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import nullcontext
 from itertools import islice
@@ -21,7 +22,7 @@ import torch
 
 from . import checkpoint
 from .batches import Collator, make_loader
-from .config import Config, to_yaml
+from .config import Config, ConfigError, to_yaml
 from .data import DataStats, as_list, prepare_split
 from .metrics import MetricsLog, tracker_name
 from .model import pad_id, token_loss
@@ -43,6 +44,13 @@ def setup_accelerator(cfg: Config):
         # The schedule is written in optimizer steps, so step it once per step.
         step_scheduler_with_optimizer=False,
     )
+    # torchrun/accelerate launch tell every process the world size. If the processes did
+    # not form a group (no GPU and no ACCELERATE_USE_CPU=1), each would train alone on the
+    # whole data set and overwrite the others' output.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise ConfigError([f"launch: {launched} processes were started but they did not join one process group "
+                           "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"])
     set_seed(cfg.train.seed)
     return accelerator
 
