@@ -166,6 +166,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         progress = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True)
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     config_yaml = to_yaml(cfg)
+    if eval_loader is not None and step == 0:  # the baseline the run improves on
+        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn)
+        log.log({"step": 0, "eval_loss": eval_loss})
+        accelerator.print(f"step 0: eval_loss {eval_loss:.4f}")
     model.train()
     tick = time.perf_counter()
 

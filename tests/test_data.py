@@ -163,3 +163,12 @@ def test_tokenization_is_cached(tmp_path, tokenizer):
     first, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
     second, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
     assert first.cache_files and first.cache_files == second.cache_files
+
+
+def test_unreachable_hub_data_set_is_one_clear_error(tokenizer, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    with pytest.raises(DataError, match=r"^data.train: could not load 'nobody/no-such-data:test' as a file or hub"):
+        prepare_split("data.train", ["nobody/no-such-data:test"], tokenizer, DataConfig(train="x"))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import ROOT, recipe_command, run_recipe, train_rows
+from .conftest import ROOT, metrics, recipe_command, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,21 @@ def final_weights(out: Path) -> dict:
 
 def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, rows18, cache_env, tmp_path):
     layouts = {"8x1": (1, 8, 1), "2x4": (1, 2, 4), "2proc_2x2": (2, 2, 2)}
-    results = {}
+    eval_file = tmp_path / "eval.jsonl"
+    write_jsonl(make_rows(5, seed=13), eval_file)  # 3 eval batches of 2: one process gets 1, the other 2
+    results, evals = {}, {}
     for name, (nproc, micro, accum) in layouts.items():
         out = tmp_path / name
-        run_recipe(common(rows18, out) + [f"train.micro_batch_size={micro}",
-                                                       f"train.grad_accum_steps={accum}"], cache_env, nproc=nproc)
+        run_recipe(common(rows18, out) + [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}",
+                                           f"data.eval={eval_file}", "eval.micro_batch_size=2"],
+                   cache_env, nproc=nproc)
         results[name] = (train_rows(out), final_weights(out))
+        evals[name] = [(r["step"], r["eval_loss"]) for r in metrics(out) if "eval_loss" in r]
     ref_rows, ref_w = results["8x1"]
     assert [r["step"] for r in ref_rows] == [1, 2, 3]
+    for name, got in evals.items():
+        assert [s for s, _ in got] == [0, 3], name
+        assert [v for _, v in got] == pytest.approx([v for _, v in evals["8x1"]], rel=1e-5), name
     for name, (rows, weights) in results.items():
         assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref_rows], name
         for a, b in zip(rows, ref_rows):
@@ -113,7 +120,7 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(train[0])
-    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 3, 6]
     assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pt"))
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -131,6 +138,7 @@ def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cach
 
     out = tmp_path / "lora"
     run_recipe(common(chat_file, out) + ["model.lora.enabled=true", "model.lora.r=4",
+                                           "model.gradient_checkpointing=true",
                                                       "export.merge_lora=true", "train.max_steps=3"], cache_env)
     assert (out / "final" / "adapter" / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
@@ -151,3 +159,11 @@ def test_malformed_data_line_is_one_clear_error(common, cache_env, tmp_path, npr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: data.train: {data} line 3: invalid JSON")
+
+
+def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp_path):
+    proc = run_recipe(["--config", str(base_config), f"model.name_or_path={tmp_path}/no-model",
+                       f"data.train={chat_file}", f"output_dir={tmp_path}/out"], cache_env, check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: model.name_or_path: could not load a tokenizer from")
