@@ -65,6 +65,20 @@ def position_settings(cfg, world_size: int) -> dict:
             "world_size": world_size}
 
 
+def publish(tmp: Path, final: Path) -> None:
+    """Move a fully written directory into place. If `final` exists (the same step saved
+    again by a resumed run, or a second export), it is swapped out first and deleted only
+    after the new one is in place, so a complete copy exists at every moment."""
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
 def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last: int) -> Path:
     """Write checkpoint step-<state['step']> on all ranks; returns its path."""
     root = checkpoint_root(output_dir)
@@ -82,14 +96,7 @@ def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last:
             json.dump(state, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (a resumed run): swap, then delete the old one
-            old = root / f".old-step-{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        publish(tmp, final)
         if keep_last:
             for _, path in complete_checkpoints(output_dir)[:-keep_last]:
                 shutil.rmtree(path, ignore_errors=True)

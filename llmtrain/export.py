@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from .checkpoint import publish
 
 
 def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str, merge_lora: bool) -> Path:
@@ -28,14 +29,7 @@ def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str,
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "llmtrain_config.yaml").write_text(config_yaml)
-        if final.exists():
-            old = Path(output_dir) / ".old-final"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        publish(tmp, final)
     accelerator.wait_for_everyone()
     return final
 

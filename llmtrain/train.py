@@ -23,7 +23,7 @@ import torch
 from . import checkpoint
 from .batches import Collator, make_loader
 from .config import Config, ConfigError, to_yaml
-from .data import DataStats, as_list, prepare_split
+from .data import as_list, prepare_split
 from .metrics import MetricsLog, tracker_name
 from .model import pad_id, token_loss
 from .packing import PackedDataset
