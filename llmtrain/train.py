@@ -27,6 +27,7 @@ from .data import as_list, prepare_split
 from .metrics import MetricsLog, tracker_name
 from .model import pad_id, token_loss
 from .packing import PackedDataset
+from .stop import StopRequest
 
 
 def setup_accelerator(cfg: Config):
@@ -96,14 +97,21 @@ def lr_factor(step: int, total: int, cfg: Config) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
 
 
-def windows(batches, size: int, accelerator):
+def windows(batches, size: int, accelerator, stop: StopRequest | None = None):
     """Yield (micro_batches, global_trained_tokens) per optimizer step until every
-    process has run out. A process may get fewer than `size`, or none, at the end."""
+    process has run out. A process may get fewer than `size`, or none, at the end.
+
+    With `stop`, the same reduce tells every process whether any was signalled; then
+    all return before the step, with stop.agreed set."""
     while True:
         window = list(islice(batches, size))
-        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window)],
+        signalled = stop is not None and stop.signum != 0
+        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), int(signalled)],
                              device=accelerator.device)
         total = accelerator.reduce(local, reduction="sum")
+        if total[2] > 0:
+            stop.agreed = int(accelerator.gather(torch.tensor([stop.signum], device=accelerator.device)).max())
+            return
         if total[0] == 0:
             return
         yield window, int(total[1])
@@ -123,8 +131,10 @@ def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn:
     return float(sums[0] / sums[1])
 
 
-def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resume_from: Path | None):
-    """Run the optimizer steps; returns the (prepared) model."""
+def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resume_from: Path | None,
+          stop: StopRequest):
+    """Run the optimizer steps; returns the (prepared) model. If a stop is requested
+    (stop.agreed after return), a checkpoint of the last finished step has been written."""
     t, attn, packed = cfg.train, cfg.model.attn_implementation, cfg.data.packing
     collator = Collator(pad_id(tokenizer))
     train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, True, cfg.data.num_workers)
@@ -173,10 +183,19 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     model.train()
     tick = time.perf_counter()
 
+    def save_checkpoint() -> Path:
+        state = {"step": step, "epoch": epoch, "batches_in_epoch": consumed,
+                 "settings": checkpoint.position_settings(cfg, world)}
+        return checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
+
     while step < total_steps:
-        sampler.set_epoch(epoch)
         loader = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
-        for window, global_tokens in windows(iter(loader), t.grad_accum_steps, accelerator):
+        # Accelerate's loader re-applies its own epoch counter to the sampler on every
+        # iter(), and a loader made by skip_first_batches starts that counter at 0: set both,
+        # or the epoch after a mid-epoch resume would repeat epoch 0's order.
+        sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)
+        for window, global_tokens in windows(iter(loader), t.grad_accum_steps, accelerator, stop):
             consumed += len(window)
             micro = window or [empty]
             loss_sum = torch.zeros((), device=accelerator.device)
@@ -208,15 +227,21 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                 log.log({"step": step, "eval_loss": eval_loss})
                 accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
             if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == total_steps):
-                state = {"step": step, "epoch": epoch, "batches_in_epoch": consumed,
-                         "settings": checkpoint.position_settings(cfg, world)}
-                checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
+                save_checkpoint()
             tick = time.perf_counter()
             if step >= total_steps:
                 break
-        else:  # the epoch ran out before total_steps
+        else:  # the epoch ran out before total_steps, or a stop was agreed
+            if stop.agreed:
+                break
             epoch, consumed = epoch + 1, 0
 
     if progress is not None:
         progress.close()
+    if stop.agreed:
+        path = checkpoint.checkpoint_root(cfg.output_dir) / f"step-{step}"
+        if not path.exists():
+            path = save_checkpoint()
+        accelerator.print(f"stopped on {stop.name} after step {step}; checkpoint {path} is complete; run again "
+                          "with checkpoint.resume=auto to continue")
     return model

@@ -6,6 +6,8 @@
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/finetune.py   # DDP on CPU
 
 Writes to output_dir: config.yaml, run.json, metrics.jsonl, loss.png, checkpoints/step-N/, final/.
+SIGUSR1 (exit 0), SIGTERM or Ctrl-C (exit 128+signal) stop every process at the same step
+after a complete checkpoint; run the same command again to continue.
 """
 
 import json
@@ -19,12 +21,14 @@ from llmtrain.data import resolve_chat_template
 from llmtrain.export import sample, save_final
 from llmtrain.metrics import plot_losses, versions
 from llmtrain.model import load_model, load_tokenizer
+from llmtrain.stop import StopRequest
 from llmtrain.train import build_datasets, setup_accelerator, train
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 def main(argv=None):
+    stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: checkpoint at the next step, then exit
     cfg = parse_args(argv, DEFAULT_CONFIG, description=__doc__.splitlines()[0])
     accelerator = setup_accelerator(cfg)
     with accelerator.main_process_first():
@@ -45,7 +49,10 @@ def main(argv=None):
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
     model = load_model(cfg.model)
 
-    model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from)
+    model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop)
+    if stop.agreed:
+        accelerator.end_training()
+        sys.exit(stop.exit_code())
 
     final = save_final(accelerator, model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
     if accelerator.is_main_process:

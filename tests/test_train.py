@@ -2,7 +2,6 @@
 DDP processes on CPU), on a tiny model."""
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -66,40 +65,111 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
             torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
-def test_killed_run_resumes_to_the_same_losses(common, cache_env, tmp_path):
-    data = tmp_path / "rows.jsonl"
-    write_jsonl(make_rows(120, seed=12), data)
-    args = common(data, "{out}") + ["train.micro_batch_size=2", "train.epochs=2",
-                                                  "checkpoint.every_steps=5", "checkpoint.keep_last=2",
-                                                  "checkpoint.resume=auto", "train.schedule=cosine"]
-    ref, killed = tmp_path / "ref", tmp_path / "killed"
-    run_recipe([a.format(out=ref) for a in args], cache_env, nproc=2)
+RESUME_ARGS = ["train.micro_batch_size=2", "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep_last=2",
+               "checkpoint.resume=auto", "train.schedule=cosine"]
 
+
+@pytest.fixture(scope="module")
+def resume_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("resume") / "rows.jsonl"
+    write_jsonl(make_rows(120, seed=12), path)  # 2 processes x 2 rows: 30 steps per epoch, 2 epochs
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference_run(common, resume_data, cache_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("resume") / "ref"
+    run_recipe(common(resume_data, out) + RESUME_ARGS, cache_env, nproc=2)
+    return out
+
+
+def start_run(args, cache_env, nproc=2) -> subprocess.Popen:
     env = dict(cache_env, ACCELERATE_USE_CPU="1")
-    proc = subprocess.Popen(recipe_command([a.format(out=killed) for a in args], nproc=2), env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (killed / "checkpoints" / "step-10" / "train_state.json").exists():
-            os.killpg(proc.pid, signal.SIGKILL)  # every rank and the launcher, mid-epoch
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-3000:]
-    assert not (killed / "final").exists()
-    saved = json.loads((killed / "checkpoints" / "step-10" / "train_state.json").read_text())
-    assert saved["epoch"] == 0 and saved["step"] == 10  # 30 steps per epoch: stopped mid-epoch
+    return subprocess.Popen(recipe_command(args, nproc=nproc), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
-    proc = run_recipe([a.format(out=killed) for a in args], cache_env, nproc=2)
-    assert "resumed from" in proc.stdout + proc.stderr
-    ref_rows, got_rows = train_rows(ref), train_rows(killed)
+
+def wait_for(condition, proc, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def assert_same_run(out: Path, ref: Path):
+    got_rows, ref_rows = train_rows(out), train_rows(ref)
     assert [r["step"] for r in got_rows] == list(range(1, 61))
     assert [r["loss"] for r in got_rows] == [r["loss"] for r in ref_rows]  # exactly
     assert [r["tokens"] for r in got_rows] == [r["tokens"] for r in ref_rows]
     for key, value in final_weights(ref).items():
-        torch.testing.assert_close(final_weights(killed)[key], value, rtol=0, atol=0)
-    kept = sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step-"))
+        torch.testing.assert_close(final_weights(out)[key], value, rtol=0, atol=0)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker (torchrun starts workers in sessions of their
+    own, so killing the launcher's process group alone would leave them running)."""
+    import psutil
+
+    parent = psutil.Process(proc.pid)
+    for p in [parent, *parent.children(recursive=True)]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_killed_run_resumes_to_the_same_losses(common, resume_data, reference_run, cache_env, tmp_path):
+    from llmtrain.checkpoint import complete_checkpoints
+
+    out = tmp_path / "killed"
+    args = common(resume_data, out) + RESUME_ARGS
+    proc = start_run(args, cache_env)
+    assert wait_for(lambda: any(step >= 10 for step, _ in complete_checkpoints(out)), proc)
+    kill_tree(proc)  # every rank and the launcher, mid-epoch
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    time.sleep(0.5)
+    step, path = complete_checkpoints(out)[-1]
+    assert 10 <= step < 30, step  # 30 steps per epoch: killed mid-epoch, before the second epoch
+    assert not (out / "final").exists()
+
+    proc = run_recipe(args, cache_env, nproc=2)
+    assert f"resumed from {path} at step {step} (epoch 0)" in proc.stdout + proc.stderr
+    assert_same_run(out, reference_run)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert kept == ["step-55", "step-60"]
+
+
+def test_sigterm_checkpoints_at_an_agreed_step_and_resumes(common, resume_data, reference_run, cache_env, tmp_path):
+    out = tmp_path / "term"
+    args = common(resume_data, out) + RESUME_ARGS
+    proc = start_run(args, cache_env)
+    assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 7, proc)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to both ranks
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    stopped = train_rows(out)[-1]["step"]
+    assert 7 <= stopped < 60 and f"stopped on SIGTERM after step {stopped}" in output
+    assert (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
+    assert not (out / "final").exists()
+
+    run_recipe(args, cache_env, nproc=2)
+    assert_same_run(out, reference_run)
+
+
+def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_path):
+    out = tmp_path / "usr1"
+    proc = start_run(common(resume_data, out) + RESUME_ARGS[1:] + ["train.micro_batch_size=4"], cache_env, nproc=1)
+    assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 3, proc)
+    proc.send_signal(signal.SIGUSR1)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    stopped = train_rows(out)[-1]["step"]
+    assert f"stopped on SIGUSR1 after step {stopped}" in output
+    assert (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
+    assert not (out / "final").exists()
 
 
 def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp_path):
