@@ -3,6 +3,7 @@
     accelerate launch recipes/finetune.py                       # offline demo (recipes/configs/demo.yaml)
     accelerate launch recipes/finetune.py --config recipes/configs/llama_full.yaml train.lr=2e-5
     python recipes/finetune.py output_dir=runs/try data.packing=true     # one process, same thing
+    python recipes/finetune.py --config ... --prepare-only                # only tokenize into the cache
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/finetune.py   # DDP on CPU
 
 Writes to output_dir: config.yaml, run.json, metrics.jsonl, loss.png, checkpoints/step-N/, final/.
@@ -29,7 +30,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 def main(argv=None):
     stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: checkpoint at the next step, then exit
-    cfg = parse_args(argv, DEFAULT_CONFIG, description=__doc__.splitlines()[0])
+    cfg, args = parse_args(argv, DEFAULT_CONFIG, description=__doc__.splitlines()[0])
     accelerator = setup_accelerator(cfg)
     with accelerator.main_process_first():
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
@@ -47,6 +48,8 @@ def main(argv=None):
     if template:
         tokenizer.chat_template = template  # exported with the model
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
+    if args.prepare_only:  # the tokenized data is in the datasets cache now
+        return
     model = load_model(cfg.model)
 
     model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop)
