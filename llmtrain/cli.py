@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import demo
 from .checkpoint import CheckpointError
-from .config import Config, ConfigError, load_config
+from .config import ConfigError, load_config
 from .data import DataError, as_list
 from .model import ModelError
 
