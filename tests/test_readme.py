@@ -21,6 +21,6 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (ROOT / ".ci" / "run").read_text()
 
 
-def test_readme_names_only_shipped_configs():
-    for path in set(re.findall(r"(?:recipes/configs|accelerate_configs)/[\w.]+\.yaml", README)):
+def test_readme_names_only_shipped_files():
+    for path in set(re.findall(r"(?:recipes/configs|accelerate_configs|recipes/slurm)/[\w.]+\.(?:yaml|sbatch|sh)", README)):
         assert (ROOT / path).is_file(), path
