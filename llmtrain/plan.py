@@ -1,0 +1,211 @@
+"""`llmtrain plan`: see a run before spending GPU hours.
+
+Prints, without loading any weights: the resolved config; the launch settings from the
+Accelerate config file (DeepSpeed and FSDP sections included) with conflicts flagged;
+world size, global batch, steps per epoch; a per-GPU memory estimate; and one tokenized
+training row with its trained tokens marked.
+
+    llmtrain plan --config recipes/configs/llama_full.yaml --accelerate-config accelerate_configs/multi_gpu.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import demo
+from .cli import USER_ERRORS
+from .config import ConfigError, load_config, to_yaml
+from .data import IGNORE, as_list, prepare_split
+
+TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
+
+
+@dataclass
+class Launch:
+    """What `accelerate launch` would use, read from its config file."""
+
+    source: str = "defaults (no accelerate config file)"
+    distributed_type: str = "NO"
+    num_processes: int = 1
+    num_machines: int = 1
+    mixed_precision: str = "no"
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    fsdp: bool = False
+    settings: dict = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
+
+
+def read_launch(path: str | None, cfg) -> Launch:
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+
+    if path is None and Path(default_config_file).is_file():
+        path = default_config_file
+    if path is None:
+        return Launch()
+    if not Path(path).is_file():
+        raise ConfigError([f"--accelerate-config: no such file: {path}"])
+    ac = load_config_from_file(path)
+    launch = Launch(source=str(path), distributed_type=str(getattr(ac.distributed_type, "value", ac.distributed_type)),
+                    num_processes=ac.num_processes or 1, num_machines=ac.num_machines or 1,
+                    mixed_precision=str(getattr(ac.mixed_precision, "value", ac.mixed_precision) or "no"))
+    launch.settings = {k: v for k, v in ac.to_dict().items() if v not in (None, {}, "")}
+    ds = ac.deepspeed_config or {}
+    if ds:
+        launch.zero_stage = int(ds.get("zero_stage", 0) or 0)
+        launch.offload_optimizer = ds.get("offload_optimizer_device", "none") not in ("none", None)
+        launch.offload_params = ds.get("offload_param_device", "none") not in ("none", None)
+        gas = ds.get("gradient_accumulation_steps")
+        if gas not in (None, "auto") and int(gas) != cfg.train.grad_accum_steps:
+            launch.conflicts.append(
+                f"deepspeed_config.gradient_accumulation_steps={gas} in {path} but train.grad_accum_steps="
+                f"{cfg.train.grad_accum_steps}: set one of them (llmtrain drives DeepSpeed's value from the recipe)")
+        clip = ds.get("gradient_clipping")
+        if clip not in (None, "auto") and float(clip) != cfg.train.max_grad_norm:
+            launch.conflicts.append(f"deepspeed_config.gradient_clipping={clip} in {path} but train.max_grad_norm="
+                                    f"{cfg.train.max_grad_norm}")
+    if ac.fsdp_config:
+        launch.fsdp = True
+    if launch.mixed_precision == "fp16" and cfg.model.dtype == "bfloat16":
+        launch.conflicts.append(f"mixed_precision=fp16 in {path} but model.dtype=bfloat16: use bf16 autocast, "
+                                "or float32 weights with fp16")
+    return launch
+
+
+def count_params(cfg) -> tuple[int, int, object]:
+    """(total, trainable, model config) from a model built on the meta device: no weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mcfg = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
+                                      **({"revision": cfg.model.revision} if cfg.model.revision else {}))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.model.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        lora = cfg.model.lora
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable, mcfg
+
+
+def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg) -> dict[str, float]:
+    """Rough bytes per GPU. Weights in model.dtype; gradients and two AdamW moments in the
+    trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations use
+    ~34 bytes x hidden per token per layer in 16-bit (only the layer inputs, 2 bytes, with
+    gradient checkpointing), plus fp32 logits and their gradient."""
+    width = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[cfg.model.dtype]
+    world = max(1, launch.num_processes)
+    stage = 3 if launch.fsdp else launch.zero_stage
+    weights = total * width / (world if stage >= 3 else 1)
+    grads = trainable * width / (world if stage >= 2 else 1)
+    optim = 2 * trainable * width / (world if stage >= 1 else 1)
+    if launch.offload_optimizer:
+        optim = 0.0
+    if launch.offload_params:
+        weights = 0.0
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
+    per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
+    activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
+    activations += 2 * tokens * mcfg.vocab_size * 4
+    return {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
+
+
+def human(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def preview_row(ds, tokenizer, index: int = 0) -> str:
+    """The row as text with trained tokens inside ⟦ ⟧ (labels are shifted: token t+1 is
+    trained when labels[t] is set)."""
+    row = ds[index]
+    ids, labels = row["input_ids"], row["labels"]
+    trained = [False] + [lab != IGNORE for lab in labels[:-1]]
+    out, inside = [], False
+    for tok, is_trained in zip(ids, trained):
+        if is_trained != inside:
+            out.append(TRAINED_OPEN if is_trained else TRAINED_CLOSE)
+            inside = is_trained
+        out.append(tokenizer.decode([tok]))
+    if inside:
+        out.append(TRAINED_CLOSE)
+    return "".join(out)
+
+
+def plan(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="llmtrain plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("recipes/configs/demo.yaml"))
+    parser.add_argument("--accelerate-config", default=None,
+                        help="accelerate config file (default: the one `accelerate config` wrote, if any)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    launch = read_launch(args.accelerate_config, cfg)
+    demo.resolve_demo_names(cfg)
+
+    from .model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    ds, stats = prepare_split("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
+    total, trainable, mcfg = count_params(cfg)
+
+    t, world = cfg.train, launch.num_processes
+    if cfg.data.packing:
+        from .packing import pack_lengths
+
+        sequences = len(pack_lengths(ds["length"], cfg.data.max_seq_len))
+    else:
+        sequences = len(ds)
+    per_process = math.ceil(math.ceil(sequences / t.micro_batch_size) / world)
+    steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
+    global_seqs = t.micro_batch_size * t.grad_accum_steps * world
+    mean_len = sum(ds["length"]) / len(ds)
+    tokens_per_seq = cfg.data.max_seq_len if cfg.data.packing else mean_len
+    memory = memory_estimate(cfg, launch, total, trainable, mcfg)
+
+    print("== resolved config ==")
+    print(to_yaml(cfg).rstrip())
+    print(f"\n== launch ({launch.source}) ==")
+    for key, value in sorted(launch.settings.items()):
+        print(f"  {key}: {value}")
+    print(f"  distributed type {launch.distributed_type}, {launch.num_machines} machine(s), "
+          f"mixed precision {launch.mixed_precision}"
+          + (f", DeepSpeed ZeRO-{launch.zero_stage}" if launch.zero_stage else "") + (", FSDP" if launch.fsdp else ""))
+    for conflict in launch.conflicts:
+        print(f"  CONFLICT: {conflict}")
+    print("\n== batch ==")
+    print(f"  world size: {world}")
+    print(f"  global batch: {global_seqs} sequences = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
+          f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
+          + (" (packed)" if cfg.data.packing else f" (mean row {mean_len:.0f} tokens)"))
+    print(f"  {stats.summary('data.train')}")
+    print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.max_steps or t.epochs * steps_per_epoch}")
+    print("\n== memory per GPU (rough estimate) ==")
+    print(f"  parameters: {total:,} ({trainable:,} trainable)")
+    for key, n in memory.items():
+        print(f"  {key}: {human(n)}")
+    print(f"  total: {human(sum(memory.values()))}")
+    print(f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
+    print(preview_row(ds, tokenizer))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "plan":
+        print("usage: llmtrain plan [--config F] [--accelerate-config F] [key.sub=value ...]", file=sys.stderr)
+        sys.exit(2)
+    try:
+        plan(argv[1:])
+    except USER_ERRORS as e:
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)

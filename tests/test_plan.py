@@ -1,0 +1,68 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config import load_config
+from llmtrain.plan import Launch, count_params, memory_estimate
+
+from .conftest import ROOT
+
+LLMTRAIN = str(Path(sys.executable).parent / "llmtrain")
+
+
+def plan(*args, env=None):
+    return subprocess.run([LLMTRAIN, "plan", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model, chat_file, cache_env):
+    proc = plan("--config", str(base_config), "--accelerate-config", "accelerate_configs/cpu_ddp.yaml",
+                f"model.name_or_path={tiny_model}", f"data.train={chat_file}", "train.micro_batch_size=2",
+                "train.grad_accum_steps=2", env=cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "world size: 2" in out
+    assert "global batch: 8 sequences = micro_batch_size 2 x grad_accum_steps 2 x 2 process(es)" in out
+    assert "steps per epoch: 3" in out  # 20 rows, 8 per step: 8, 8, 4
+    assert "== memory per GPU (rough estimate) ==" in out and "optimizer state:" in out
+    row = out.split("the rest masked) ==\n", 1)[1]
+    assert "<|im_start|>assistant\n\u27e6" in row and "<|im_end|>\n\u27e7" in row
+    assert "<|im_start|>user\n\u27e6" not in row  # user turns are masked
+    assert "output_dir:" in out  # the resolved config
+
+
+def test_plan_flags_a_deepspeed_accumulation_conflict(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    ds = tmp_path / "zero2.yaml"
+    ds.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+                  "deepspeed_config:\n  zero_stage: 2\n  gradient_accumulation_steps: 4\n")
+    proc = plan("--config", str(base_config), "--accelerate-config", str(ds), f"model.name_or_path={tiny_model}",
+                f"data.train={chat_file}", env=cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("CONFLICT: deepspeed_config.gradient_accumulation_steps=4 in " + str(ds) +
+            " but train.grad_accum_steps=1") in proc.stdout
+    assert "DeepSpeed ZeRO-2" in proc.stdout
+
+
+def test_plan_rejects_unknown_keys_like_the_recipe(cache_env):
+    proc = plan("train.lrr=1", env=cache_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: train.lrr: unknown key; did you mean 'train.lr'?"]
+
+
+def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
+    """Llama-3.2-1B's shape on the meta device: no weights are created."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.name_or_path={tmp_path}", "data.train=x", "model.dtype=bfloat16",
+                             "train.micro_batch_size=1", "data.max_seq_len=2048"])
+    total, trainable, mcfg = count_params(cfg)
+    assert total == trainable == pytest.approx(1.236e9, rel=0.01)
+    single = memory_estimate(cfg, Launch(), total, trainable, mcfg)
+    assert single["weights"] == 2 * total and single["optimizer state"] == 4 * total
+    zero3 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=3), total, trainable, mcfg)
+    assert zero3["weights"] == single["weights"] / 8 and zero3["gradients"] == single["gradients"] / 8
+    zero1 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=1), total, trainable, mcfg)
+    assert zero1["weights"] == single["weights"] and zero1["optimizer state"] == single["optimizer state"] / 8
