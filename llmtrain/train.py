@@ -45,6 +45,7 @@ def setup_accelerator(cfg: Config):
         # The schedule is written in optimizer steps, so step it once per step.
         step_scheduler_with_optimizer=False,
     )
+    check_topology(accelerator)
     # torchrun/accelerate launch tell every process the world size. If the processes did
     # not form a group (no GPU and no ACCELERATE_USE_CPU=1), each would train alone on the
     # whole data set and overwrite the others' output.
@@ -54,6 +55,17 @@ def setup_accelerator(cfg: Config):
                            "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"])
     set_seed(cfg.train.seed)
     return accelerator
+
+
+def check_topology(accelerator) -> None:
+    """Refuse launches the loop does not drive correctly yet. DeepSpeed scales the loss by
+    its own accumulation count and steps inside backward(); FSDP needs sharded checkpoint
+    and export paths. Training under them now would give numbers that cannot be trusted."""
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    if kind in ("DEEPSPEED", "FSDP"):
+        raise ConfigError([f"launch: {kind} is not supported by recipes/finetune.py yet; launch with DDP "
+                           "(accelerate_configs/multi_gpu.yaml) or a single process, and use model.lora or "
+                           "model.gradient_checkpointing to save memory"])
 
 
 def build_datasets(cfg: Config, accelerator, tokenizer):
