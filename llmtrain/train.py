@@ -15,6 +15,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from .metrics import MetricsLog, tracker_name
 from .model import pad_id, token_loss
 from .packing import PackedDataset
 from .stop import StopRequest
+from .throughput import device_peak_flops, document_sizes, matmul_params, peak_memory_gib, step_flops
 
 
 def setup_accelerator(cfg: Config):
@@ -109,24 +111,38 @@ def lr_factor(step: int, total: int, cfg: Config) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
 
 
+@dataclass
+class Window:
+    """One optimizer step's micro-batches on this process, with global counts."""
+
+    batches: list
+    trained_tokens: int  # all processes
+    input_tokens: int  # non-padding tokens, all processes
+    squared_lengths: int  # sum of squared document lengths, all processes (attention FLOPs)
+    data_wait: float  # seconds this process waited for the batches
+
+
 def windows(batches, size: int, accelerator, stop: StopRequest | None = None):
-    """Yield (micro_batches, global_trained_tokens) per optimizer step until every
-    process has run out. A process may get fewer than `size`, or none, at the end.
+    """Yield a Window per optimizer step until every process has run out. A process may
+    get fewer than `size` micro-batches, or none, at the end.
 
     With `stop`, the same reduce tells every process whether any was signalled; then
     all return before the step, with stop.agreed set."""
     while True:
+        start = time.perf_counter()
         window = list(islice(batches, size))
+        wait = time.perf_counter() - start
         signalled = stop is not None and stop.signum != 0
-        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), int(signalled)],
-                             device=accelerator.device)
-        total = accelerator.reduce(local, reduction="sum")
+        sizes = [document_sizes(b) for b in window]
+        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), int(signalled),
+                              sum(s for s, _ in sizes), sum(q for _, q in sizes)], device=accelerator.device)
+        total = accelerator.reduce(local, reduction="sum").tolist()
         if total[2] > 0:
             stop.agreed = int(accelerator.gather(torch.tensor([stop.signum], device=accelerator.device)).max())
             return
         if total[0] == 0:
             return
-        yield window, int(total[1])
+        yield Window(window, total[1], total[3], total[4], wait)
 
 
 @torch.no_grad()
@@ -135,8 +151,8 @@ def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn:
     model.eval()
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-    for window, _ in windows(iter(loader), 1, accelerator):
-        loss, n = token_loss(model, window[0] if window else empty, attn)
+    for window in windows(iter(loader), 1, accelerator):
+        loss, n = token_loss(model, window.batches[0] if window.batches else empty, attn)
         sums += torch.stack([loss.double(), n.double()])
     model.train()
     sums = accelerator.reduce(sums, reduction="sum")
@@ -162,6 +178,8 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     total_steps = t.max_steps or t.epochs * steps_per_epoch
 
     model = model.to(accelerator.device)
+    n_params, peak = matmul_params(model), device_peak_flops(accelerator.device)
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     optimizer = build_optimizer(model, cfg, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
@@ -207,9 +225,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         # or the epoch after a mid-epoch resume would repeat epoch 0's order.
         sampler.set_epoch(epoch)
         loader.set_epoch(epoch)
-        for window, global_tokens in windows(iter(loader), t.grad_accum_steps, accelerator, stop):
-            consumed += len(window)
-            micro = window or [empty]
+        for window in windows(iter(loader), t.grad_accum_steps, accelerator, stop):
+            consumed += len(window.batches)
+            global_tokens = window.trained_tokens
+            micro = window.batches or [empty]
             loss_sum = torch.zeros((), device=accelerator.device)
             for i, batch in enumerate(micro):
                 # Gradients are all-reduced only on the last micro-batch of the step.
@@ -226,13 +245,20 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             step += 1
 
             step_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / global_tokens
-            now = time.perf_counter()
+            seconds = time.perf_counter() - tick
             if step % cfg.log.every_steps == 0 or step == total_steps:
-                log.log({"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
-                         "tokens": global_tokens, "tokens_per_s": global_tokens / (now - tick)})
+                row = {"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens": global_tokens, "tokens_per_s": global_tokens / seconds,
+                       "input_tokens_per_s": window.input_tokens / seconds,
+                       "data_wait": window.data_wait / seconds, "peak_mem_gib": peak_memory_gib(accelerator.device)}
+                if peak is not None:
+                    flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden)
+                    row["mfu"] = flops / (seconds * world * peak)
+                log.log(row)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+                progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_tokens / seconds:.0f}",
+                                     **({"mfu": f"{row['mfu']:.1%}"} if peak is not None and "mfu" in row else {}))
             if eval_loader is not None and (step == total_steps or
                                             (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
                 eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn)

@@ -189,7 +189,10 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
     assert list((out / "logs").rglob("events.out.tfevents*")), "tensorboard events"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
-    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(train[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "input_tokens_per_s", "data_wait",
+            "peak_mem_gib"} <= set(train[0])
+    assert all(0 <= r["data_wait"] < 1 and r["peak_mem_gib"] > 0 for r in train)
+    assert "mfu" not in train[0]  # no known peak for a CPU
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 3, 6]
     assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pt"))
 

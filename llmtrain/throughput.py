@@ -1,0 +1,65 @@
+"""What a step costs: FLOPs, model FLOPs utilisation (MFU) and peak memory.
+
+FLOPs of a step are counted per document (a packed sequence holds several):
+
+    sum over documents of  s * (6 * N  +  12 * L * d * s)
+
+for a document of s tokens, N parameters doing matrix work per token (all parameters but
+the input embedding; a tied LM head counts), L layers and hidden size d. 6N is the forward
+and backward matmuls; 12*L*d*s is attention's scores and weighted sum, counted over the
+document's own length, as the document mask only lets it attend within itself. MFU is those
+FLOPs over step time x number of devices x the device's dense bf16 peak. LoRA runs use
+the same formula (no weight gradients for frozen weights, so it reads high).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets.
+PEAK_BF16 = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+             "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "RTX 4090": 165e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where it is not known (CPUs, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16.items():  # longer names first where they overlap (H100 NVL before H100)
+        if key in name:
+            return peak
+    return None
+
+
+def matmul_params(model) -> int:
+    unwrapped = getattr(model, "module", model)
+    total = sum(p.numel() for p in unwrapped.parameters())
+    emb, head = unwrapped.get_input_embeddings(), unwrapped.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    return total if tied else total - emb.weight.numel()
+
+
+def document_sizes(batch: dict) -> tuple[int, int]:
+    """(sum of document lengths, sum of squared lengths) over the real tokens of a batch."""
+    if "doc_ids" in batch:
+        lengths = [torch.unique(row[row >= 0], return_counts=True)[1] for row in batch["doc_ids"]]
+        lengths = torch.cat(lengths)
+    else:
+        lengths = batch["attention_mask"].sum(1)
+    return int(lengths.sum()), int((lengths * lengths).sum())
+
+
+def step_flops(tokens: int, squares: int, n_params: int, layers: int, hidden: int) -> float:
+    return 6.0 * n_params * tokens + 12.0 * layers * hidden * squares
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch, or on CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
