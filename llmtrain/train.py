@@ -23,7 +23,7 @@ import torch
 
 from . import checkpoint
 from .batches import Collator, make_loader
-from .config import Config, ConfigError, to_yaml
+from .config import Config, ConfigError, flat_dict, to_yaml
 from .data import as_list, prepare_split
 from .metrics import MetricsLog, tracker_name
 from .model import pad_id, token_loss
@@ -193,8 +193,6 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch})")
     log = MetricsLog(accelerator, cfg.output_dir, step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
-        from .config import flat_dict
-
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
     accelerator.print(f"training {total_steps} steps ({steps_per_epoch} per epoch), global batch "
                       f"{t.micro_batch_size * t.grad_accum_steps * world} sequences on {world} process(es)")
@@ -246,19 +244,20 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
 
             step_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / global_tokens
             seconds = time.perf_counter() - tick
+            mfu = None
+            if peak is not None:
+                flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden)
+                mfu = flops / (seconds * world * peak)
             if step % cfg.log.every_steps == 0 or step == total_steps:
                 row = {"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
                        "tokens": global_tokens, "tokens_per_s": global_tokens / seconds,
                        "input_tokens_per_s": window.input_tokens / seconds,
                        "data_wait": window.data_wait / seconds, "peak_mem_gib": peak_memory_gib(accelerator.device)}
-                if peak is not None:
-                    flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden)
-                    row["mfu"] = flops / (seconds * world * peak)
-                log.log(row)
+                log.log(row | ({"mfu": mfu} if mfu is not None else {}))
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_tokens / seconds:.0f}",
-                                     **({"mfu": f"{row['mfu']:.1%}"} if peak is not None and "mfu" in row else {}))
+                                     **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
             if eval_loader is not None and (step == total_steps or
                                             (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
                 eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn)

@@ -180,6 +180,7 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
     write_jsonl(make_rows(6, seed=99), eval_file)
     proc = run_recipe(common(chat_file, out) + [
         f"data.eval={eval_file}", "log.tracker=tensorboard", "train.max_steps=6", "eval.every_steps=3",
+        "log.every_steps=2", "log.progress_bar=true",
         "data.packing=true", "data.max_seq_len=128", "eval.sample_prompts=['What is 1 + 1?']",
         "eval.sample_max_new_tokens=4"], cache_env)
     assert "sample> 'What is 1 + 1?' ->" in proc.stdout
@@ -194,6 +195,7 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
     assert all(0 <= r["data_wait"] < 1 and r["peak_mem_gib"] > 0 for r in train)
     assert "mfu" not in train[0]  # no known peak for a CPU
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 3, 6]
+    assert [r["step"] for r in train] == [2, 4, 6]
     assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pt"))
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
