@@ -11,8 +11,9 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .data import DataError, as_list
 from .model import ModelError
+from .train import TrainingError
 
-USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError, TrainingError)
 
 
 def parse_args(argv: list[str] | None, default_config: Path | None, description: str = ""):

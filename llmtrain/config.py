@@ -115,6 +115,12 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 42
     """Seed for weights of new modules, data order and dropout."""
+    on_nonfinite: Literal["skip", "abort"] = "skip"
+    """When a step's loss or gradient norm is NaN or infinite (decided on all processes
+    together, before the optimizer step): skip the step, leaving weights, optimizer and
+    schedule as they were, or abort."""
+    max_consecutive_skips: int = 5
+    """Abort after this many skipped steps in a row."""
 
 
 @dataclass
@@ -332,6 +338,7 @@ def validate(cfg: Config) -> list[str]:
     if not cfg.output_dir:
         p.append("output_dir: required")
     for key, value in [("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum_steps", t.grad_accum_steps),
+                       ("train.max_consecutive_skips", t.max_consecutive_skips),
                        ("data.max_seq_len", cfg.data.max_seq_len), ("log.every_steps", cfg.log.every_steps)]:
         if value < 1:
             p.append(f"{key}: must be at least 1, got {value}")

@@ -59,6 +59,20 @@ def setup_accelerator(cfg: Config):
     return accelerator
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says what happened and what to try."""
+
+
+def raise_nonfinite(cfg: Config, step: int, in_a_row: int) -> None:
+    found = checkpoint.complete_checkpoints(cfg.output_dir)
+    newest = f"{found[-1][1]} (untouched)" if found else "none"
+    raise TrainingError(
+        f"train: the loss or gradient norm was not finite at step {step} ({in_a_row} step(s) in a row, "
+        f"train.on_nonfinite={cfg.train.on_nonfinite}, train.max_consecutive_skips={cfg.train.max_consecutive_skips}); "
+        f"nothing after the last good step was saved; newest complete checkpoint: {newest}. Try a lower train.lr, "
+        "more train.warmup_steps, bf16 instead of fp16, or look for broken rows or weights")
+
+
 def check_topology(accelerator) -> None:
     """Refuse launches the loop does not drive correctly yet. DeepSpeed scales the loss by
     its own accumulation count and steps inside backward(); FSDP needs sharded checkpoint
@@ -186,7 +200,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
 
-    step, epoch, consumed = 0, 0, 0
+    step, epoch, consumed, skipped = 0, 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(accelerator, resume_from, cfg)
         step, epoch, consumed = state["step"], state["epoch"], state["batches_in_epoch"]
@@ -235,21 +249,37 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                     loss, _ = token_loss(model, batch, attn)
                     accelerator.backward(loss * (world / global_tokens))
                 loss_sum += loss.detach()
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf")))
+            # Both numbers are the same on every process (the loss is reduced, the gradients
+            # were all-reduced), so every process takes the same decision without a collective.
+            step_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / global_tokens
+            fp16 = accelerator.scaler is not None  # fp16 overflows are the scaler's to skip
+            if not math.isfinite(step_loss) or (not fp16 and not math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                log.log({"step": step + 1, "skipped": f"non-finite loss {step_loss} or grad_norm {grad_norm}"})
+                if t.on_nonfinite == "abort" or skipped >= t.max_consecutive_skips:
+                    raise_nonfinite(cfg, step + 1, skipped)
+                tick = time.perf_counter()
+                continue
+            skipped = 0
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if accelerator.optimizer_step_was_skipped:  # fp16 overflow: the schedule and step count stay
+                log.log({"step": step + 1, "skipped": "fp16 gradient overflow; loss scale lowered"})
+                tick = time.perf_counter()
+                continue
+            scheduler.step()
             step += 1
 
-            step_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / global_tokens
             seconds = time.perf_counter() - tick
             mfu = None
             if peak is not None:
                 flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden)
                 mfu = flops / (seconds * world * peak)
             if step % cfg.log.every_steps == 0 or step == total_steps:
-                row = {"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
+                row = {"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
                        "tokens": global_tokens, "tokens_per_s": global_tokens / seconds,
                        "input_tokens_per_s": window.input_tokens / seconds,
                        "data_wait": window.data_wait / seconds, "peak_mem_gib": peak_memory_gib(accelerator.device)}
