@@ -1,7 +1,7 @@
 """Resumable checkpoints that become visible only once complete.
 
 A checkpoint is written by every process into `checkpoints/.tmp-step-N/` (model,
-optimizer, scheduler and each rank's RNG through `accelerator.save_state`, then the
+optimizer and each rank's RNG through `accelerator.save_state`, then the
 training position and the config), and the main process renames it to `step-N` only
 after all ranks have finished. A directory named `step-N` is therefore always complete;
 older ones are pruned (`checkpoint.keep_last`) only after the new one is in place.
@@ -19,7 +19,11 @@ STATE_FILE = "train_state.json"
 # Settings that fix what a step's data is: a resume that changes them would not continue
 # the same run.
 POSITION_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "train.seed", "data.max_seq_len",
-                 "data.packing", "world_size")
+                 "data.packing", "data.shuffle", "world_size")
+
+
+# What train_state.json must hold to say where the run stands.
+POSITION_FIELDS = ("step", "epoch", "batches_in_epoch")
 
 
 class CheckpointError(ValueError):
@@ -42,27 +46,145 @@ def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_resume(output_dir: str, resume: str) -> Path | None:
-    """The checkpoint to resume from for checkpoint.resume = auto | none | <path>."""
+def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = True) -> Path | None:
+    """The checkpoint to resume from for checkpoint.resume = auto | none | <path>.
+
+    auto takes the newest complete checkpoint whose files are all there, whole; a damaged
+    one is skipped with a warning (through `warn`) naming it. If every checkpoint is
+    damaged, or an explicit path is, that is an error: never a silent start from scratch.
+    With rng_required off, a checkpoint whose only fault is its RNG state is used, with a
+    warning. Every process reaches the same answer from the files alone."""
+    warn = warn or (lambda message: None)
     if resume == "auto":
         found = complete_checkpoints(output_dir)
-        return found[-1][1] if found else None
+        problems = []
+        for _, path in reversed(found):
+            why = damage(path, rng_required)
+            if why is None:
+                _warn_rng(path, rng_required, warn)
+                return path
+            problems.append(f"{path.name}: {why}")
+            warn(f"checkpoint {path} is damaged ({why}); skipping it and trying the one before")
+        if problems:
+            raise CheckpointError(
+                f"checkpoint.resume=auto: no usable checkpoint in {checkpoint_root(output_dir)} "
+                f"({'; '.join(problems)}); move them away to start over, or use a new output_dir")
+        return None
     if resume == "none":
         if complete_checkpoints(output_dir):
             raise CheckpointError(
                 f"checkpoint.resume=none but {checkpoint_root(output_dir)} holds checkpoints of an earlier run; "
-                "set checkpoint.resume=auto to continue it, or choose a new output_dir")
+                "use checkpoint.resume=auto to continue it or choose a new output_dir")
         return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"checkpoint.resume: {resume} is not a complete llmtrain checkpoint (no {STATE_FILE})")
+    why = damage(path, rng_required)
+    if why is not None:
+        raise CheckpointError(f"checkpoint.resume: {resume} is damaged ({why}); resume from an earlier checkpoint")
+    _warn_rng(path, rng_required, warn)
     return path
+
+
+def file_list(path: Path) -> dict[str, int]:
+    """Size of every file under `path` (but the state file), by relative path."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name != STATE_FILE}
+
+
+def damage(path: Path, rng_required: bool = True) -> str | None:
+    """Why checkpoint `path` cannot be resumed from, or None when its training position
+    is readable and every file it was written with is present with its size and, for the
+    per-rank RNG states, readable (Accelerate would skip an unreadable one silently).
+    Caught here, before anything loads; RNG faults count only when rng_required."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"{STATE_FILE} is unreadable ({type(e).__name__})"
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in POSITION_FIELDS):
+        return f"{STATE_FILE} has no training position ({', '.join(POSITION_FIELDS)})"
+    files = state.get("files")
+    if not isinstance(files, dict):
+        return f"{STATE_FILE} has no file list"
+    for rel, size in files.items():
+        if not rng_required and is_rng_file(rel):
+            continue
+        f = Path(path) / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} is {f.stat().st_size} bytes but {size} were written"
+        if is_rng_file(rel) and not rng_readable(f):
+            return f"{rel} cannot be read"
+    return None
+
+
+def is_rng_file(rel: str) -> bool:
+    return re.fullmatch(r"random_states_\d+\.pkl", rel) is not None
+
+
+def rng_readable(path: Path) -> bool:
+    """Whether a rank's RNG state loads (with weights_only, as Accelerate loads it)."""
+    from accelerate.utils import load
+
+    try:
+        states = load(path)
+    except Exception:  # any unpickling failure: a damaged file
+        return False
+    return isinstance(states, dict) and "torch_manual_seed" in states
+
+
+def _warn_rng(path: Path, rng_required: bool, warn) -> None:
+    if rng_required:
+        return
+    state = json.loads((Path(path) / STATE_FILE).read_text())
+    bad = [rel for rel in state["files"] if is_rng_file(rel) and not
+           ((Path(path) / rel).is_file() and rng_readable(Path(path) / rel))]
+    if bad:
+        warn(f"checkpoint {path}: {', '.join(bad)} missing or unreadable; resuming without it "
+             "(checkpoint.require_rng_state=false), so random draws such as dropout differ from the "
+             "uninterrupted run")
+
+
+def check_writable(output_dir: str) -> None:
+    """Create output_dir and write and remove a file in it, so that an unwritable directory
+    stops the run at start-up rather than at its first checkpoint."""
+    probe = Path(output_dir) / f".llmtrain-write-test-{os.getpid()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
+                              "you can write to, or fix its permissions") from None
+
+
+def output_bytes(model) -> dict[str, int]:
+    """Rough size on disk of one checkpoint and the export: the weights, and AdamW's two
+    moments per trainable parameter (in the parameter's dtype)."""
+    weights = optimizer = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel()) * p.element_size()  # ZeRO-3 keeps the full size in ds_numel
+        weights += n
+        optimizer += 2 * n if p.requires_grad else 0
+    return {"checkpoint": weights + optimizer, "export": weights}
+
+
+def check_free_space(output_dir: str, need: dict[str, int]) -> None:
+    """Refuse to start when output_dir cannot hold one checkpoint and the final export."""
+    free, total = shutil.disk_usage(output_dir).free, need["checkpoint"] + need["export"]
+    if free < total:
+        gib = 2 ** 30
+        raise CheckpointError(
+            f"output_dir: {output_dir} has {free / gib:.2f} GiB free, but one checkpoint "
+            f"({need['checkpoint'] / gib:.2f} GiB) and the final export ({need['export'] / gib:.2f} GiB) need "
+            f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk")
 
 
 def position_settings(cfg, world_size: int) -> dict:
     return {"train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum_steps": cfg.train.grad_accum_steps,
             "train.seed": cfg.train.seed, "data.max_seq_len": cfg.data.max_seq_len, "data.packing": cfg.data.packing,
-            "world_size": world_size}
+            "data.shuffle": cfg.data.shuffle, "world_size": world_size}
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -80,32 +202,43 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last: int) -> Path:
-    """Write checkpoint step-<state['step']> on all ranks; returns its path."""
+    """Write checkpoint step-<state['step']> on all ranks; returns its path. A failed write
+    (disk full, permissions) removes the partial directory and raises CheckpointError; the
+    previous checkpoint is untouched."""
     root = checkpoint_root(output_dir)
     step = state["step"]
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
-    if accelerator.is_main_process:
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "config.yaml").write_text(config_yaml)
+            state = state | {"files": file_list(tmp)}  # lets a resume detect a missing or truncated file
+            with open(tmp / STATE_FILE, "w") as f:  # written last inside the directory
+                json.dump(state, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            publish(tmp, final)
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / "config.yaml").write_text(config_yaml)
-        with open(tmp / STATE_FILE, "w") as f:  # written last inside the directory
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        publish(tmp, final)
-        if keep_last:
-            for _, path in complete_checkpoints(output_dir)[:-keep_last]:
-                shutil.rmtree(path, ignore_errors=True)
+        previous = complete_checkpoints(output_dir)
+        kept = f"the newest complete checkpoint, {previous[-1][1]}, is intact" if previous else \
+            "there is no earlier checkpoint"
+        raise CheckpointError(f"checkpoint: writing {tmp} failed ({e.strerror or e}); {kept}. Free space in "
+                              f"{root} (or fix its permissions), then run again with checkpoint.resume=auto") from None
+    if accelerator.is_main_process and keep_last:
+        for _, path in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
 def load(accelerator, path: Path, cfg) -> dict:
-    """Restore model, optimizer, scheduler and RNG from `path`; return the training state."""
+    """Restore model, optimizer and RNG from `path`; return the training state."""
     state = json.loads((Path(path) / STATE_FILE).read_text())
     now = position_settings(cfg, accelerator.num_processes)
     changed = [f"{k} was {state['settings'].get(k)!r}, now {v!r}" for k, v in now.items()

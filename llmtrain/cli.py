@@ -11,7 +11,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .data import DataError, as_list
 from .model import ModelError
-from .train import TrainingError
+from .train import TrainingError, process_group_backend
 
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError, TrainingError)
 
@@ -47,7 +47,8 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     # Set up the process group first, so only one process reports. It must honour
     # ACCELERATE_USE_CPU exactly as Accelerator() will, or CPU runs launched with
     # --num_processes 2 would silently become two unrelated single-process runs.
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    backend = process_group_backend()
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **({"backend": backend} if backend else {}))
     try:
         main(argv)
     except USER_ERRORS as e:

@@ -83,6 +83,9 @@ class DataConfig:
     positions restart at 0."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    shuffle: bool = True
+    """Shuffle the training rows (or packed sequences) every epoch, seeded by train.seed;
+    false keeps the order of the files (a curriculum)."""
 
 
 @dataclass
@@ -121,6 +124,17 @@ class TrainConfig:
     schedule as they were, or abort."""
     max_consecutive_skips: int = 5
     """Abort after this many skipped steps in a row."""
+    spike_factor: float = 0.0
+    """Loss-spike guard, off at 0: skip a step whose loss is above spike_factor times the
+    median of the last spike_window accepted steps (counted like a non-finite step, so
+    max_consecutive_skips bounds it). Not available under DeepSpeed, whose engine steps
+    inside backward. Try 3.0 for long runs on noisy data."""
+    spike_window: int = 50
+    """Accepted steps the spike guard compares against; it acts once it has this many."""
+    hang_timeout_s: int = 1800
+    """A process that makes no progress for this long (another rank died or hung, so a
+    collective never returns) exits with an error naming its rank, and the launcher stops
+    the rest. Must exceed the longest step, evaluation or checkpoint write; 0 disables."""
 
 
 @dataclass
@@ -158,6 +172,10 @@ class CheckpointConfig:
     """'auto' continues from the newest complete checkpoint in output_dir if there is one,
     'none' starts fresh (refusing to mix with an earlier run's checkpoints), or a path to a
     checkpoint directory."""
+    require_rng_state: bool = True
+    """Refuse to resume from a checkpoint whose per-rank RNG state is missing or unreadable
+    (resume=auto falls back to an earlier checkpoint). false resumes from it anyway, with a
+    warning: random draws such as dropout then differ from the uninterrupted run."""
 
 
 @dataclass
@@ -338,7 +356,7 @@ def validate(cfg: Config) -> list[str]:
     if not cfg.output_dir:
         p.append("output_dir: required")
     for key, value in [("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum_steps", t.grad_accum_steps),
-                       ("train.max_consecutive_skips", t.max_consecutive_skips),
+                       ("train.max_consecutive_skips", t.max_consecutive_skips), ("train.spike_window", t.spike_window),
                        ("data.max_seq_len", cfg.data.max_seq_len), ("log.every_steps", cfg.log.every_steps)]:
         if value < 1:
             p.append(f"{key}: must be at least 1, got {value}")
@@ -346,11 +364,13 @@ def validate(cfg: Config) -> list[str]:
                        ("eval.every_steps", cfg.eval.every_steps), ("eval.micro_batch_size", cfg.eval.micro_batch_size),
                        ("checkpoint.every_steps", cfg.checkpoint.every_steps), ("checkpoint.keep_last", cfg.checkpoint.keep_last),
                        ("data.num_workers", cfg.data.num_workers), ("train.max_grad_norm", t.max_grad_norm),
-                       ("train.weight_decay", t.weight_decay)]:
+                       ("train.weight_decay", t.weight_decay), ("train.hang_timeout_s", t.hang_timeout_s)]:
         if value < 0:
             p.append(f"{key}: must not be negative, got {value}")
     if t.max_steps == 0 and t.epochs < 1:
         p.append(f"train.epochs: must be at least 1 when train.max_steps is 0, got {t.epochs}")
+    if t.spike_factor and not t.spike_factor > 1:
+        p.append(f"train.spike_factor: must be above 1 (or 0 to turn the guard off), got {t.spike_factor}")
     if not t.lr > 0:
         p.append(f"train.lr: must be positive, got {t.lr}")
     if not 0 <= t.min_lr_ratio <= 1:
@@ -423,5 +443,6 @@ def field_docs() -> list[tuple[str, str, str]]:
 
 
 if __name__ == "__main__":
+    print("| key | default | meaning |\n| --- | --- | --- |")
     for key, default, doc in field_docs():
         print(f"| `{key}` | `{default}` | {doc} |")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -20,10 +21,12 @@ def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str,
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
+        drop_tied_copies(unwrapped, state_dict)
         is_lora = hasattr(unwrapped, "peft_config")
         if is_lora and merge_lora:
             unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
-            merged = _merged_copy(unwrapped)
+            merged = _merged_from_adapter(accelerator, unwrapped, tmp / "adapter") if is_sharded(accelerator) \
+                else _merged_copy(unwrapped)
             merged.save_pretrained(tmp, safe_serialization=True)
         else:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
@@ -32,6 +35,65 @@ def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str,
         publish(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def drop_tied_copies(model, state_dict: dict) -> None:
+    """Remove the second name of each tied weight (lm_head of a model whose output layer
+    is its input embedding). A gathered state dict holds separate copies, which would be
+    saved twice; transformers ties them again on load."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            state_dict.pop(name, None)
+        else:
+            first[id(param)] = name
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether each process holds only a shard of the weights (ZeRO-3 or FSDP)."""
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    return kind == "FSDP" or (kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
+def model_for_sampling(accelerator, model, final: Path):
+    """The trained model on the main process: the in-memory one, or, when it is sharded
+    across processes (generation on one rank would wait for the others forever), the
+    exported final/ loaded back."""
+    if not is_sharded(accelerator):
+        return accelerator.unwrap_model(model)
+    from transformers import AutoModelForCausalLM
+
+    with _whole_model_loads(accelerator):
+        return AutoModelForCausalLM.from_pretrained(final).to(accelerator.device)
+
+
+@contextlib.contextmanager
+def _whole_model_loads(accelerator):
+    """A context in which from_pretrained builds an ordinary, whole model on this process.
+    Under ZeRO-3, transformers would otherwise partition it across processes as it loads
+    (zero.Init), a collective the other ranks never join."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def _merged_from_adapter(accelerator, peft_model, adapter_dir: Path):
+    """Merged model when the training copy is only a shard: the base weights loaded again
+    with the adapter just saved folded in."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with _whole_model_loads(accelerator):
+        base = AutoModelForCausalLM.from_pretrained(peft_model.peft_config["default"].base_model_name_or_path)
+        return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
 
 
 def _merged_copy(peft_model):
@@ -43,7 +105,8 @@ def _merged_copy(peft_model):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_template: str | None) -> list[str]:
-    """Greedy answers to user messages, through the chat template when there is one."""
+    """Greedy answers to user messages, through the chat template when there is one.
+    Runs on one process with a whole model: generate must not wait on the other ranks."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -56,7 +119,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_templ
         else:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             do_sample=False, synced_gpus=False, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                              else tokenizer.eos_token_id)
         answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())

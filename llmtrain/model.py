@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,37 @@ def _hub_kwargs(cfg: ModelConfig) -> dict:
     if cfg.revision:
         kw["revision"] = cfg.revision
     return kw
+
+
+def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
+    """Read the model's config (no weights) before any data or weights load: a bad
+    model.name_or_path, or sequences longer than the model's positions without rope
+    scaling (they would train on positions the model never learned), stop the run here."""
+    from transformers import AutoConfig
+
+    name = cfg.name_or_path
+    if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
+        raise ModelError(f"model.name_or_path: no such directory: {name}; give a local model directory "
+                         "(with config.json) or a hub name like 'owner/model'")
+    try:
+        mcfg = AutoConfig.from_pretrained(name, **_hub_kwargs(cfg))
+    except Exception as e:
+        raise ModelError(f"model.name_or_path: could not load a model config from '{name}' "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    limit = getattr(mcfg, "max_position_embeddings", None)
+    if not isinstance(limit, int) or max_seq_len <= limit or _rope_scaled(mcfg):
+        return
+    raise ModelError(f"data.max_seq_len: {max_seq_len} is above the {limit} positions of '{cfg.name_or_path}' "
+                     f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
+                     "a model configured for longer context")
+
+
+def _rope_scaled(mcfg) -> bool:
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = getattr(mcfg, name, None)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in (None, "default"):
+            return True
+    return False
 
 
 def load_tokenizer(cfg: ModelConfig):

@@ -42,7 +42,10 @@ class Launch:
 
 
 def read_launch(path: str | None, cfg) -> Launch:
-    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.config.config_args import (
+        default_config_file,
+        load_config_from_file,
+    )
 
     if path is None and Path(default_config_file).is_file():
         path = default_config_file
@@ -152,8 +155,9 @@ def plan(argv: list[str]) -> None:
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
 
-    from .model import load_tokenizer
+    from .model import check_model, load_tokenizer
 
+    check_model(cfg.model, cfg.data.max_seq_len)
     tokenizer = load_tokenizer(cfg.model)
     ds, stats = prepare_split("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
     total, trainable, mcfg = count_params(cfg)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 
 from . import checkpoint
 from .batches import Collator, make_loader
@@ -28,15 +30,43 @@ from .data import as_list, prepare_split
 from .metrics import MetricsLog, tracker_name
 from .model import pad_id, token_loss
 from .packing import PackedDataset
+from .spike import SpikeGuard
 from .stop import StopRequest
-from .throughput import device_peak_flops, document_sizes, matmul_params, peak_memory_gib, step_flops
+from .throughput import (
+    device_peak_flops,
+    document_sizes,
+    matmul_params,
+    peak_memory_gib,
+    step_flops,
+)
+from .watchdog import Watchdog
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def process_group_backend() -> str | None:
+    """gloo for DeepSpeed on a CPU-only machine (its CPU accelerator): Accelerate finds no
+    device backend there and would leave the processes without a group. None otherwise
+    (Accelerate chooses)."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED") and not _env_flag("ACCELERATE_USE_CPU") and not torch.cuda.is_available():
+        return "gloo"
+    return None
 
 
 def setup_accelerator(cfg: Config):
     """The Accelerator; topology and precision come from `accelerate launch` / its config."""
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+        set_seed,
+    )
 
+    backend = process_group_backend()
+    handlers = [InitProcessGroupKwargs(backend=backend)] if backend else []
     tracker = tracker_name(cfg.log.tracker)
     accelerator = Accelerator(
         log_with=tracker,
@@ -44,8 +74,7 @@ def setup_accelerator(cfg: Config):
         # Uneven last batches are not padded by repeating rows (which would count them
         # twice); a process with nothing left runs an empty batch instead (see `windows`).
         dataloader_config=DataLoaderConfiguration(even_batches=False),
-        # The schedule is written in optimizer steps, so step it once per step.
-        step_scheduler_with_optimizer=False,
+        kwargs_handlers=handlers,
     )
     check_topology(accelerator)
     # torchrun/accelerate launch tell every process the world size. If the processes did
@@ -55,33 +84,77 @@ def setup_accelerator(cfg: Config):
     if launched > 1 and accelerator.num_processes != launched:
         raise ConfigError([f"launch: {launched} processes were started but they did not join one process group "
                            "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"])
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator, cfg)
+        # DeepSpeed calls torch.distributed functions that torch has renamed; torch warns on
+        # every call, burying the training log under advice meant for DeepSpeed's authors.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     set_seed(cfg.train.seed)
     return accelerator
+
+
+def check_topology(accelerator) -> None:
+    """Refuse launches that would silently not be what was asked for."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.MULTI_CPU and _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        raise ConfigError(["launch: ACCELERATE_USE_CPU=1 (or use_cpu: true) turns DeepSpeed off in Accelerate; "
+                           "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"])
+    if _env_flag("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
+        raise ConfigError(["launch: FSDP was asked for but Accelerate runs FSDP only on GPUs (or other accelerators); "
+                           "on CPU use DDP (accelerate_configs/cpu_ddp.yaml) "
+                           "or DeepSpeed (accelerate_configs/ds_zero3.yaml)"])
+    if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
+        raise ConfigError(["launch: FSDP1 is not supported; set fsdp_config.fsdp_version: 2 in the accelerate config "
+                           "(see accelerate_configs/fsdp2.yaml)"])
+
+
+def configure_deepspeed(accelerator, cfg: Config) -> None:
+    """Make the recipe's batch settings DeepSpeed's: "auto" (or absent) values are filled
+    in from train.*; an explicit value that differs is an error naming both settings.
+    ZeRO-3 is told to gather full weights on save, which export needs."""
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    t, world = cfg.train, accelerator.num_processes
+    if t.spike_factor:
+        raise ConfigError(["train.spike_factor: the spike guard cannot run under DeepSpeed (its engine takes the "
+                           "optimizer step inside backward, before the step's loss is known); "
+                           "set train.spike_factor=0"])
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
+    wanted = [("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
+              ("gradient_accumulation_steps", t.grad_accum_steps, "train.grad_accum_steps"),
+              ("train_batch_size", t.micro_batch_size * t.grad_accum_steps * world,
+               f"train.micro_batch_size x train.grad_accum_steps x {world} processes"),
+              ("gradient_clipping", float(t.max_grad_norm or 0.0), "train.max_grad_norm")]
+    problems = []
+    for key, ours, name in wanted:
+        theirs = ds.get(key, "auto")
+        if theirs == "auto":
+            ds[key] = ours
+        elif float(theirs) != float(ours):
+            problems.append(f"{name}={ours} conflicts with {key}={theirs} in {where}; set {key} to \"auto\" "
+                            f"there (the recipe's value is then used) or make them equal")
+    if problems:
+        raise ConfigError(problems)
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    # Accelerate compares its own count with DeepSpeed's; it does not scale the loss
+    # under DeepSpeed, so matching it only silences a mismatch warning.
+    accelerator.gradient_accumulation_steps = t.grad_accum_steps
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on; the message says what happened and what to try."""
 
 
-def raise_nonfinite(cfg: Config, step: int, in_a_row: int) -> None:
+def raise_skips(cfg: Config, step: int, in_a_row: int, reason: str) -> None:
     found = checkpoint.complete_checkpoints(cfg.output_dir)
     newest = f"{found[-1][1]} (untouched)" if found else "none"
     raise TrainingError(
-        f"train: the loss or gradient norm was not finite at step {step} ({in_a_row} step(s) in a row, "
+        f"train: {reason} at step {step} ({in_a_row} skipped step(s) in a row, "
         f"train.on_nonfinite={cfg.train.on_nonfinite}, train.max_consecutive_skips={cfg.train.max_consecutive_skips}); "
         f"nothing after the last good step was saved; newest complete checkpoint: {newest}. Try a lower train.lr, "
         "more train.warmup_steps, bf16 instead of fp16, or look for broken rows or weights")
-
-
-def check_topology(accelerator) -> None:
-    """Refuse launches the loop does not drive correctly yet. DeepSpeed scales the loss by
-    its own accumulation count and steps inside backward(); FSDP needs sharded checkpoint
-    and export paths. Training under them now would give numbers that cannot be trusted."""
-    kind = str(accelerator.distributed_type).split(".")[-1]
-    if kind in ("DEEPSPEED", "FSDP"):
-        raise ConfigError([f"launch: {kind} is not supported by recipes/finetune.py yet; launch with DDP "
-                           "(accelerate_configs/multi_gpu.yaml) or a single process, and use model.lora or "
-                           "model.gradient_checkpointing to save memory"])
 
 
 def build_datasets(cfg: Config, accelerator, tokenizer):
@@ -130,42 +203,49 @@ class Window:
     """One optimizer step's micro-batches on this process, with global counts."""
 
     batches: list
+    micro_steps: int  # the most micro-batches any process has; every process runs this many
     trained_tokens: int  # all processes
     input_tokens: int  # non-padding tokens, all processes
     squared_lengths: int  # sum of squared document lengths, all processes (attention FLOPs)
     data_wait: float  # seconds this process waited for the batches
 
 
-def windows(batches, size: int, accelerator, stop: StopRequest | None = None):
+def windows(batches, size: int, accelerator, stop: StopRequest | None = None, beat=None):
     """Yield a Window per optimizer step until every process has run out. A process may
-    get fewer than `size` micro-batches, or none, at the end.
+    get fewer than `size` micro-batches, or none, at the end; it then runs empty batches
+    up to `micro_steps`, so that sharded models (ZeRO-3, FSDP), whose forward passes are
+    collectives, see the same number of passes on every process.
 
-    With `stop`, the same reduce tells every process whether any was signalled; then
-    all return before the step, with stop.agreed set."""
+    With `stop`, the same gather tells every process whether any was signalled; then
+    all return before the step, with stop.agreed set to the signal. `beat(where)` marks
+    progress for the watchdog before each window."""
     while True:
+        if beat is not None:
+            beat("fetching batches and agreeing on the next step with the other processes")
         start = time.perf_counter()
         window = list(islice(batches, size))
         wait = time.perf_counter() - start
-        signalled = stop is not None and stop.signum != 0
+        signum = stop.signum if stop is not None else 0
         sizes = [document_sizes(b) for b in window]
-        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), int(signalled),
+        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), signum,
                               sum(s for s, _ in sizes), sum(q for _, q in sizes)], device=accelerator.device)
-        total = accelerator.reduce(local, reduction="sum").tolist()
-        if total[2] > 0:
-            stop.agreed = int(accelerator.gather(torch.tensor([stop.signum], device=accelerator.device)).max())
+        every = accelerator.gather(local[None]).view(-1, len(local))  # one row per process
+        total, most = every.sum(0).tolist(), every.max(0).values.tolist()
+        if most[2] > 0:
+            stop.agreed = int(most[2])
             return
         if total[0] == 0:
             return
-        yield Window(window, total[1], total[3], total[4], wait)
+        yield Window(window, int(most[0]), total[1], total[3], total[4], wait)
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str) -> float:
+def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str, beat=None) -> float:
     """Mean loss over all trained tokens of the eval set, across processes."""
     model.eval()
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-    for window in windows(iter(loader), 1, accelerator):
+    for window in windows(iter(loader), 1, accelerator, beat=beat):
         loss, n = token_loss(model, window.batches[0] if window.batches else empty, attn)
         sums += torch.stack([loss.double(), n.double()])
     model.train()
@@ -174,12 +254,13 @@ def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn:
 
 
 def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resume_from: Path | None,
-          stop: StopRequest):
+          stop: StopRequest, watchdog: Watchdog):
     """Run the optimizer steps; returns the (prepared) model. If a stop is requested
     (stop.agreed after return), a checkpoint of the last finished step has been written."""
     t, attn, packed = cfg.train, cfg.model.attn_implementation, cfg.data.packing
     collator = Collator(pad_id(tokenizer))
-    train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, True, cfg.data.num_workers)
+    train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle,
+                               cfg.data.num_workers)
     sampler = train_loader.sampler  # kept: prepare() wraps it, and we set its epoch
     eval_loader = None
     if eval_set is not None:
@@ -191,19 +272,31 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
     total_steps = t.max_steps or t.epochs * steps_per_epoch
 
-    model = model.to(accelerator.device)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    # DeepSpeed divides every backward by its accumulation count; multiplying by it keeps a
+    # step's gradient at sum(token losses) / global tokens, a partial last window included.
+    ds_accum = t.grad_accum_steps if deepspeed else 1
+    if not deepspeed and accelerator.distributed_type != DistributedType.FSDP:
+        # DeepSpeed and FSDP place (and with offload, keep off the GPU) the weights themselves.
+        model = model.to(accelerator.device)
     n_params, peak = matmul_params(model), device_peak_flops(accelerator.device)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     optimizer = build_optimizer(model, cfg, accelerator.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    # No LR scheduler object: the rate is a function of the step, set before each step (under
+    # DeepSpeed the optimizer steps inside backward, and ZeRO regroups the parameters), and
+    # the step is in every checkpoint.
+    watchdog.beat("setting up the model and optimizer across processes")
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
 
     step, epoch, consumed, skipped = 0, 0, 0, 0
+    spikes = SpikeGuard(t.spike_factor, t.spike_window)
     if resume_from is not None:
+        watchdog.beat(f"loading {resume_from}")
         state = checkpoint.load(accelerator, resume_from, cfg)
         step, epoch, consumed = state["step"], state["epoch"], state["batches_in_epoch"]
+        spikes = SpikeGuard(t.spike_factor, t.spike_window, state.get("recent_losses"))
         accelerator.print(f"resumed from {resume_from} at step {step} (epoch {epoch})")
     log = MetricsLog(accelerator, cfg.output_dir, step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
@@ -219,14 +312,15 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     config_yaml = to_yaml(cfg)
     if eval_loader is not None and step == 0:  # the baseline the run improves on
-        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn)
+        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, watchdog.beat)
         log.log({"step": 0, "eval_loss": eval_loss})
         accelerator.print(f"step 0: eval_loss {eval_loss:.4f}")
     model.train()
     tick = time.perf_counter()
 
     def save_checkpoint() -> Path:
-        state = {"step": step, "epoch": epoch, "batches_in_epoch": consumed,
+        watchdog.beat(f"writing the checkpoint of step {step}")
+        state = {"step": step, "epoch": epoch, "batches_in_epoch": consumed, "recent_losses": spikes.recent,
                  "settings": checkpoint.position_settings(cfg, world)}
         return checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
 
@@ -237,41 +331,55 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         # or the epoch after a mid-epoch resume would repeat epoch 0's order.
         sampler.set_epoch(epoch)
         loader.set_epoch(epoch)
-        for window in windows(iter(loader), t.grad_accum_steps, accelerator, stop):
+        for window in windows(iter(loader), t.grad_accum_steps, accelerator, stop, watchdog.beat):
             consumed += len(window.batches)
+            lr = t.lr * lr_factor(step, total_steps, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             global_tokens = window.trained_tokens
-            micro = window.batches or [empty]
+            micro = window.batches + [empty] * (window.micro_steps - len(window.batches))
             loss_sum = torch.zeros((), device=accelerator.device)
             for i, batch in enumerate(micro):
-                # Gradients are all-reduced only on the last micro-batch of the step.
-                sync = nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
-                with sync:
+                watchdog.beat(f"step {step + 1}, micro-batch {i + 1} of {len(micro)}")
+                last = i == len(micro) - 1
+                # Gradients are reduced only on the last micro-batch of the step; DeepSpeed
+                # also takes its optimizer step inside that backward.
+                accelerator.gradient_state._set_sync_gradients(last)
+                with nullcontext() if last else accelerator.no_sync(model):
                     loss, _ = token_loss(model, batch, attn)
-                    accelerator.backward(loss * (world / global_tokens))
+                    accelerator.backward(loss * (world * ds_accum / global_tokens))
                 loss_sum += loss.detach()
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf")))
+            norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+            grad_norm = float(norm) if norm is not None else math.nan
             # Both numbers are the same on every process (the loss is reduced, the gradients
             # were all-reduced), so every process takes the same decision without a collective.
             step_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / global_tokens
-            fp16 = accelerator.scaler is not None  # fp16 overflows are the scaler's to skip
-            if not math.isfinite(step_loss) or (not fp16 and not math.isfinite(grad_norm)):
+            fp16 = accelerator.mixed_precision == "fp16"  # fp16 overflows are the loss scaler's to skip
+            # DeepSpeed has already stepped; it skips (and clears) a step whose gradient norm
+            # is not finite, which in bf16/fp32 is the same fault.
+            engine_skipped = deepspeed and not fp16 and accelerator.optimizer_step_was_skipped
+            nonfinite = not math.isfinite(step_loss) or (not fp16 and not math.isfinite(grad_norm)) or engine_skipped
+            if nonfinite or spikes.is_spike(step_loss):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
-                log.log({"step": step + 1, "skipped": f"non-finite loss {step_loss} or grad_norm {grad_norm}"})
-                if t.on_nonfinite == "abort" or skipped >= t.max_consecutive_skips:
-                    raise_nonfinite(cfg, step + 1, skipped)
+                reason = f"the loss or gradient norm was not finite (loss {step_loss}, grad_norm {grad_norm})" \
+                    if nonfinite else (f"the loss {step_loss:.4g} spiked above train.spike_factor={t.spike_factor:g} x "
+                                       f"the median of the last {t.spike_window} steps")
+                log.log({"step": step + 1, "skipped": reason})
+                accelerator.print(f"step {step + 1} skipped: {reason}")
+                if (nonfinite and t.on_nonfinite == "abort") or skipped >= t.max_consecutive_skips:
+                    raise_skips(cfg, step + 1, skipped, reason)
                 tick = time.perf_counter()
                 continue
             skipped = 0
-            lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if accelerator.optimizer_step_was_skipped:  # fp16 overflow: the schedule and step count stay
                 log.log({"step": step + 1, "skipped": "fp16 gradient overflow; loss scale lowered"})
                 tick = time.perf_counter()
                 continue
-            scheduler.step()
             step += 1
+            spikes.accept(step_loss)
 
             seconds = time.perf_counter() - tick
             mfu = None
@@ -290,7 +398,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                                      **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
             if eval_loader is not None and (step == total_steps or
                                             (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
-                eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn)
+                eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, watchdog.beat)
                 log.log({"step": step, "eval_loss": eval_loss})
                 accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
             if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == total_steps):

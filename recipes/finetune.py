@@ -19,11 +19,12 @@ from llmtrain import checkpoint, demo
 from llmtrain.cli import parse_args, run_cli
 from llmtrain.config import to_yaml
 from llmtrain.data import resolve_chat_template
-from llmtrain.export import sample, save_final
+from llmtrain.export import model_for_sampling, sample, save_final
 from llmtrain.metrics import plot_losses, versions
-from llmtrain.model import load_model, load_tokenizer
+from llmtrain.model import check_model, load_model, load_tokenizer
 from llmtrain.stop import StopRequest
 from llmtrain.train import build_datasets, setup_accelerator, train
+from llmtrain.watchdog import Watchdog
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -34,8 +35,16 @@ def main(argv=None):
     accelerator = setup_accelerator(cfg)
     with accelerator.main_process_first():
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
+    check_model(cfg.model, cfg.data.max_seq_len)
     out = Path(cfg.output_dir)
-    resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume)
+
+    def warn(message: str) -> None:
+        if accelerator.is_main_process:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    checkpoint.check_writable(cfg.output_dir)
+    resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume, warn,
+                                          cfg.checkpoint.require_rng_state)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
@@ -51,19 +60,26 @@ def main(argv=None):
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model)
+    checkpoint.check_free_space(cfg.output_dir, checkpoint.output_bytes(model))
 
-    model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop)
+    # From here on a dead or hung rank ends the job within train.hang_timeout_s.
+    watchdog = Watchdog(cfg.train.hang_timeout_s, accelerator.process_index).start()
+    model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop, watchdog)
     if stop.agreed:
+        watchdog.stop()
         accelerator.end_training()
         sys.exit(stop.exit_code())
 
+    watchdog.beat("writing final/")
     final = save_final(accelerator, model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
+    watchdog.stop()
     if accelerator.is_main_process:
         plot_losses(out / "metrics.jsonl", out / "loss.png")
         print(f"saved {final}")
         prompts = cfg.eval.sample_prompts
         if prompts:
-            answers = sample(accelerator.unwrap_model(model), tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
+            answers = sample(model_for_sampling(accelerator, model, final), tokenizer, prompts,
+                             cfg.eval.sample_max_new_tokens, None)
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")
     accelerator.end_training()  # closes trackers and the process group: last

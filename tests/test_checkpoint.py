@@ -1,17 +1,95 @@
 import json
 
 import pytest
+import torch
 
-from llmtrain.checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, find_resume
+from llmtrain.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    complete_checkpoints,
+    file_list,
+    find_resume,
+)
 
 
 def fake_checkpoint(root, name, complete=True):
     path = root / "checkpoints" / name
-    path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(b"x")
+    (path / "pytorch_model").mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shard")
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, path / "random_states_0.pkl")
     if complete:
-        (path / STATE_FILE).write_text(json.dumps({"step": 1}))
+        (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": file_list(path)}))
     return path
+
+
+POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
+
+
+@pytest.mark.parametrize("fault", ["truncated", "missing_rng", "garbled_rng", "no_position", "no_file_list",
+                                   "bad_json"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
+    fake_checkpoint(tmp_path, "step-2")
+    newest = fake_checkpoint(tmp_path, "step-4")
+    if fault == "truncated":
+        (newest / "pytorch_model" / "shard_0.pt").write_bytes(b"opt")
+    elif fault == "missing_rng":
+        (newest / "random_states_0.pkl").unlink()
+    elif fault == "garbled_rng":  # same size, not a pickle Accelerate can read
+        rng = newest / "random_states_0.pkl"
+        rng.write_bytes(bytes(rng.stat().st_size))
+    elif fault == "no_position":
+        (newest / STATE_FILE).write_text(json.dumps({"files": file_list(newest)}))
+    elif fault == "no_file_list":
+        (newest / STATE_FILE).write_text(json.dumps(POSITION))
+    else:
+        (newest / STATE_FILE).write_text("{\"step\": 4, \"fi")
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-2"
+    assert len(warnings) == 1 and "step-4 is damaged" in warnings[0]
+    with pytest.raises(CheckpointError, match="step-4 is damaged"):
+        find_resume(str(tmp_path), str(newest))
+
+
+@pytest.mark.parametrize("fault", ["missing", "garbled"])
+def test_rng_state_may_be_waived_with_a_warning(tmp_path, fault):
+    path = fake_checkpoint(tmp_path, "step-4")
+    rng = path / "random_states_0.pkl"
+    rng.unlink() if fault == "missing" else rng.write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="random_states_0.pkl"):
+        find_resume(str(tmp_path), "auto")
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append, rng_required=False) == path
+    assert len(warnings) == 1 and "random_states_0.pkl missing or unreadable; resuming without it" in warnings[0]
+    warnings.clear()
+    assert find_resume(str(tmp_path), str(path), warnings.append, rng_required=False) == path
+    assert len(warnings) == 1
+
+
+def test_a_pickle_that_is_not_plain_data_is_never_executed(tmp_path):
+    """RNG states are read with weights_only: a pickle that would run code is refused."""
+    path = fake_checkpoint(tmp_path, "step-4")
+    marker = tmp_path / "ran"
+    torch.save({"torch_manual_seed": Boom(str(marker))}, path / "random_states_0.pkl")
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": file_list(path)}))
+    with pytest.raises(CheckpointError, match="random_states_0.pkl cannot be read"):
+        find_resume(str(tmp_path), "auto")
+    assert not marker.exists()
+
+
+class Boom:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_only_damaged_checkpoints_is_an_error_not_a_fresh_start(tmp_path):
+    path = fake_checkpoint(tmp_path, "step-4")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step-4: model.safetensors is missing"):
+        find_resume(str(tmp_path), "auto")
 
 
 def test_only_complete_checkpoints_count(tmp_path):
@@ -42,7 +120,95 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
 
     cfg = Config()
     path = fake_checkpoint(tmp_path, "step-4")
-    (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": position_settings(cfg, 2)}))
+    (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": position_settings(cfg, 2),
+                                               "files": file_list(path)}))
     cfg.train.micro_batch_size = 8
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
         load(SimpleNamespace(num_processes=1), path, cfg)
+
+
+@pytest.mark.slow
+def test_recipe_falls_back_past_a_truncated_checkpoint(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """A node died mid-write of step-4 (a shard cut short): the restart warns, resumes from
+    step-2 and redoes steps 3-4 exactly."""
+    from .conftest import run_recipe, train_rows
+
+    out = tmp_path / "run"
+    args = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
+            f"output_dir={out}", "train.micro_batch_size=2", "train.max_steps=4", "checkpoint.every_steps=2",
+            "checkpoint.resume=auto"]
+    run_recipe(args, cache_env)
+    before = [(r["step"], r["loss"]) for r in train_rows(out)]
+    weights = out / "checkpoints" / "step-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = run_recipe(args, cache_env)
+    assert "warning: checkpoint" in proc.stderr and "step-4 is damaged (model.safetensors is" in proc.stderr
+    assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
+    assert [(r["step"], r["loss"]) for r in train_rows(out)] == before
+    assert find_resume(str(out), "auto").name == "step-4"  # rewritten whole
+
+
+class FakeAccelerator:
+    """One process; save_state writes part of a checkpoint, then the disk is full."""
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        import errno
+        from pathlib import Path
+
+        (Path(path) / "model.safetensors").write_bytes(b"half a model")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_mid_checkpoint_is_one_clear_error_and_keeps_the_previous_one(tmp_path):
+    from llmtrain.checkpoint import save
+
+    previous = fake_checkpoint(tmp_path, "step-2")
+    with pytest.raises(CheckpointError, match=r"checkpoint: writing .*\.tmp-step-4 failed \(No space left on device\); "
+                                              r"the newest complete checkpoint, .*step-2, is intact"):
+        save(FakeAccelerator(), str(tmp_path), POSITION | {"step": 4}, "", keep_last=1)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-4").exists()  # the partial write is cleaned up
+    assert find_resume(str(tmp_path), "auto") == previous
+
+
+def test_an_unwritable_output_dir_is_refused_at_start_up(tmp_path):
+    from llmtrain.checkpoint import check_writable
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CheckpointError, match=r"output_dir: cannot write to .*a_file/run \(Not a directory\)"):
+        check_writable(str(tmp_path / "a_file" / "run"))
+    check_writable(str(tmp_path / "new" / "run"))
+    assert list((tmp_path / "new" / "run").iterdir()) == []  # the probe is gone
+
+
+def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    from llmtrain.checkpoint import check_free_space, output_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 10, bias=False))
+    model[1].weight.requires_grad_(False)  # frozen: saved, but no optimizer state
+    need = output_bytes(model)
+    assert need == {"export": 4 * (1010 + 100), "checkpoint": 4 * (1010 + 100) + 2 * 4 * 1010}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=need["checkpoint"] + need["export"]))
+    check_free_space(str(tmp_path), need)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(CheckpointError, match=r"output_dir: .* has 0.00 GiB free, but one checkpoint .* need"):
+        check_free_space(str(tmp_path), need)
+
+
+@pytest.mark.slow
+def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_model, chat_file, cache_env,
+                                                              tmp_path):
+    from .conftest import run_recipe
+
+    (tmp_path / "a_file").write_text("")
+    proc = run_recipe(["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
+                       f"output_dir={tmp_path / 'a_file' / 'run'}"], cache_env, nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("output_dir: cannot write to" in line for line in errors), proc.stderr[-3000:]

@@ -3,6 +3,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def test_a_poisoned_step_is_skipped_on_every_process(base_config, poisoned_model
     out = tmp_path / "out"
     run_recipe(args(base_config, poisoned_model, data, out), cache_env, nproc=2)  # the row is on one rank only
     skips = [r for r in metrics(out) if "skipped" in r]
-    assert skips and all("non-finite loss nan" in r["skipped"] for r in skips)
+    assert skips and all("not finite (loss nan" in r["skipped"] for r in skips)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # 20 rows / (2 x 2) per step; skipped windows don't count
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
@@ -79,7 +80,8 @@ def test_abort_keeps_the_last_good_checkpoint_and_saves_nothing_after(base_confi
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     bad_step = [r for r in metrics(out) if "skipped" in r][0]["step"]
-    assert errors[0].startswith(f"error: train: the loss or gradient norm was not finite at step {bad_step} ")
+    assert re.match(rf"error: train: the loss or gradient norm was not finite \(loss nan.*\) at step {bad_step} ",
+                    errors[0]), errors[0]
     assert bad_step > 1  # the seed puts the poisoned row after a few good steps
     saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
     assert saved == list(range(1, bad_step))
@@ -95,6 +97,6 @@ def test_consecutive_skips_are_bounded(base_config, poisoned_model, cache_env, t
     proc = run_recipe(args(base_config, poisoned_model, data, out, "train.max_consecutive_skips=3"), cache_env,
                       check=False)
     assert proc.returncode == 2
-    assert "not finite at step 1 (3 step(s) in a row" in proc.stderr
+    assert ") at step 1 (3 skipped step(s) in a row" in proc.stderr
     assert len([r for r in metrics(out) if "skipped" in r]) == 3 and not train_rows(out)
     assert not (out / "final").exists() and not (out / "checkpoints").exists()

@@ -15,6 +15,15 @@ def test_config_reference_lists_every_key_with_its_default():
         assert doc, f"{key} has no docstring in llmtrain/config.py"
 
 
+def test_config_reference_is_what_the_schema_prints():
+    import subprocess
+    import sys
+
+    table = subprocess.run([sys.executable, "-m", "llmtrain.config"], capture_output=True, text=True, check=True,
+                           cwd=ROOT).stdout
+    assert table.strip() in README, "regenerate the README table: python -m llmtrain.config"
+
+
 def test_ci_runs_the_readme_test_command():
     blocks = re.findall(r"```bash\n(.*?)\n```", README, re.S)
     test_command = next(b for b in blocks if "pytest" in b)

@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from llmtrain.batches import Collator
-from llmtrain.throughput import PEAK_BF16, device_peak_flops, document_sizes, matmul_params, step_flops
+from llmtrain.throughput import (
+    PEAK_BF16,
+    device_peak_flops,
+    document_sizes,
+    matmul_params,
+    step_flops,
+)
 
 from .conftest import run_recipe, train_rows
 

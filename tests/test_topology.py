@@ -1,20 +1,89 @@
-"""Launch topologies the loop cannot drive correctly are refused, naming the fix."""
+"""Launch topologies that would silently not be what was asked for are refused, and the
+recipe's batch settings drive DeepSpeed's."""
 
 from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DistributedType
 
-from llmtrain.config import ConfigError
-from llmtrain.train import check_topology
+from llmtrain.config import ConfigError, load_config
+from llmtrain.train import check_topology, configure_deepspeed, process_group_backend
 
 
-@pytest.mark.parametrize("kind", [DistributedType.DEEPSPEED, DistributedType.FSDP])
-def test_unsupported_topologies_are_refused(kind):
-    with pytest.raises(ConfigError, match=f"launch: {kind.value} is not supported by recipes/finetune.py yet"):
-        check_topology(SimpleNamespace(distributed_type=kind))
+def fake(kind, fsdp_version=2):
+    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
+        fsdp_version=fsdp_version)))
 
 
-@pytest.mark.parametrize("kind", [DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU])
-def test_ddp_and_single_process_run(kind):
-    check_topology(SimpleNamespace(distributed_type=kind))
+@pytest.mark.parametrize("kind", [DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU,
+                                  DistributedType.DEEPSPEED, DistributedType.FSDP])
+def test_supported_topologies_run(kind, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    if kind == DistributedType.FSDP:
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    check_topology(fake(kind))
+
+
+def test_fsdp1_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="fsdp_version: 2"):
+        check_topology(fake(DistributedType.FSDP, fsdp_version=1))
+
+
+def test_fsdp_asked_for_on_cpu_is_refused(monkeypatch):
+    """Accelerate drops FSDP silently on CPU; training plain DDP instead would mislead."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="FSDP only on GPUs"):
+        check_topology(fake(DistributedType.MULTI_CPU))
+
+
+def test_deepspeed_with_use_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="turns DeepSpeed off"):
+        check_topology(fake(DistributedType.MULTI_CPU))
+
+
+def test_deepspeed_on_a_cpu_machine_uses_gloo(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert process_group_backend() == "gloo"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    assert process_group_backend() is None
+
+
+def recipe(*overrides):
+    return load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", *overrides])
+
+
+def ds_accelerator(ds_config: dict, world: int = 2):
+    plugin = SimpleNamespace(deepspeed_config=ds_config)
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=world,
+                           gradient_accumulation_steps=1)
+
+
+def test_recipe_fills_deepspeed_auto_values():
+    cfg = recipe("train.micro_batch_size=3", "train.grad_accum_steps=4", "train.max_grad_norm=0.5")
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3}}
+    acc = ds_accelerator(ds, world=2)
+    configure_deepspeed(acc, cfg)
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 24
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True  # export needs it
+    assert acc.gradient_accumulation_steps == 4
+
+
+def test_conflicting_deepspeed_value_names_both_settings(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    cfg = recipe("train.micro_batch_size=2", "train.grad_accum_steps=4")
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError) as err:
+        configure_deepspeed(ds_accelerator(ds), cfg)
+    msg = str(err.value)
+    assert "train.grad_accum_steps=4 conflicts with gradient_accumulation_steps=8 in ds.json" in msg
+    assert "micro_batch" not in msg  # equal values are no conflict
+

@@ -241,4 +241,5 @@ def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp
                        f"data.train={chat_file}", f"output_dir={tmp_path}/out"], cache_env, check=False)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: model.name_or_path: could not load a tokenizer from")
+    assert len(errors) == 1
+    assert errors[0].startswith(f"error: model.name_or_path: no such directory: {tmp_path}/no-model;")
