@@ -237,6 +237,37 @@ def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last:
     return final
 
 
+def deepspeed_state_classes() -> list:
+    """The classes DeepSpeed pickles into its checkpoints besides tensors and plain data."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:
+        return []
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def check_pickles(path: Path) -> None:
+    """DeepSpeed reads its checkpoint files (*.pt) with weights_only=False, which would run
+    any code a tampered file carries. Each is read here first with weights_only=True
+    (memory-mapped: the pickle, not the tensor data), allowing only DeepSpeed's own state
+    classes; anything else stops the resume."""
+    import torch
+
+    allowed = deepspeed_state_classes()
+    for f in sorted(Path(path).rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # any unpickling failure: refuse the file
+            why = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
+                       str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise CheckpointError(f"checkpoint.resume: {f} holds more than tensors and plain data ({why}); "
+                                  "refusing to unpickle it. Resume only from checkpoints you wrote, or from an "
+                                  "earlier one") from None
+
+
 def load(accelerator, path: Path, cfg) -> dict:
     """Restore model, optimizer and RNG from `path`; return the training state."""
     state = json.loads((Path(path) / STATE_FILE).read_text())
@@ -246,5 +277,6 @@ def load(accelerator, path: Path, cfg) -> dict:
     if changed:
         raise CheckpointError(f"checkpoint.resume: {path} was written with other data settings ({'; '.join(changed)}); "
                               "resume with the same settings or start a new output_dir")
-    accelerator.load_state(str(path))
+    check_pickles(path)
+    accelerator.load_state(str(path))  # Accelerate's own files load with weights_only
     return state

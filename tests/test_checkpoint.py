@@ -212,3 +212,23 @@ def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and all("output_dir: cannot write to" in line for line in errors), proc.stderr[-3000:]
+
+
+def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
+    """DeepSpeed loads *.pt with weights_only=False: a file carrying anything but tensors,
+    plain data and DeepSpeed's own state classes is refused, and its code never runs."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from llmtrain.checkpoint import check_pickles
+
+    path = fake_checkpoint(tmp_path, "step-4")
+    (path / "pytorch_model" / "shard_0.pt").unlink()  # a stand-in, not a torch file
+    torch.save({"zero_stage": ZeroStageEnum.weights, "module": {"w": torch.ones(2)}},
+               path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    check_pickles(path)  # DeepSpeed's own state: fine
+    marker = tmp_path / "ran"
+    torch.save({"loss_scaler": Boom(str(marker))}, path / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt holds more than tensors "
+                                              r"and plain data \(.*Unsupported global"):
+        check_pickles(path)
+    assert not marker.exists()
