@@ -15,6 +15,8 @@ import re
 import shutil
 from pathlib import Path
 
+from .throughput import full_numel
+
 STATE_FILE = "train_state.json"
 # Settings that fix what a step's data is: a resume that changes them would not continue
 # the same run.
@@ -59,9 +61,8 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
         found = complete_checkpoints(output_dir)
         problems = []
         for _, path in reversed(found):
-            why = damage(path, rng_required)
+            why = usable(path, rng_required, warn)
             if why is None:
-                _warn_rng(path, rng_required, warn)
                 return path
             problems.append(f"{path.name}: {why}")
             warn(f"checkpoint {path} is damaged ({why}); skipping it and trying the one before")
@@ -79,10 +80,9 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"checkpoint.resume: {resume} is not a complete llmtrain checkpoint (no {STATE_FILE})")
-    why = damage(path, rng_required)
+    why = usable(path, rng_required, warn)
     if why is not None:
         raise CheckpointError(f"checkpoint.resume: {resume} is damaged ({why}); resume from an earlier checkpoint")
-    _warn_rng(path, rng_required, warn)
     return path
 
 
@@ -92,31 +92,50 @@ def file_list(path: Path) -> dict[str, int]:
             if f.is_file() and f.name != STATE_FILE}
 
 
-def damage(path: Path, rng_required: bool = True) -> str | None:
-    """Why checkpoint `path` cannot be resumed from, or None when its training position
-    is readable and every file it was written with is present with its size and, for the
-    per-rank RNG states, readable (Accelerate would skip an unreadable one silently).
-    Caught here, before anything loads; RNG faults count only when rng_required."""
+def usable(path: Path, rng_required: bool, warn) -> str | None:
+    """Why checkpoint `path` cannot be resumed from, or None. RNG faults count only when
+    rng_required; otherwise they are waived with a warning."""
+    why, rng_faults = damage(path)
+    if why is None and rng_faults:
+        if rng_required:
+            return rng_faults[0][1]
+        warn(f"checkpoint {path}: {', '.join(rel for rel, _ in rng_faults)} missing or unreadable; resuming "
+             "without it (checkpoint.require_rng_state=false), so random draws such as dropout differ from the "
+             "uninterrupted run")
+    return why
+
+
+def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """What is wrong with checkpoint `path`, caught before anything loads: the first fault
+    outside the per-rank RNG states (its training position unreadable, a file it was
+    written with missing or of another size), or None; and each RNG state that is missing,
+    cut short or unreadable (Accelerate would skip an unreadable one silently), as
+    (file, fault)."""
     try:
         state = json.loads((Path(path) / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
-        return f"{STATE_FILE} is unreadable ({type(e).__name__})"
+        return f"{STATE_FILE} is unreadable ({type(e).__name__})", []
     if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in POSITION_FIELDS):
-        return f"{STATE_FILE} has no training position ({', '.join(POSITION_FIELDS)})"
+        return f"{STATE_FILE} has no training position ({', '.join(POSITION_FIELDS)})", []
     files = state.get("files")
     if not isinstance(files, dict):
-        return f"{STATE_FILE} has no file list"
+        return f"{STATE_FILE} has no file list", []
+    why, rng_faults = None, []
     for rel, size in files.items():
-        if not rng_required and is_rng_file(rel):
-            continue
         f = Path(path) / rel
         if not f.is_file():
-            return f"{rel} is missing"
-        if f.stat().st_size != size:
-            return f"{rel} is {f.stat().st_size} bytes but {size} were written"
-        if is_rng_file(rel) and not rng_readable(f):
-            return f"{rel} cannot be read"
-    return None
+            fault = f"{rel} is missing"
+        elif f.stat().st_size != size:
+            fault = f"{rel} is {f.stat().st_size} bytes but {size} were written"
+        elif is_rng_file(rel) and not rng_readable(f):
+            fault = f"{rel} cannot be read"
+        else:
+            continue
+        if is_rng_file(rel):
+            rng_faults.append((rel, fault))
+        elif why is None:
+            why = fault
+    return why, rng_faults
 
 
 def is_rng_file(rel: str) -> bool:
@@ -132,18 +151,6 @@ def rng_readable(path: Path) -> bool:
     except Exception:  # any unpickling failure: a damaged file
         return False
     return isinstance(states, dict) and "torch_manual_seed" in states
-
-
-def _warn_rng(path: Path, rng_required: bool, warn) -> None:
-    if rng_required:
-        return
-    state = json.loads((Path(path) / STATE_FILE).read_text())
-    bad = [rel for rel in state["files"] if is_rng_file(rel) and not
-           ((Path(path) / rel).is_file() and rng_readable(Path(path) / rel))]
-    if bad:
-        warn(f"checkpoint {path}: {', '.join(bad)} missing or unreadable; resuming without it "
-             "(checkpoint.require_rng_state=false), so random draws such as dropout differ from the "
-             "uninterrupted run")
 
 
 def check_writable(output_dir: str) -> None:
@@ -164,7 +171,7 @@ def output_bytes(model) -> dict[str, int]:
     moments per trainable parameter (in the parameter's dtype)."""
     weights = optimizer = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel()) * p.element_size()  # ZeRO-3 keeps the full size in ds_numel
+        n = full_numel(p) * p.element_size()
         weights += n
         optimizer += 2 * n if p.requires_grad else 0
     return {"checkpoint": weights + optimizer, "export": weights}

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 
 from .checkpoint import publish
 
@@ -51,8 +52,9 @@ def drop_tied_copies(model, state_dict: dict) -> None:
 
 def is_sharded(accelerator) -> bool:
     """Whether each process holds only a shard of the weights (ZeRO-3 or FSDP)."""
-    kind = str(accelerator.distributed_type).split(".")[-1]
-    return kind == "FSDP" or (kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    kind = accelerator.distributed_type
+    return kind == DistributedType.FSDP or (kind == DistributedType.DEEPSPEED
+                                            and accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
 def model_for_sampling(accelerator, model, final: Path):

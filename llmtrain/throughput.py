@@ -37,13 +37,13 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 def matmul_params(model) -> int:
     unwrapped = getattr(model, "module", model)
-    total = sum(_numel(p) for p in unwrapped.parameters())
+    total = sum(full_numel(p) for p in unwrapped.parameters())
     emb, head = unwrapped.get_input_embeddings(), unwrapped.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
-    return total if tied else total - _numel(emb.weight)
+    return total if tied else total - full_numel(emb.weight)
 
 
-def _numel(p) -> int:
+def full_numel(p) -> int:
     return getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter keeps its full size here
 
 

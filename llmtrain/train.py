@@ -21,7 +21,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, parse_flag_from_env
 
 from . import checkpoint
 from .batches import Collator, make_loader
@@ -42,15 +42,12 @@ from .throughput import (
 from .watchdog import Watchdog
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
 def process_group_backend() -> str | None:
     """gloo for DeepSpeed on a CPU-only machine (its CPU accelerator): Accelerate finds no
     device backend there and would leave the processes without a group. None otherwise
     (Accelerate chooses)."""
-    if _env_flag("ACCELERATE_USE_DEEPSPEED") and not _env_flag("ACCELERATE_USE_CPU") and not torch.cuda.is_available():
+    if (parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not parse_flag_from_env("ACCELERATE_USE_CPU")
+            and not torch.cuda.is_available()):
         return "gloo"
     return None
 
@@ -96,10 +93,10 @@ def setup_accelerator(cfg: Config):
 def check_topology(accelerator) -> None:
     """Refuse launches that would silently not be what was asked for."""
     kind = accelerator.distributed_type
-    if kind == DistributedType.MULTI_CPU and _env_flag("ACCELERATE_USE_DEEPSPEED"):
+    if kind == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         raise ConfigError(["launch: ACCELERATE_USE_CPU=1 (or use_cpu: true) turns DeepSpeed off in Accelerate; "
                            "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"])
-    if _env_flag("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
         raise ConfigError(["launch: FSDP was asked for but Accelerate runs FSDP only on GPUs (or other accelerators); "
                            "on CPU use DDP (accelerate_configs/cpu_ddp.yaml) "
                            "or DeepSpeed (accelerate_configs/ds_zero3.yaml)"])

@@ -46,7 +46,6 @@ def main(argv=None):
     resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume, warn,
                                           cfg.checkpoint.require_rng_state)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
         run = {"versions": versions(), "world_size": accelerator.num_processes,
                "mixed_precision": accelerator.mixed_precision, "resumed_from": str(resume_from or "")}
