@@ -3,6 +3,7 @@
     python benchmarks/sft_vs_trl.py                     # CPU workload, about 3 minutes on 2 cores
     python benchmarks/sft_vs_trl.py --workload gpu-1b   # Llama-3.2-1B shape, seq 2048, bf16 (one GPU)
     python benchmarks/sft_vs_trl.py --workload gpu-125m
+    python benchmarks/sft_vs_trl.py --workload gpu-1b --ours train.compile=true   # llmtrain overrides
 
 Needs `pip install trl` beside llmtrain. Each system trains one epoch of the same
 variable-length chat rows (loss on assistant turns only, so the trained tokens are the
@@ -90,11 +91,11 @@ def prepare(workload: str, root: Path) -> dict:
     return {"model": str(root / "model"), "data": str(root / "train.jsonl"), **w}
 
 
-def run_ours(setup: dict, out: Path) -> dict:
+def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     args = [sys.executable, str(ROOT / "recipes" / "finetune.py"), "--config", str(HERE / "llmtrain_bench.yaml"),
             f"output_dir={out}", f"model.name_or_path={setup['model']}", f"data.train={setup['data']}",
             f"data.max_seq_len={setup['seq']}", f"train.micro_batch_size={setup['micro']}",
-            "model.dtype=float32"]
+            "model.dtype=float32", *overrides]
     env = dict(os.environ, ACCELERATE_MIXED_PRECISION=setup["precision"])
     proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -178,6 +179,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--ours", nargs="*", default=[], metavar="key=value",
+                        help="overrides for llmtrain's side (shown in the results)")
     parser.add_argument("--worker", choices=["trl-default", "trl-best"], help=argparse.SUPPRESS)
     parser.add_argument("--setup", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,7 +199,7 @@ def main() -> None:
         for name in results:
             out = root / f"{name}-{repeat}"
             if name == "llmtrain":
-                r = run_ours(setup, out)
+                r = run_ours(setup, out, args.ours)
             else:
                 proc = subprocess.run([sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup),
                                        "--dir", str(out)], capture_output=True, text=True, cwd=ROOT)
@@ -218,7 +221,8 @@ def report(args, setup: dict, trained: int, total: int, results: dict) -> None:
     ours = trained / best_of(results["llmtrain"])["seconds"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
     lines = [f"### {args.workload}: {time.strftime('%Y-%m-%d')}, {device}",
-             "", f"`python benchmarks/sft_vs_trl.py --workload {args.workload} --repeats {args.repeats}`; "
+             "", f"`python benchmarks/sft_vs_trl.py --workload {args.workload} --repeats {args.repeats}"
+             + (f" --ours {' '.join(args.ours)}" if args.ours else "") + "`; "
              f"{WORKLOADS[args.workload]['rows']} chat rows, {trained:,} trained / {total:,} tokens per epoch, "
              f"max length {setup['seq']}, precision {setup['precision']}.", "",
              "| system | trained tok/s | all tok/s | MFU | peak memory | steps | ours / this |",

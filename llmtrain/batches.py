@@ -72,4 +72,5 @@ def make_loader(dataset, batch_size: int, collator: Collator, seed: int, shuffle
         dataset = dataset.select_columns(["input_ids", "labels"])
     sampler = EpochSampler(len(dataset), seed, shuffle)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
-                                       num_workers=num_workers, pin_memory=torch.cuda.is_available(), drop_last=False)
+                                       num_workers=num_workers, persistent_workers=num_workers > 0,
+                                       pin_memory=torch.cuda.is_available(), drop_last=False)

@@ -51,8 +51,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """dtype the weights are loaded in. Keep float32 master weights and choose bf16/fp16
     compute with Accelerate's mixed_precision; bfloat16 here halves weight memory."""
-    attn_implementation: str = "sdpa"
-    """Attention backend passed to transformers: sdpa, eager, flash_attention_2, ..."""
+    attn_implementation: str = "auto"
+    """Attention backend passed to transformers: sdpa, eager, flex_attention,
+    flash_attention_2, ... 'auto' takes flex_attention for packed data on a GPU (a
+    block-sparse document mask) and sdpa otherwise."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False
@@ -131,6 +133,14 @@ class TrainConfig:
     inside backward. Try 3.0 for long runs on noisy data."""
     spike_window: int = 50
     """Accepted steps the spike guard compares against; it acts once it has this many."""
+    loss_chunk_tokens: int = 1024
+    """Compute the cross-entropy this many tokens at a time, and only at trained positions,
+    so the full fp32 logits (tokens x vocabulary) never exist; each chunk's logits are
+    recomputed in backward. 0 computes whole logits. Models whose output layer is not a
+    plain Linear, or whose architecture changes logits after it, always get whole logits."""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation: one compile serves all
+    layers). The first steps are slower while it compiles. Not with DeepSpeed."""
     hang_timeout_s: int = 1800
     """A process that makes no progress for this long (another rank died or hung, so a
     collective never returns) exits with an error naming its rank, and the launcher stops
@@ -364,7 +374,8 @@ def validate(cfg: Config) -> list[str]:
                        ("eval.every_steps", cfg.eval.every_steps), ("eval.micro_batch_size", cfg.eval.micro_batch_size),
                        ("checkpoint.every_steps", cfg.checkpoint.every_steps), ("checkpoint.keep_last", cfg.checkpoint.keep_last),
                        ("data.num_workers", cfg.data.num_workers), ("train.max_grad_norm", t.max_grad_norm),
-                       ("train.weight_decay", t.weight_decay), ("train.hang_timeout_s", t.hang_timeout_s)]:
+                       ("train.weight_decay", t.weight_decay), ("train.hang_timeout_s", t.hang_timeout_s),
+                       ("train.loss_chunk_tokens", t.loss_chunk_tokens)]:
         if value < 0:
             p.append(f"{key}: must not be negative, got {value}")
     if t.max_steps == 0 and t.epochs < 1:

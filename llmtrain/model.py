@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .data import IGNORE
@@ -56,6 +57,19 @@ def _rope_scaled(mcfg) -> bool:
     return False
 
 
+def attention_backend(cfg: ModelConfig, packing: bool, device: torch.device) -> str:
+    """model.attn_implementation with 'auto' resolved: FlexAttention for packed batches
+    on a GPU (a block-sparse document mask), SDPA otherwise."""
+    name = cfg.attn_implementation
+    if name == "auto":
+        name = "flex_attention" if packing and device.type == "cuda" else "sdpa"
+    if name == "flex_attention" and device.type == "cpu":
+        raise ModelError("model.attn_implementation: flex_attention cannot train on CPU (PyTorch has no "
+                         "FlexAttention backward there); use auto or sdpa, whose dense document mask isolates "
+                         "packed samples as well")
+    return name
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
@@ -101,20 +115,92 @@ def load_model(cfg: ModelConfig):
     return model
 
 
-def token_loss(model, batch: dict, attn_implementation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def compile_blocks(model) -> int:
+    """torch.compile every transformer block in place (regional compilation). The blocks
+    share one compiled graph, so it compiles once whatever the depth; parameter names,
+    checkpoints and wrappers (DDP, FSDP) are unaffected. Returns the number of blocks."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not blocks:
+        raise ModelError(f"train.compile: found no transformer blocks in {type(_base(model)).__name__} to compile; "
+                         "set train.compile=false")
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+# Architectures whose forward returns lm_head's output untouched (no soft-capping or
+# scaling after it), checked against their transformers source: the chunked loss stands in
+# for their lm_head. Others get whole logits.
+PLAIN_HEADS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3", "gemma",
+               "olmo", "olmo2", "smollm3", "starcoder2", "gpt_neox"}
+
+
+def _base(model):
+    while hasattr(model, "module"):  # DDP, DeepSpeed's engine
+        model = model.module
+    return model
+
+
+def chunkable_head(model) -> torch.nn.Linear | None:
+    """The model's output layer if the chunked loss can stand in for it: a plain Linear
+    (not a LoRA-adapted one) of an architecture in PLAIN_HEADS."""
+    base = _base(model)
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or getattr(base.config, "model_type", None) not in PLAIN_HEADS:
+        return None
+    return head
+
+
+def _chunk_loss(hidden, weight, bias, labels):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def _chunked_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
+    """A forward for `head` that returns the summed cross-entropy of the trained positions
+    instead of logits. Logits exist for at most `chunk` tokens at a time; when there is
+    more than one chunk each is recomputed in backward rather than kept."""
+
+    def forward(hidden):
+        flat = labels.flatten()
+        where = (flat != IGNORE).nonzero().squeeze(1)
+        h, y = hidden.flatten(0, -2).index_select(0, where), flat.index_select(0, where)
+        n = h.shape[0]
+        total = h.new_zeros((), dtype=torch.float32)
+        for s in range(0, max(n, 1), chunk):  # one (empty) chunk keeps the head in the graph
+            args = (h[s:s + chunk], head.weight, head.bias, y[s:s + chunk])
+            total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if n > chunk else _chunk_loss(*args))
+        return total
+
+    return forward
+
+
+def token_loss(model, batch: dict, attn_implementation: str, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies over the batch and the number of trained tokens.
 
     Labels are already shifted (labels[t] is the target of position t). Packed batches get
-    a document mask; flash-attention backends isolate samples from position_ids instead."""
+    a document mask (see packing.document_mask). With `chunk` > 0 and a model that allows it
+    (chunkable_head), the loss is computed inside the output layer's forward, `chunk` tokens
+    at a time and only at trained positions, so the full [tokens, vocab] fp32 logits never
+    exist; it runs inside the model's forward so DDP, FSDP and ZeRO-3 see the layer used
+    as usual."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "doc_ids" in batch:
         kwargs["position_ids"] = batch["position_ids"]
-        if not attn_implementation.startswith("flash"):
-            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-            kwargs["attention_mask"] = document_mask(batch["doc_ids"], attn_implementation, dtype)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        kwargs["attention_mask"] = document_mask(batch["doc_ids"], attn_implementation, dtype)
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
-    logits = model(**kwargs).logits
     labels = batch["labels"]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss, (labels != IGNORE).sum()
+    n = (labels != IGNORE).sum()
+    head = chunkable_head(model) if chunk > 0 else None
+    if head is None:
+        logits = model(**kwargs).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"), n
+    head.forward = _chunked_head(head, labels, chunk)
+    try:
+        return model(**kwargs).logits, n
+    finally:
+        del head.forward  # the class's forward again (generation, export)

@@ -20,6 +20,7 @@ from . import demo
 from .cli import USER_ERRORS
 from .config import ConfigError, load_config, to_yaml
 from .data import IGNORE, as_list, prepare_split
+from .model import PLAIN_HEADS, check_model, load_tokenizer
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
 
@@ -104,7 +105,8 @@ def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg) -> di
     """Rough bytes per GPU. Weights in model.dtype; gradients and two AdamW moments in the
     trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations use
     ~34 bytes x hidden per token per layer in 16-bit (only the layer inputs, 2 bytes, with
-    gradient checkpointing), plus fp32 logits and their gradient."""
+    gradient checkpointing), plus fp32 logits and their gradient: for train.loss_chunk_tokens
+    tokens at most where the model allows the chunked loss, else for every token."""
     width = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[cfg.model.dtype]
     world = max(1, launch.num_processes)
     stage = 3 if launch.fsdp else launch.zero_stage
@@ -119,7 +121,8 @@ def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg) -> di
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
-    activations += 2 * tokens * mcfg.vocab_size * 4
+    chunk = cfg.train.loss_chunk_tokens if getattr(mcfg, "model_type", None) in PLAIN_HEADS else 0
+    activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
     return {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
 
 
@@ -154,8 +157,6 @@ def plan(argv: list[str]) -> None:
     cfg = load_config(args.config, args.overrides)
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
-
-    from .model import check_model, load_tokenizer
 
     check_model(cfg.model, cfg.data.max_seq_len)
     tokenizer = load_tokenizer(cfg.model)

@@ -7,7 +7,9 @@ FLOPs of a step are counted per document (a packed sequence holds several):
 for a document of s tokens, N parameters doing matrix work per token (all parameters but
 the input embedding; a tied LM head counts), L layers and hidden size d. 6N is the forward
 and backward matmuls; 12*L*d*s is attention's scores and weighted sum, counted over the
-document's own length, as the document mask only lets it attend within itself. MFU is those
+document's own length, as the document mask only lets it attend within itself. The chunked
+loss (train.loss_chunk_tokens) runs the output layer only at trained positions, so its
+parameters count 6 FLOPs per trained token instead of per token. MFU is those
 FLOPs over step time x number of devices x the device's dense bf16 peak. LoRA runs use
 the same formula (no weight gradients for frozen weights, so it reads high).
 """
@@ -57,8 +59,11 @@ def document_sizes(batch: dict) -> tuple[int, int]:
     return int(lengths.sum()), int((lengths * lengths).sum())
 
 
-def step_flops(tokens: int, squares: int, n_params: int, layers: int, hidden: int) -> float:
-    return 6.0 * n_params * tokens + 12.0 * layers * hidden * squares
+def step_flops(tokens: int, squares: int, n_params: int, layers: int, hidden: int, head_params: int = 0,
+               head_tokens: int = 0) -> float:
+    """FLOPs of a step (see the module docstring). When the chunked loss runs the output
+    layer only at trained positions, its `head_params` count for those `head_tokens` alone."""
+    return 6.0 * (n_params - head_params) * tokens + 6.0 * head_params * head_tokens + 12.0 * layers * hidden * squares
 
 
 def peak_memory_gib(device: torch.device) -> float:

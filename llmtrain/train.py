@@ -28,13 +28,14 @@ from .batches import Collator, make_loader
 from .config import Config, ConfigError, flat_dict, to_yaml
 from .data import as_list, prepare_split
 from .metrics import MetricsLog, tracker_name
-from .model import pad_id, token_loss
+from .model import chunkable_head, compile_blocks, pad_id, token_loss
 from .packing import PackedDataset
 from .spike import SpikeGuard
 from .stop import StopRequest
 from .throughput import (
     device_peak_flops,
     document_sizes,
+    full_numel,
     matmul_params,
     peak_memory_gib,
     step_flops,
@@ -70,7 +71,8 @@ def setup_accelerator(cfg: Config):
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
         # Uneven last batches are not padded by repeating rows (which would count them
         # twice); a process with nothing left runs an empty batch instead (see `windows`).
-        dataloader_config=DataLoaderConfiguration(even_batches=False),
+        # Batches from pinned memory (batches.make_loader) are copied to the GPU without blocking.
+        dataloader_config=DataLoaderConfiguration(even_batches=False, non_blocking=True),
         kwargs_handlers=handlers,
     )
     check_topology(accelerator)
@@ -116,6 +118,9 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
         raise ConfigError(["train.spike_factor: the spike guard cannot run under DeepSpeed (its engine takes the "
                            "optimizer step inside backward, before the step's loss is known); "
                            "set train.spike_factor=0"])
+    if t.compile:
+        raise ConfigError(["train.compile: not supported with DeepSpeed (its ZeRO hooks run inside every block); "
+                           "set train.compile=false, or use DDP or FSDP2"])
     where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
     wanted = [("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
               ("gradient_accumulation_steps", t.grad_accum_steps, "train.grad_accum_steps"),
@@ -237,13 +242,14 @@ def windows(batches, size: int, accelerator, stop: StopRequest | None = None, be
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str, beat=None) -> float:
+def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str, chunk: int,
+             beat=None) -> float:
     """Mean loss over all trained tokens of the eval set, across processes."""
     model.eval()
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for window in windows(iter(loader), 1, accelerator, beat=beat):
-        loss, n = token_loss(model, window.batches[0] if window.batches else empty, attn)
+        loss, n = token_loss(model, window.batches[0] if window.batches else empty, attn, chunk)
         sums += torch.stack([loss.double(), n.double()])
     model.train()
     sums = accelerator.reduce(sums, reduction="sum")
@@ -276,7 +282,11 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     if not deepspeed and accelerator.distributed_type != DistributedType.FSDP:
         # DeepSpeed and FSDP place (and with offload, keep off the GPU) the weights themselves.
         model = model.to(accelerator.device)
+    if t.compile:
+        accelerator.print(f"compiling {compile_blocks(model)} transformer blocks (the first steps include compiling)")
     n_params, peak = matmul_params(model), device_peak_flops(accelerator.device)
+    head = chunkable_head(model) if t.loss_chunk_tokens else None
+    head_params = full_numel(head.weight) if head is not None else 0  # run at trained positions only
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     optimizer = build_optimizer(model, cfg, accelerator.device)
     # No LR scheduler object: the rate is a function of the step, set before each step (under
@@ -308,10 +318,15 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         progress = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True)
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     config_yaml = to_yaml(cfg)
+
+    def run_eval() -> None:
+        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, t.loss_chunk_tokens,
+                             watchdog.beat)
+        log.log({"step": step, "eval_loss": eval_loss})
+        accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
+
     if eval_loader is not None and step == 0:  # the baseline the run improves on
-        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, watchdog.beat)
-        log.log({"step": 0, "eval_loss": eval_loss})
-        accelerator.print(f"step 0: eval_loss {eval_loss:.4f}")
+        run_eval()
     model.train()
     tick = time.perf_counter()
 
@@ -343,7 +358,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                 # also takes its optimizer step inside that backward.
                 accelerator.gradient_state._set_sync_gradients(last)
                 with nullcontext() if last else accelerator.no_sync(model):
-                    loss, _ = token_loss(model, batch, attn)
+                    loss, _ = token_loss(model, batch, attn, t.loss_chunk_tokens)
                     accelerator.backward(loss * (world * ds_accum / global_tokens))
                 loss_sum += loss.detach()
             norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
@@ -381,7 +396,8 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             seconds = time.perf_counter() - tick
             mfu = None
             if peak is not None:
-                flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden)
+                flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden,
+                                   head_params, global_tokens)
                 mfu = flops / (seconds * world * peak)
             if step % cfg.log.every_steps == 0 or step == total_steps:
                 row = {"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
@@ -395,9 +411,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                                      **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
             if eval_loader is not None and (step == total_steps or
                                             (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
-                eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, watchdog.beat)
-                log.log({"step": step, "eval_loss": eval_loss})
-                accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
+                run_eval()
             if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == total_steps):
                 save_checkpoint()
             tick = time.perf_counter()

@@ -21,7 +21,7 @@ from llmtrain.config import to_yaml
 from llmtrain.data import resolve_chat_template
 from llmtrain.export import model_for_sampling, sample, save_final
 from llmtrain.metrics import plot_losses, versions
-from llmtrain.model import check_model, load_model, load_tokenizer
+from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
 from llmtrain.stop import StopRequest
 from llmtrain.train import build_datasets, setup_accelerator, train
 from llmtrain.watchdog import Watchdog
@@ -36,6 +36,7 @@ def main(argv=None):
     with accelerator.main_process_first():
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
     check_model(cfg.model, cfg.data.max_seq_len)
+    cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
     out = Path(cfg.output_dir)
 
     def warn(message: str) -> None:

@@ -80,8 +80,69 @@ def test_packed_and_unpacked_give_the_same_summed_loss(tiny_model, tokenizer, ex
     torch.testing.assert_close(p_loss, u_loss, rtol=1e-5, atol=1e-4)
 
 
+def test_flex_block_mask_allows_exactly_what_the_dense_document_mask_allows():
+    """Attention under the BlockMask equals SDPA under the dense mask, for documents whose
+    lengths do not fall on the kernel's 128-token blocks, with padding at the end. (Eager
+    FlexAttention: PyTorch's compiled CPU kernel is wrong for some lengths, and CPU has no
+    FlexAttention backward, so CPU training never uses it.)"""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from llmtrain.packing import document_mask
+
+    lengths = [[5, 130, 1, 90, 40], [300, 2, 9]]
+    L = 300
+    doc_ids = torch.full((2, L), -1)
+    for b, row in enumerate(lengths):
+        doc_ids[b, :sum(row[:-1]) + row[-1]] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))[:L]
+    q, k, v = (torch.randn(2, 4, L, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids, "sdpa", torch.float32))
+    flex = flex_attention(q, k, v, block_mask=document_mask(doc_ids, "flex_attention", torch.float32))
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+    # Blocks where nothing is allowed are skipped: with three documents on block bounds each
+    # query block visits one key block, where plain causal attention visits 1, 2 and 3.
+    blocks = document_mask(torch.arange(384)[None] // 128, "flex_attention", torch.float32)
+    assert (blocks.kv_num_blocks + blocks.full_kv_num_blocks).flatten().tolist() == [1, 1, 1]
+
+
+def test_flex_attention_model_on_packed_batches_matches_sdpa_with_the_dense_mask(tiny_model, tokenizer, examples):
+    """transformers hands our BlockMask to FlexAttention unchanged (forward only on CPU)."""
+    from llmtrain.packing import document_mask
+
+    packed = PackedDataset(examples, capacity=256)
+    batch = Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))])
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    with torch.no_grad():
+        flex = load(tiny_model, "flex_attention")(
+            **inputs, attention_mask=document_mask(batch["doc_ids"], "flex_attention", torch.float32)).logits
+        dense = load(tiny_model, "sdpa")(
+            **inputs, attention_mask=document_mask(batch["doc_ids"], "sdpa", torch.float32)).logits
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
 def test_padding_in_a_pack_is_its_own_block(tokenizer, examples):
     packed = PackedDataset(examples, capacity=512)
     batch = Collator(tokenizer.pad_token_id)([packed[0], {"input_ids": [5], "labels": [-100], "position_ids": [0],
                                                          "doc_ids": [0]}])
     assert batch["doc_ids"][1, 1:].eq(-1).all() and batch["labels"][1, 1:].eq(-100).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_attention_trains_like_the_dense_mask_on_a_gpu(tiny_model, tokenizer, examples):
+    """Loss and gradients of a packed bf16 batch: FlexAttention with the block mask (what
+    attn_implementation=auto picks for packed data on a GPU) against SDPA with the dense mask."""
+    packed = PackedDataset(examples, capacity=256)
+    batch = {k: v.cuda() for k, v in Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))]).items()}
+    results = {}
+    for attn in ("flex_attention", "sdpa"):
+        model = load(tiny_model, attn).cuda().train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, n = token_loss(model, batch, attn, chunk=64)
+        loss.backward()
+        results[attn] = loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    (flex, g_flex), (dense, g_dense) = results["flex_attention"], results["sdpa"]
+    torch.testing.assert_close(flex, dense, rtol=2e-2, atol=0)
+    for name, g in g_dense.items():
+        cos = torch.nn.functional.cosine_similarity(g_flex[name].flatten().float(), g.flatten().float(), dim=0)
+        assert cos > 0.99, name

@@ -26,6 +26,9 @@ def test_document_sizes_count_each_packed_document_and_skip_padding():
 def test_step_flops_formula():
     # two documents of 3 and 2 tokens, N=10 matmul parameters, 2 layers of width 4
     assert step_flops(5, 13, n_params=10, layers=2, hidden=4) == 6 * 10 * 5 + 12 * 2 * 4 * 13
+    # the chunked loss runs a 3-parameter output layer on the 2 trained tokens only
+    assert step_flops(5, 13, n_params=10, layers=2, hidden=4, head_params=3, head_tokens=2) == \
+        6 * 7 * 5 + 6 * 3 * 2 + 12 * 2 * 4 * 13
 
 
 def test_matmul_params_count_the_head_once(tiny_model):

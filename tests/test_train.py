@@ -40,15 +40,18 @@ def final_weights(out: Path) -> dict:
 
 
 def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, rows18, cache_env, tmp_path):
-    layouts = {"8x1": (1, 8, 1), "2x4": (1, 2, 4), "2proc_2x2": (2, 2, 2)}
+    """Also with the cross-entropy in chunks of 7 tokens (recomputed in backward) on the
+    two-process layout (DDP gets the same gradients), and with two data-loader workers."""
+    layouts = {"8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]), "2x4": (1, 2, 4, ["data.num_workers=2"]),
+               "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7"])}
     eval_file = tmp_path / "eval.jsonl"
     write_jsonl(make_rows(5, seed=13), eval_file)  # 3 eval batches of 2: one process gets 1, the other 2
     results, evals = {}, {}
-    for name, (nproc, micro, accum) in layouts.items():
+    for name, (nproc, micro, accum, extra) in layouts.items():
         out = tmp_path / name
-        run_recipe(common(rows18, out) + [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}",
-                                           f"data.eval={eval_file}", "eval.micro_batch_size=2"],
-                   cache_env, nproc=nproc)
+        run_recipe(common(rows18, out) + extra + [f"train.micro_batch_size={micro}",
+                                                  f"train.grad_accum_steps={accum}", f"data.eval={eval_file}",
+                                                  "eval.micro_batch_size=2"], cache_env, nproc=nproc)
         results[name] = (train_rows(out), final_weights(out))
         evals[name] = [(r["step"], r["eval_loss"]) for r in metrics(out) if "eval_loss" in r]
     ref_rows, ref_w = results["8x1"]
@@ -63,6 +66,25 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
         for key in ref_w:
             torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_compiled_and_eager_runs_give_the_same_losses(common, rows18, cache_env, tmp_path):
+    """train.compile on two DDP processes, with rows of many lengths (so shapes change from
+    batch to batch and the compiled blocks are recompiled for dynamic shapes)."""
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / f"compile-{compiled}"
+        proc = run_recipe(common(rows18, out) + ["train.micro_batch_size=2", "train.grad_accum_steps=2",
+                                                  "train.epochs=2", f"train.compile={str(compiled).lower()}"],
+                          cache_env, nproc=2)
+        assert ("compiling 2 transformer blocks" in proc.stdout) == compiled
+        runs[compiled] = (train_rows(out), final_weights(out))
+    (eager, eager_w), (comp, comp_w) = runs[False], runs[True]
+    assert len(comp) == len(eager) == 6
+    assert [r["loss"] for r in comp] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
+    assert [r["grad_norm"] for r in comp] == pytest.approx([r["grad_norm"] for r in eager], rel=1e-4)
+    for key in eager_w:
+        torch.testing.assert_close(comp_w[key], eager_w[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 RESUME_ARGS = ["train.micro_batch_size=2", "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep_last=2",
