@@ -143,8 +143,9 @@ class TrainConfig:
     layers). The first steps are slower while it compiles. Not with DeepSpeed."""
     hang_timeout_s: int = 1800
     """A process that makes no progress for this long (another rank died or hung, so a
-    collective never returns) exits with an error naming its rank, and the launcher stops
-    the rest. Must exceed the longest step, evaluation or checkpoint write; 0 disables."""
+    collective never returns) exits with an error naming its rank and the ranks that
+    stopped reporting, and the launcher stops the rest. Must exceed the longest step,
+    evaluation or checkpoint write; 0 disables."""
 
 
 @dataclass

@@ -63,7 +63,7 @@ def main(argv=None):
     checkpoint.check_free_space(cfg.output_dir, checkpoint.output_bytes(model))
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.
-    watchdog = Watchdog(cfg.train.hang_timeout_s, accelerator.process_index).start()
+    watchdog = Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes).start()
     model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop, watchdog)
     if stop.agreed:
         watchdog.stop()

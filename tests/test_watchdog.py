@@ -61,6 +61,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(base_config, tiny_model, ch
     try:
         assert wait_for(lambda: (out / "metrics.jsonl").exists() and
                         any(r.get("step", 0) >= 3 and "loss" in r for r in metrics(out)), proc)
+        time.sleep(3)  # the watchdogs post their state every 1.25 s here
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
         next(p for p in workers if p.environ()["RANK"] == "1").send_signal(signal.SIGSTOP)
         frozen = time.monotonic()
@@ -77,6 +78,55 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(base_config, tiny_model, ch
                 pass
     assert proc.returncode != 0
     assert "error: rank 0: no progress for 10 s" in output, output[-3000:]
+    # ...and names the frozen rank, with the last state it posted (up to 1.25 s before the freeze)
+    assert "; rank 1 stopped reporting" in output and "(dead or frozen), last at " in output, output[-3000:]
     # The timeout, then torchrun's teardown (it waits 30 s for the frozen rank to take SIGTERM).
     assert took < 80, took
     assert find_resume(str(out), "auto") is not None
+
+
+class FakeStore:
+    """The three calls the watchdog makes on the process group's store. `post` stands in
+    for another rank's watchdog, posting `age` seconds before each read."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode()
+
+    def post(self, rank, where, idle_s, age):
+        import json
+
+        self.data[f"llmtrain/watchdog/{rank}"] = lambda: json.dumps(
+            {"where": where, "idle_s": idle_s, "posted": time.time() - age}).encode()
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        value = self.data[key]
+        return value() if callable(value) else value
+
+
+def test_the_error_names_ranks_that_went_silent_or_are_stuck_elsewhere(capsys, monkeypatch):
+    import json
+
+    from llmtrain import watchdog
+
+    store = FakeStore()
+    store.post(1, "step 5, micro-batch 2 of 4", idle_s=1.0, age=60)  # dead or frozen: no post for a minute
+    store.post(2, "writing the checkpoint of step 5", idle_s=40.0, age=0)  # alive, stuck longer, elsewhere
+    store.post(3, "step 6, micro-batch 1 of 4", idle_s=40.0, age=0)  # alive, waiting where rank 0 waits
+    dog = watchdog.Watchdog(0.4, rank=0, world=5, store=store)  # rank 4 never posted
+    dog.beat("step 6, micro-batch 1 of 4")
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as exited:
+        dog._watch()
+    assert exited.value.code == EXIT_HUNG
+    err = capsys.readouterr().err
+    assert "error: rank 0: no progress for 0.4 s, stuck at step 6, micro-batch 1 of 4; " in err
+    assert "rank 1 stopped reporting 60 s ago (dead or frozen), last at step 5, micro-batch 2 of 4" in err
+    assert "rank 2 is alive but has made no progress for 40 s, at writing the checkpoint of step 5" in err
+    assert "rank 3" not in err and "rank 4" not in err
+    assert json.loads(store.get("llmtrain/watchdog/0"))["where"] == "step 6, micro-batch 1 of 4"  # it posts too
