@@ -35,14 +35,18 @@ class Collator:
     """Pads a list of examples to the longest (right padding, labels IGNORE).
 
     Packed examples (with position_ids and doc_ids) keep them; padding gets doc id -1 so
-    it forms its own block and never joins a real sample."""
+    it forms its own block and never joins a real sample. With `pack_width`, packed batches
+    are padded to that width: every batch has one shape, so compiled kernels (FlexAttention,
+    train.compile) are built once; best-fit packing leaves little to pad."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, pack_width: int = 0):
+        self.pad_id, self.pack_width = pad_id, pack_width
 
     def __call__(self, examples: list[dict]) -> dict:
-        width = max(len(e["input_ids"]) for e in examples)
         packed = "doc_ids" in examples[0]
+        width = max(len(e["input_ids"]) for e in examples)
+        if packed:
+            width = max(width, self.pack_width)
 
         def pad(key, value):
             return torch.tensor([e[key] + [value] * (width - len(e[key])) for e in examples], dtype=torch.long)

@@ -261,7 +261,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     """Run the optimizer steps; returns the (prepared) model. If a stop is requested
     (stop.agreed after return), a checkpoint of the last finished step has been written."""
     t, attn, packed = cfg.train, cfg.model.attn_implementation, cfg.data.packing
-    collator = Collator(pad_id(tokenizer))
+    collator = Collator(pad_id(tokenizer), cfg.data.max_seq_len if packed else 0)
     train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle,
                                cfg.data.num_workers)
     sampler = train_loader.sampler  # kept: prepare() wraps it, and we set its epoch

@@ -127,6 +127,18 @@ def test_padding_in_a_pack_is_its_own_block(tokenizer, examples):
     assert batch["doc_ids"][1, 1:].eq(-1).all() and batch["labels"][1, 1:].eq(-100).all()
 
 
+def test_packed_batches_have_one_shape(tokenizer, examples):
+    """Padded to the pack width, so compiled kernels see a single shape; unpacked rows
+    are still padded only to the longest row."""
+    collate = Collator(tokenizer.pad_token_id, pack_width=512)
+    packed = PackedDataset(examples, capacity=512)
+    assert {collate([packed[j]])["input_ids"].shape[1] for j in range(len(packed))} == {512}
+    assert collate.empty_batch(packed=True)["input_ids"].shape == (1, 512)
+    row = examples[0]
+    assert collate([{"input_ids": row["input_ids"], "labels": row["labels"]}])["input_ids"].shape[1] == len(
+        row["input_ids"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flex_attention_trains_like_the_dense_mask_on_a_gpu(tiny_model, tokenizer, examples):
