@@ -408,7 +408,9 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_tokens / seconds:.0f}",
-                                     **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+                                     **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
+                                     wait=f"{window.data_wait / seconds:.1%}",
+                                     mem=f"{peak_memory_gib(accelerator.device):.2f}G")
             if eval_loader is not None and (step == total_steps or
                                             (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
                 run_eval()
