@@ -71,7 +71,13 @@ class Collator:
 
 
 def make_loader(dataset, batch_size: int, collator: Collator, seed: int, shuffle: bool, num_workers: int):
-    """A DataLoader over `dataset` (a datasets.Dataset of input_ids/labels or a PackedDataset)."""
+    """A DataLoader over `dataset`: a datasets.Dataset of input_ids/labels or a
+    PackedDataset (ordered by an EpochSampler), or a stream.StreamedRows (which orders
+    itself)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        # No persistent workers: each pass must start workers with the pass's shuffle seed.
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
+                                           num_workers=num_workers, pin_memory=torch.cuda.is_available())
     if hasattr(dataset, "select_columns"):
         dataset = dataset.select_columns(["input_ids", "labels"])
     sampler = EpochSampler(len(dataset), seed, shuffle)

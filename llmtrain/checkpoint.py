@@ -191,7 +191,8 @@ def check_free_space(output_dir: str, need: dict[str, int]) -> None:
 def position_settings(cfg, world_size: int) -> dict:
     return {"train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum_steps": cfg.train.grad_accum_steps,
             "train.seed": cfg.train.seed, "data.max_seq_len": cfg.data.max_seq_len, "data.packing": cfg.data.packing,
-            "data.shuffle": cfg.data.shuffle, "world_size": world_size}
+            "data.shuffle": cfg.data.shuffle, "world_size": world_size,
+            **({"data.streaming": True, "data.shuffle_buffer": cfg.data.shuffle_buffer} if cfg.data.streaming else {})}
 
 
 def publish(tmp: Path, final: Path) -> None:

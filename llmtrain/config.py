@@ -83,6 +83,15 @@ class DataConfig:
     packing: bool = False
     """Pack rows into max_seq_len sequences. Samples never attend to each other and their
     positions restart at 0."""
+    streaming: bool = False
+    """Read data.train as a stream: rows are tokenized (and packed) while training runs,
+    never prepared or cached whole; for corpora too large to prepare up front. Needs
+    train.max_steps. Each process reads its own part of each source; a bad row stops the
+    run with a checkpoint when it is reached. data.eval is still prepared whole."""
+    shuffle_buffer: int = 10000
+    """With data.streaming and data.shuffle, rows held in the shuffle buffer: each row
+    read is drawn at random from a buffer of this many. Larger mixes better, at the cost
+    of memory and a slower first step."""
     num_workers: int = 0
     """DataLoader worker processes."""
     shuffle: bool = True
@@ -379,6 +388,10 @@ def validate(cfg: Config) -> list[str]:
                        ("train.loss_chunk_tokens", t.loss_chunk_tokens)]:
         if value < 0:
             p.append(f"{key}: must not be negative, got {value}")
+    if cfg.data.streaming and t.max_steps == 0:
+        p.append("data.streaming: a stream's length is not known ahead; set train.max_steps")
+    if cfg.data.shuffle_buffer < 1:
+        p.append(f"data.shuffle_buffer: must be at least 1, got {cfg.data.shuffle_buffer}")
     if t.max_steps == 0 and t.epochs < 1:
         p.append(f"train.epochs: must be at least 1 when train.max_steps is 0, got {t.epochs}")
     if t.spike_factor and not t.spike_factor > 1:

@@ -72,7 +72,7 @@ def as_list(x) -> list[str]:
 # --- loading -------------------------------------------------------------------------------
 
 
-def _check_json_file(path: Path, key: str) -> None:
+def check_json_file(path: Path, key: str) -> None:
     """Fail on the first malformed line with its number; datasets' own error gives none."""
     if path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
@@ -94,17 +94,21 @@ def _check_json_file(path: Path, key: str) -> None:
                             "use a JSON array of objects or JSON Lines (.jsonl)") from None
 
 
-def load_source(name: str, key: str) -> Source:
+def load_source(name: str, key: str, streaming: bool = False) -> Source:
+    """A file or hub data set as a datasets.Dataset, or with `streaming` as an
+    IterableDataset read while it is iterated (a JSON file is then checked as it is read,
+    not up front, see `StreamedRows`)."""
     import datasets
 
     path = Path(name)
     if path.suffix in FILE_BUILDERS:
         if not path.is_file():
             raise DataError(f"{key}: no such file: {name}")
-        if FILE_BUILDERS[path.suffix] == "json":
-            _check_json_file(path, key)
+        if FILE_BUILDERS[path.suffix] == "json" and not streaming:
+            check_json_file(path, key)
         try:
-            ds = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+            ds = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train",
+                                       streaming=streaming)
         except Exception as e:  # Arrow schema errors and the like
             raise DataError(f"{key}: could not read {name}: {str(e).splitlines()[0]}") from None
         return Source(key, name, ds, local_path=path)
@@ -112,7 +116,7 @@ def load_source(name: str, key: str) -> Source:
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
     hub, _, split = name.partition(":")
     try:
-        ds = datasets.load_dataset(hub, split=split or "train")
+        ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)
     except Exception as e:
         raise DataError(f"{key}: could not load '{name}' as a file or hub data set "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -274,6 +278,16 @@ def resolve_chat_template(cfg: DataConfig) -> str | None:
     return t or None
 
 
+def check_source(src: Source, columns: list[str], tokenizer, template: str | None, cfg: DataConfig) -> None:
+    """Set src.format from its columns; refuse chat rows with no chat template to render them."""
+    src.format = detect_format(columns, cfg.format, src.name, src.key)
+    conversational = any(set(REQUIRED[f]) <= set(columns) for f in ("chat", "sharegpt", "alpaca"))
+    if conversational and src.format in ("auto", "chat", "sharegpt", "alpaca") and not (
+            template or tokenizer.chat_template):
+        raise DataError(f"{src.key}: {src.name} has conversational rows but the tokenizer has no chat template; "
+                        "set data.chat_template to a Jinja template or a .jinja file")
+
+
 def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> str:
     """A stable cache key, so every rank (and the next run) finds the tokenized rows that
     the main process wrote instead of tokenizing again."""
@@ -297,12 +311,7 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
     parts, stats = [], DataStats()
     for name in names:
         src = load_source(name, key)
-        src.format = detect_format(src.dataset.column_names, cfg.format, name, key)
-        conversational = any(set(REQUIRED[f]) <= set(src.dataset.column_names) for f in ("chat", "sharegpt", "alpaca"))
-        if conversational and src.format in ("auto", "chat", "sharegpt", "alpaca") and not (
-                template or tokenizer.chat_template):
-            raise DataError(f"{key}: {name} has conversational rows but the tokenizer has no chat template; "
-                            "set data.chat_template to a Jinja template or a .jinja file")
+        check_source(src, src.dataset.column_names, tokenizer, template, cfg)
         fmt = src.format
         ds = src.dataset.map(
             lambda row: process_row(row, fmt, tokenizer, template, cfg),

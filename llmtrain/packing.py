@@ -53,13 +53,20 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, j: int) -> dict:
         rows = self.rows[self.bins[j]]
-        input_ids, labels, position_ids, doc_ids = [], [], [], []
-        for d, (ids, lab) in enumerate(zip(rows["input_ids"], rows["labels"])):
-            input_ids += ids
-            labels += lab
-            position_ids += range(len(ids))
-            doc_ids += [d] * len(ids)
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
+        return join_rows([{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])])
+
+
+def join_rows(rows: list[dict]) -> dict:
+    """One packed sequence from rows of input_ids and (shifted) labels: positions restart
+    at 0 for every row, and doc_ids say which row each token belongs to."""
+    input_ids, labels, position_ids, doc_ids = [], [], [], []
+    for d, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids += row["input_ids"]
+        labels += row["labels"]
+        position_ids += range(n)
+        doc_ids += [d] * n
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
 
 
 def document_mask(doc_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype):

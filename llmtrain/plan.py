@@ -11,18 +11,22 @@ training row with its trained tokens marked.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from . import demo
 from .cli import USER_ERRORS
 from .config import ConfigError, load_config, to_yaml
-from .data import IGNORE, as_list, prepare_split
+from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
 from .model import PLAIN_HEADS, check_model, load_tokenizer
+from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
+STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
 
 
 @dataclass
@@ -160,20 +164,29 @@ def plan(argv: list[str]) -> None:
 
     check_model(cfg.model, cfg.data.max_seq_len)
     tokenizer = load_tokenizer(cfg.model)
-    ds, stats = prepare_split("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
-    total, trainable, mcfg = count_params(cfg)
-
     t, world = cfg.train, launch.num_processes
-    if cfg.data.packing:
-        from .packing import pack_lengths
-
-        sequences = len(pack_lengths(ds["length"], cfg.data.max_seq_len))
+    if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
+        stream = StreamedRows("data.train", as_list(cfg.data.train), tokenizer, resolve_chat_template(cfg.data),
+                              dataclasses.replace(cfg.data, shuffle=False), t.seed, 0, 1)
+        ds = list(islice(stream.rows(), STREAM_SAMPLE))
+        if not ds:
+            raise DataError(f"data.train: no usable row in the first {stream.stats.rows} rows of the stream: "
+                            f"{stream.stats.summary('data.train')}")
+        lengths, stats, steps_per_epoch = [len(r["input_ids"]) for r in ds], stream.stats, None
     else:
-        sequences = len(ds)
-    per_process = math.ceil(math.ceil(sequences / t.micro_batch_size) / world)
-    steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
+        ds, stats = prepare_split("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
+        lengths = ds["length"]
+        if cfg.data.packing:
+            from .packing import pack_lengths
+
+            sequences = len(pack_lengths(lengths, cfg.data.max_seq_len))
+        else:
+            sequences = len(ds)
+        per_process = math.ceil(math.ceil(sequences / t.micro_batch_size) / world)
+        steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
+    total, trainable, mcfg = count_params(cfg)
     global_seqs = t.micro_batch_size * t.grad_accum_steps * world
-    mean_len = sum(ds["length"]) / len(ds)
+    mean_len = sum(lengths) / len(lengths)
     tokens_per_seq = cfg.data.max_seq_len if cfg.data.packing else mean_len
     memory = memory_estimate(cfg, launch, total, trainable, mcfg)
 
@@ -192,8 +205,12 @@ def plan(argv: list[str]) -> None:
     print(f"  global batch: {global_seqs} sequences = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
           f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
           + (" (packed)" if cfg.data.packing else f" (mean row {mean_len:.0f} tokens)"))
-    print(f"  {stats.summary('data.train')}")
-    print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.max_steps or t.epochs * steps_per_epoch}")
+    if steps_per_epoch is None:
+        print(f"  streamed; the first rows read: {stats.summary('data.train')}")
+        print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")
+    else:
+        print(f"  {stats.summary('data.train')}")
+        print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.max_steps or t.epochs * steps_per_epoch}")
     print("\n== memory per GPU (rough estimate) ==")
     print(f"  parameters: {total:,} ({trainable:,} trainable)")
     for key, n in memory.items():

@@ -21,17 +21,23 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType, parse_flag_from_env
+from accelerate.utils import (
+    DistributedType,
+    gather_object,
+    parse_flag_from_env,
+    send_to_device,
+)
 
 from . import checkpoint
 from .batches import Collator, make_loader
 from .config import Config, ConfigError, flat_dict, to_yaml
-from .data import as_list, prepare_split
+from .data import DataError, as_list, prepare_split, resolve_chat_template
 from .metrics import MetricsLog, tracker_name
 from .model import chunkable_head, compile_blocks, pad_id, token_loss
 from .packing import PackedDataset
 from .spike import SpikeGuard
 from .stop import StopRequest
+from .stream import StreamedRows
 from .throughput import (
     device_peak_flops,
     document_sizes,
@@ -161,12 +167,19 @@ def raise_skips(cfg: Config, step: int, in_a_row: int, reason: str) -> None:
 
 def build_datasets(cfg: Config, accelerator, tokenizer):
     """Tokenize train/eval once (main process first; the others read its cache) and pack
-    them if asked. Returns (train_set, eval_set or None)."""
+    them if asked; with data.streaming, data.train is a StreamedRows read during training.
+    Returns (train_set, eval_set or None)."""
     sets: list = []
     with accelerator.main_process_first():
         for key, names in (("data.train", as_list(cfg.data.train)), ("data.eval", as_list(cfg.data.eval))):
             if not names:
                 sets.append(None)
+                continue
+            if key == "data.train" and cfg.data.streaming:
+                sets.append(StreamedRows(key, names, tokenizer, resolve_chat_template(cfg.data), cfg.data,
+                                         cfg.train.seed, accelerator.process_index, accelerator.num_processes))
+                accelerator.print(f"{key}: streaming {len(names)} source(s); rows are tokenized"
+                                  f"{' and packed' if cfg.data.packing else ''} as they are read")
                 continue
             ds, stats = prepare_split(key, names, tokenizer, cfg.data)
             accelerator.print(stats.summary(key))
@@ -212,27 +225,44 @@ class Window:
     data_wait: float  # seconds this process waited for the batches
 
 
+def fault_message(e: DataError) -> str:
+    """The DataError's own line; from a DataLoader worker it arrives wrapped in a traceback."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(e).__name__
+    return last.split("DataError: ", 1)[1] if "Original Traceback" in str(e) and "DataError: " in last else last
+
+
 def windows(batches, size: int, accelerator, stop: StopRequest | None = None, beat=None):
     """Yield a Window per optimizer step until every process has run out. A process may
     get fewer than `size` micro-batches, or none, at the end; it then runs empty batches
     up to `micro_steps`, so that sharded models (ZeRO-3, FSDP), whose forward passes are
     collectives, see the same number of passes on every process.
 
-    With `stop`, the same gather tells every process whether any was signalled; then
-    all return before the step, with stop.agreed set to the signal. `beat(where)` marks
-    progress for the watchdog before each window."""
+    With `stop`, the same gather tells every process whether any was signalled, or met
+    bad data while drawing its batches; then all return before the step, with
+    stop.agreed set to the signal or stop.failed set. `beat(where)` marks progress for
+    the watchdog before each window."""
     while True:
         if beat is not None:
             beat("fetching batches and agreeing on the next step with the other processes")
         start = time.perf_counter()
-        window = list(islice(batches, size))
+        try:
+            window = list(islice(batches, size))
+        except DataError as e:  # a bad streamed row or an unreadable file
+            if stop is None:
+                raise
+            stop.fault, window = fault_message(e), []
         wait = time.perf_counter() - start
         signum = stop.signum if stop is not None else 0
         sizes = [document_sizes(b) for b in window]
         local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), signum,
-                              sum(s for s, _ in sizes), sum(q for _, q in sizes)], device=accelerator.device)
+                              sum(s for s, _ in sizes), sum(q for _, q in sizes), int(bool(stop and stop.fault))],
+                             device=accelerator.device)
         every = accelerator.gather(local[None]).view(-1, len(local))  # one row per process
         total, most = every.sum(0).tolist(), every.max(0).values.tolist()
+        if most[5] > 0:
+            stop.failed = True
+            return
         if most[2] > 0:
             stop.agreed = int(most[2])
             return
@@ -261,6 +291,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     """Run the optimizer steps; returns the (prepared) model. If a stop is requested
     (stop.agreed after return), a checkpoint of the last finished step has been written."""
     t, attn, packed = cfg.train, cfg.model.attn_implementation, cfg.data.packing
+    streaming = isinstance(train_set, StreamedRows)
     collator = Collator(pad_id(tokenizer), cfg.data.max_seq_len if packed else 0)
     train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle,
                                cfg.data.num_workers)
@@ -271,9 +302,14 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                                   False, cfg.data.num_workers)
 
     world = accelerator.num_processes
-    per_process = math.ceil(math.ceil(len(train_set) / t.micro_batch_size) / world)
-    steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
-    total_steps = t.max_steps or t.epochs * steps_per_epoch
+    if streaming:
+        total_steps = t.max_steps
+        per_epoch = "a pass over the stream ends when every process has run out"
+    else:
+        per_process = math.ceil(math.ceil(len(train_set) / t.micro_batch_size) / world)
+        steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
+        total_steps = t.max_steps or t.epochs * steps_per_epoch
+        per_epoch = f"{steps_per_epoch} per epoch"
 
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     # DeepSpeed divides every backward by its accumulation count; multiplying by it keeps a
@@ -293,7 +329,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     # DeepSpeed the optimizer steps inside backward, and ZeRO regroups the parameters), and
     # the step is in every checkpoint.
     watchdog.beat("setting up the model and optimizer across processes")
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    if streaming:  # each process already reads only its part; Accelerate would re-shard it and repeat rows
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
 
@@ -308,7 +347,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     log = MetricsLog(accelerator, cfg.output_dir, step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
-    accelerator.print(f"training {total_steps} steps ({steps_per_epoch} per epoch), global batch "
+    accelerator.print(f"training {total_steps} steps ({per_epoch}), global batch "
                       f"{t.micro_batch_size * t.grad_accum_steps * world} sequences on {world} process(es)")
 
     progress = None
@@ -337,13 +376,23 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         return checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
 
     while step < total_steps:
-        loader = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
-        # Accelerate's loader re-applies its own epoch counter to the sampler on every
-        # iter(), and a loader made by skip_first_batches starts that counter at 0: set both,
-        # or the epoch after a mid-epoch resume would repeat epoch 0's order.
-        sampler.set_epoch(epoch)
-        loader.set_epoch(epoch)
-        for window in windows(iter(loader), t.grad_accum_steps, accelerator, stop, watchdog.beat):
+        if streaming:
+            # The stream's order depends only on (seed, pass, processes): reading it again up
+            # to the saved position gives a resumed run exactly the rows that come next.
+            train_set.set_epoch(epoch)
+            batches = (send_to_device(b, accelerator.device, non_blocking=True)
+                       for b in islice(train_loader, consumed, None))
+        else:
+            loader = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
+            # Accelerate's loader re-applies its own epoch counter to the sampler on every
+            # iter(), and a loader made by skip_first_batches starts that counter at 0: set both,
+            # or the epoch after a mid-epoch resume would repeat epoch 0's order.
+            sampler.set_epoch(epoch)
+            loader.set_epoch(epoch)
+            batches = iter(loader)
+        fresh_pass = consumed == 0
+        for window in windows(batches, t.grad_accum_steps, accelerator, stop, watchdog.beat):
+            fresh_pass = False
             consumed += len(window.batches)
             lr = t.lr * lr_factor(step, total_steps, cfg)
             for group in optimizer.param_groups:
@@ -420,12 +469,24 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             if step >= total_steps:
                 break
         else:  # the epoch ran out before total_steps, or a stop was agreed
-            if stop.agreed:
+            if stop.agreed or stop.failed:
                 break
+            if fresh_pass:
+                raise DataError("data.train: a whole pass over the stream gave no usable row on any process (see the "
+                                "dropped-row counts above); check data.max_seq_len, data.overlong and data.loss_on")
             epoch, consumed = epoch + 1, 0
 
     if progress is not None:
         progress.close()
+    if stop.failed:  # bad streamed data on some process: keep what was trained, then report it
+        fault = next(f for f in gather_object([stop.fault]) if f)
+        if step == 0:
+            raise DataError(f"{fault}; nothing was trained yet")
+        path = checkpoint.checkpoint_root(cfg.output_dir) / f"step-{step}"
+        if not path.exists():
+            path = save_checkpoint()
+        raise DataError(f"{fault}. Training stopped after step {step} with checkpoint {path} complete; fix or remove "
+                        "the row and run the same command again to continue from it")
     if stop.agreed:
         path = checkpoint.checkpoint_root(cfg.output_dir) / f"step-{step}"
         if not path.exists():

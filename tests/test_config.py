@@ -56,6 +56,15 @@ def test_all_problems_reported_at_once():
     assert any("one of 'truncate', 'drop', 'error'" in p for p in problems)
 
 
+def test_a_stream_needs_max_steps():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true",
+                           "data.shuffle_buffer=0"])
+    assert e.value.problems == ["data.streaming: a stream's length is not known ahead; set train.max_steps",
+                                "data.shuffle_buffer: must be at least 1, got 0"]
+    load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true", "train.max_steps=5"])
+
+
 def test_bool_is_not_an_int_and_string_is_not_a_bool():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.name_or_path=x", "data.train=a", "train.epochs=true", "data.packing=yes please"])

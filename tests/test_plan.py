@@ -32,6 +32,15 @@ def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model,
     assert "output_dir:" in out  # the resolved config
 
 
+def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env):
+    proc = plan("--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
+                "data.streaming=true", "train.max_steps=50", env=cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "streamed; the first rows read: data.train: 20/20 rows kept" in proc.stdout
+    assert "steps per pass: not known ahead (streamed); total steps: 50" in proc.stdout
+    assert "<|im_start|>assistant\n\u27e6" in proc.stdout.split("the rest masked) ==\n", 1)[1]
+
+
 def test_plan_flags_a_deepspeed_accumulation_conflict(base_config, tiny_model, chat_file, cache_env, tmp_path):
     ds = tmp_path / "zero2.yaml"
     ds.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"

@@ -1,0 +1,153 @@
+"""Streamed training data (data.streaming): rows are read, tokenized and packed while
+training runs, so a corpus never has to be prepared, cached or held whole.
+
+Each process reads its own part of every source (datasets' `split_dataset_by_node`: whole
+shards when a source has a multiple of the process count, else every N-th row), so ranks
+can run out at different times; the training loop's windows then run empty micro-batches
+on the ranks that are done until all are (see `train.windows`). Sources are read in turn,
+a row from each, and shuffled through a buffer of data.shuffle_buffer rows, reseeded every
+pass. The order depends only on (seed, pass, process count), so a resumed run reads the
+stream again up to its saved position and continues with exactly the rows it would have had.
+
+Bad rows stop the run as they do for prepared data, but mid-run: the error names the
+file and line and rides the per-step agreement, so every process stops after the same
+step with a complete checkpoint (see `train.train`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .config import DataConfig
+from .data import (
+    DataError,
+    DataStats,
+    Source,
+    check_json_file,
+    check_source,
+    load_source,
+    process_row,
+)
+from .packing import join_rows
+
+
+class StreamedRows(torch.utils.data.IterableDataset):
+    """This process's share of data.train as tokenized examples (input_ids, labels), or
+    packed sequences with data.packing."""
+
+    def __init__(self, key: str, names: list[str], tokenizer, template: str | None, cfg: DataConfig, seed: int,
+                 rank: int, world: int):
+        from datasets.distributed import split_dataset_by_node
+
+        self.key, self.tokenizer, self.template, self.cfg, self.rank = key, tokenizer, template, cfg, rank
+        self.streams: list[tuple[Source, object]] = []
+        for name in names:
+            src = load_source(name, key, streaming=True)
+            check_source(src, src.dataset.column_names or list(self._first_row(src)), tokenizer, template, cfg)
+            # The row's index in its source, taken before shuffling and splitting, names it in errors.
+            ds = src.dataset.map(lambda row, i: {"__row": i}, with_indices=True)
+            if cfg.shuffle:
+                ds = ds.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
+            self.streams.append((src, split_dataset_by_node(ds, rank=rank, world_size=world)))
+
+    def _first_row(self, src: Source) -> dict:
+        try:
+            return next(iter(src.dataset))
+        except StopIteration:
+            raise DataError(f"{self.key}: {src.name} has no rows") from None
+        except Exception as e:
+            raise self._read_error(src, e) from None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reseed the shuffle buffer for pass `epoch`."""
+        for _, ds in self.streams:
+            ds.set_epoch(epoch)
+
+    def _read_error(self, src: Source, e: Exception) -> DataError:
+        if src.local_path is not None and src.local_path.suffix in (".jsonl", ".json"):
+            try:
+                check_json_file(src.local_path, self.key)  # raises with the line number
+            except DataError as located:
+                return located
+        return DataError(f"{self.key}: could not read {src.name} ({type(e).__name__}: {str(e).splitlines()[0]})")
+
+    def _where(self, src: Source, row: dict) -> str:
+        if src.dataset.n_shards == 1:  # one shard is split row by row, so the index is the source's own
+            return src.where(row["__row"])
+        return f"{src.name} (row {row['__row']} of a shard read by process {self.rank})"
+
+    def _read(self, src: Source, ds):
+        it = iter(ds)
+        while True:
+            try:
+                row = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # a malformed line, a truncated file, a network failure
+                raise self._read_error(src, e) from None
+            yield row
+
+    def rows(self):
+        """Tokenized rows (input_ids, labels), a row from each source in turn."""
+        cfg, stats = self.cfg, DataStats()
+        self.stats = stats  # counts so far, for a reader that stops early (llmtrain plan)
+        readers = [(src, self._read(src, ds)) for src, ds in self.streams]
+        while readers:
+            for reader in list(readers):
+                src, it = reader
+                row = next(it, None)
+                if row is None:
+                    readers.remove(reader)
+                    continue
+                stats.rows += 1
+                out = process_row(row, src.format, self.tokenizer, self.template, cfg)
+                status = out["status"]
+                if status.startswith("error"):
+                    raise DataError(f"{self.key}: {self._where(src, row)}: {status[len('error: '):]}")
+                if status.startswith("too long"):
+                    if cfg.overlong == "error":
+                        raise DataError(f"{self.key}: {self._where(src, row)}: row is {status[len('too long ('):-1]}, "
+                                        f"above data.max_seq_len={cfg.max_seq_len}; raise data.max_seq_len or set "
+                                        "data.overlong=truncate or drop")
+                    stats.dropped["longer than data.max_seq_len"] += 1
+                    continue
+                if status not in ("ok", "truncated"):
+                    stats.dropped[status] += 1
+                    continue
+                stats.kept += 1
+                stats.truncated += status == "truncated"
+                stats.trained_tokens += out["n_trained"]
+                yield {"input_ids": out["input_ids"], "labels": out["labels"]}
+        if stats.dropped or stats.truncated:
+            print(f"process {self.rank}, end of pass: {stats.summary(self.key)}", file=sys.stderr, flush=True)
+
+    def __iter__(self):
+        rows = self.rows()
+        return pack_stream(rows, self.cfg.max_seq_len) if self.cfg.packing else rows
+
+
+def pack_stream(rows, capacity: int, open_bins: int = 8):
+    """Pack a stream of rows into sequences of at most `capacity` tokens: each row goes into
+    the open sequence it fills best; when none has room, the fullest one is emitted to
+    make room. Deterministic, and holds at most `open_bins` sequences."""
+    bins: list[list[dict]] = []
+    used: list[int] = []
+    for row in rows:
+        n = len(row["input_ids"])
+        fits = [b for b in range(len(bins)) if used[b] + n <= capacity]
+        if fits:
+            b = max(fits, key=lambda k: used[k])
+        else:
+            if len(bins) == open_bins:
+                full = max(range(len(bins)), key=lambda k: used[k])
+                yield join_rows(bins.pop(full))
+                used.pop(full)
+            bins.append([])
+            used.append(0)
+            b = len(bins) - 1
+        bins[b].append(row)
+        used[b] += n
+    for b in bins:
+        yield join_rows(b)
