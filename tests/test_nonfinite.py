@@ -100,3 +100,47 @@ def test_consecutive_skips_are_bounded(base_config, poisoned_model, cache_env, t
     assert ") at step 1 (3 skipped step(s) in a row" in proc.stderr
     assert len([r for r in metrics(out) if "skipped" in r]) == 3 and not train_rows(out)
     assert not (out / "final").exists() and not (out / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def overflowing_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with an untied output layer 1,000 times too large: logits and the
+    loss (~1e3) stay finite in fp16, but the gradients times the scaler's initial 65536
+    pass fp16's 65504, so the first steps overflow until the scaler has halved its scale
+    about ten times (measured with CPU fp16 autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight * 1e3)
+    path = tmp_path_factory.mktemp("overflowing") / "model"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Accelerate has no fp16 scaler on CPU)")
+def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(base_config, overflowing_model,
+                                                                                 chat_file, cache_env, tmp_path):
+    import subprocess
+    import sys
+
+    from .conftest import RECIPE, ROOT, free_port
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "single_gpu.yaml"), "--mixed_precision", "fp16",
+           "--main_process_port", str(free_port()), str(RECIPE),
+           *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8", "train.warmup_steps=4")]
+    proc = subprocess.run(cmd, env=cache_env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    overflows = [r for r in metrics(out) if r.get("skipped", "").startswith("fp16 gradient overflow")]
+    assert overflows, "the model was built to overflow fp16 at the scaler's initial scale"
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))  # overflowed attempts took no step number
+    assert {r["step"] for r in overflows} <= {r["step"] for r in rows}  # each was retried under the same number
+    # Warm-up runs over steps taken, not attempts: step s trained at lr * s / 4.
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3 * min(s, 4) / 4 for s in range(1, 9)])
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert not [r for r in metrics(out) if "not finite" in r.get("skipped", "")]  # the scaler's skip, not ours
