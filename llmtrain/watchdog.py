@@ -45,13 +45,15 @@ class Watchdog:
         self.poll_s = min(2.0, timeout_s / 8)  # how often it checks, and posts its state
         self.silent_s = max(3 * self.poll_s, min(timeout_s / 2, 30.0))  # no post for this long: dead or frozen
         self._done = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
         if self.timeout_s > 0:
             if self.store is None and self.world > 1:
                 self.store = default_store()
             self._post(0.0)
-            threading.Thread(target=self._watch, name="llmtrain-watchdog", daemon=True).start()
+            self._thread = threading.Thread(target=self._watch, name="llmtrain-watchdog", daemon=True)
+            self._thread.start()
         return self
 
     def beat(self, where: str) -> None:
@@ -59,7 +61,21 @@ class Watchdog:
         self.where, self.last = where, time.monotonic()
 
     def stop(self) -> None:
+        """End the thread and wait for it. It must not be inside a store call when the
+        process group is torn down or the interpreter exits: the C++ store client then
+        aborts the process (SIGABRT, "terminate called without an active exception"),
+        which the launcher reports as a failed run."""
         self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_s + 10)  # a store call blocked on a dead launcher: go on
+            self._thread = None
+        self.store = None
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _watch(self) -> None:
         while not self._done.wait(self.poll_s):

@@ -63,16 +63,14 @@ def main(argv=None):
     checkpoint.check_free_space(cfg.output_dir, checkpoint.output_bytes(model))
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.
-    watchdog = Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes).start()
-    model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop, watchdog)
+    with Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes) as watchdog:
+        model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop, watchdog)
+        if not stop.agreed:
+            watchdog.beat("writing final/")
+            final = save_final(accelerator, model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
     if stop.agreed:
-        watchdog.stop()
         accelerator.end_training()
         sys.exit(stop.exit_code())
-
-    watchdog.beat("writing final/")
-    final = save_final(accelerator, model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
-    watchdog.stop()
     if accelerator.is_main_process:
         plot_losses(out / "metrics.jsonl", out / "loss.png")
         print(f"saved {final}")

@@ -130,3 +130,29 @@ def test_the_error_names_ranks_that_went_silent_or_are_stuck_elsewhere(capsys, m
     assert "rank 2 is alive but has made no progress for 40 s, at writing the checkpoint of step 5" in err
     assert "rank 3" not in err and "rank 4" not in err
     assert json.loads(store.get("llmtrain/watchdog/0"))["where"] == "step 6, micro-batch 1 of 4"  # it posts too
+
+
+def test_stop_waits_for_a_post_in_progress():
+    """A daemon thread still inside a store call when the interpreter exits is killed in
+    C++ code, and the process aborts ("terminate called without an active exception"),
+    failing a finished run: stop() must return only once the thread is out."""
+    import threading
+
+    from llmtrain.watchdog import Watchdog
+
+    inside, calls = threading.Event(), []
+
+    class SlowStore:
+        def set(self, key, value):
+            calls.append("enter")
+            inside.set()
+            time.sleep(0.3)
+            calls.append("leave")
+
+    dog = Watchdog(0.8, rank=0, world=2, store=SlowStore()).start()  # posts every 0.1 s
+    inside.clear()
+    assert inside.wait(5)
+    dog.stop()
+    assert calls[-1] == "leave" and not any(t.name == "llmtrain-watchdog" for t in threading.enumerate())
+    time.sleep(0.3)
+    assert calls[-1] == "leave"  # and it posts no more
