@@ -123,7 +123,7 @@ def compile_blocks(model) -> int:
 
     blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not blocks:
-        raise ModelError(f"train.compile: found no transformer blocks in {type(_base(model)).__name__} to compile; "
+        raise ModelError(f"train.compile: found no transformer blocks in {type(model).__name__} to compile; "
                          "set train.compile=false")
     for block in blocks:
         block.compile()
@@ -137,16 +137,13 @@ PLAIN_HEADS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qw
                "olmo", "olmo2", "smollm3", "starcoder2", "gpt_neox"}
 
 
-def _base(model):
-    while hasattr(model, "module"):  # DDP, DeepSpeed's engine
-        model = model.module
-    return model
-
-
 def chunkable_head(model) -> torch.nn.Linear | None:
     """The model's output layer if the chunked loss can stand in for it: a plain Linear
-    (not a LoRA-adapted one) of an architecture in PLAIN_HEADS."""
-    base = _base(model)
+    (not a LoRA-adapted one) of an architecture in PLAIN_HEADS. Found once, before
+    accelerator.prepare, and passed to token_loss."""
+    from accelerate.utils import extract_model_from_parallel
+
+    base = extract_model_from_parallel(model)
     head = base.get_output_embeddings()
     if type(head) is not torch.nn.Linear or getattr(base.config, "model_type", None) not in PLAIN_HEADS:
         return None
@@ -177,15 +174,16 @@ def _chunked_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
     return forward
 
 
-def token_loss(model, batch: dict, attn_implementation: str, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss(model, batch: dict, attn_implementation: str, chunk: int = 0,
+               head: torch.nn.Linear | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies over the batch and the number of trained tokens.
 
     Labels are already shifted (labels[t] is the target of position t). Packed batches get
-    a document mask (see packing.document_mask). With `chunk` > 0 and a model that allows it
-    (chunkable_head), the loss is computed inside the output layer's forward, `chunk` tokens
-    at a time and only at trained positions, so the full [tokens, vocab] fp32 logits never
-    exist; it runs inside the model's forward so DDP, FSDP and ZeRO-3 see the layer used
-    as usual."""
+    a document mask (see packing.document_mask). With `chunk` > 0 and the model's
+    chunkable_head as `head` (looked up here if not given), the loss is computed inside
+    the output layer's forward, `chunk` tokens at a time and only at trained positions, so
+    the full [tokens, vocab] fp32 logits never exist; it runs inside the model's forward so
+    DDP, FSDP and ZeRO-3 see the layer used as usual."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "doc_ids" in batch:
         kwargs["position_ids"] = batch["position_ids"]
@@ -195,8 +193,9 @@ def token_loss(model, batch: dict, attn_implementation: str, chunk: int = 0) -> 
         kwargs["attention_mask"] = batch["attention_mask"]
     labels = batch["labels"]
     n = (labels != IGNORE).sum()
-    head = chunkable_head(model) if chunk > 0 else None
-    if head is None:
+    if chunk > 0 and head is None:
+        head = chunkable_head(model)
+    if chunk <= 0 or head is None:
         logits = model(**kwargs).logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"), n
     head.forward = _chunked_head(head, labels, chunk)

@@ -22,7 +22,7 @@ from . import demo
 from .cli import USER_ERRORS
 from .config import ConfigError, load_config, to_yaml
 from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
-from .model import PLAIN_HEADS, check_model, load_tokenizer
+from .model import check_model, chunkable_head, load_tokenizer
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -85,8 +85,9 @@ def read_launch(path: str | None, cfg) -> Launch:
     return launch
 
 
-def count_params(cfg) -> tuple[int, int, object]:
-    """(total, trainable, model config) from a model built on the meta device: no weights."""
+def count_params(cfg) -> tuple[int, int, object, bool]:
+    """(total, trainable, model config, whether the chunked loss can stand in for its
+    output layer) from a model built on the meta device: no weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,10 +103,10 @@ def count_params(cfg) -> tuple[int, int, object]:
                                                  target_modules=lora.target_modules, task_type="CAUSAL_LM"))
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return total, trainable, mcfg
+    return total, trainable, mcfg, chunkable_head(model) is not None
 
 
-def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg) -> dict[str, float]:
+def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg, chunkable: bool) -> dict[str, float]:
     """Rough bytes per GPU. Weights in model.dtype; gradients and two AdamW moments in the
     trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations use
     ~34 bytes x hidden per token per layer in 16-bit (only the layer inputs, 2 bytes, with
@@ -125,7 +126,7 @@ def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg) -> di
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
-    chunk = cfg.train.loss_chunk_tokens if getattr(mcfg, "model_type", None) in PLAIN_HEADS else 0
+    chunk = cfg.train.loss_chunk_tokens if chunkable else 0
     activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
     return {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
 
@@ -184,11 +185,11 @@ def plan(argv: list[str]) -> None:
             sequences = len(ds)
         per_process = math.ceil(math.ceil(sequences / t.micro_batch_size) / world)
         steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
-    total, trainable, mcfg = count_params(cfg)
+    total, trainable, mcfg, chunkable = count_params(cfg)
     global_seqs = t.micro_batch_size * t.grad_accum_steps * world
     mean_len = sum(lengths) / len(lengths)
     tokens_per_seq = cfg.data.max_seq_len if cfg.data.packing else mean_len
-    memory = memory_estimate(cfg, launch, total, trainable, mcfg)
+    memory = memory_estimate(cfg, launch, total, trainable, mcfg, chunkable)
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())

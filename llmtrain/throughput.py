@@ -38,9 +38,9 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def matmul_params(model) -> int:
-    unwrapped = getattr(model, "module", model)
-    total = sum(full_numel(p) for p in unwrapped.parameters())
-    emb, head = unwrapped.get_input_embeddings(), unwrapped.get_output_embeddings()
+    """Parameters doing matrix work per token (see the module docstring) of an unwrapped model."""
+    total = sum(full_numel(p) for p in model.parameters())
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
     return total if tied else total - full_numel(emb.weight)
 

@@ -272,14 +272,14 @@ def windows(batches, size: int, accelerator, stop: StopRequest | None = None, be
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str, chunk: int,
+def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str, chunk: int, head=None,
              beat=None) -> float:
     """Mean loss over all trained tokens of the eval set, across processes."""
     model.eval()
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
     sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for window in windows(iter(loader), 1, accelerator, beat=beat):
-        loss, n = token_loss(model, window.batches[0] if window.batches else empty, attn, chunk)
+        loss, n = token_loss(model, window.batches[0] if window.batches else empty, attn, chunk, head)
         sums += torch.stack([loss.double(), n.double()])
     model.train()
     sums = accelerator.reduce(sums, reduction="sum")
@@ -322,6 +322,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         accelerator.print(f"compiling {compile_blocks(model)} transformer blocks (the first steps include compiling)")
     n_params, peak = matmul_params(model), device_peak_flops(accelerator.device)
     head = chunkable_head(model) if t.loss_chunk_tokens else None
+    chunk = t.loss_chunk_tokens if head is not None else 0  # whole logits when the head cannot be chunked
     head_params = full_numel(head.weight) if head is not None else 0  # run at trained positions only
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     optimizer = build_optimizer(model, cfg, accelerator.device)
@@ -359,7 +360,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     config_yaml = to_yaml(cfg)
 
     def run_eval() -> None:
-        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, t.loss_chunk_tokens,
+        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, chunk, head,
                              watchdog.beat)
         log.log({"step": step, "eval_loss": eval_loss})
         accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
@@ -407,7 +408,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                 # also takes its optimizer step inside that backward.
                 accelerator.gradient_state._set_sync_gradients(last)
                 with nullcontext() if last else accelerator.no_sync(model):
-                    loss, _ = token_loss(model, batch, attn, t.loss_chunk_tokens)
+                    loss, _ = token_loss(model, batch, attn, chunk, head)
                     accelerator.backward(loss * (world * ds_accum / global_tokens))
                 loss_sum += loss.detach()
             norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))

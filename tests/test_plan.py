@@ -67,11 +67,23 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True).save_pretrained(tmp_path)
     cfg = load_config(None, [f"model.name_or_path={tmp_path}", "data.train=x", "model.dtype=bfloat16",
                              "train.micro_batch_size=1", "data.max_seq_len=2048"])
-    total, trainable, mcfg = count_params(cfg)
-    assert total == trainable == pytest.approx(1.236e9, rel=0.01)
-    single = memory_estimate(cfg, Launch(), total, trainable, mcfg)
+    total, trainable, mcfg, chunkable = count_params(cfg)
+    assert total == trainable == pytest.approx(1.236e9, rel=0.01) and chunkable
+    single = memory_estimate(cfg, Launch(), total, trainable, mcfg, chunkable)
     assert single["weights"] == 2 * total and single["optimizer state"] == 4 * total
-    zero3 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=3), total, trainable, mcfg)
+    zero3 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=3), total, trainable, mcfg, chunkable)
     assert zero3["weights"] == single["weights"] / 8 and zero3["gradients"] == single["gradients"] / 8
-    zero1 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=1), total, trainable, mcfg)
+    zero1 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=1), total, trainable, mcfg, chunkable)
     assert zero1["weights"] == single["weights"] and zero1["optimizer state"] == single["optimizer state"] / 8
+
+    # LoRA on the output layer: the chunked loss cannot stand in for it, so whole fp32
+    # logits (and their gradient) count, 2048 tokens x 128256 x 4 bytes x 2.
+    lora = {}
+    for targets in ("[q_proj]", "[q_proj,lm_head]"):
+        over = load_config(None, [f"model.name_or_path={tmp_path}", "data.train=x", "model.dtype=bfloat16",
+                                  "train.micro_batch_size=1", "data.max_seq_len=2048", "model.lora.enabled=true",
+                                  f"model.lora.target_modules={targets}"])
+        *counts, ok = count_params(over)
+        lora[targets] = (ok, memory_estimate(over, Launch(), *counts, ok)["activations"])
+    assert lora["[q_proj]"][0] and not lora["[q_proj,lm_head]"][0]
+    assert lora["[q_proj,lm_head]"][1] - lora["[q_proj]"][1] == 2 * (2048 - 1024) * 128256 * 4
