@@ -119,10 +119,60 @@ def overflowing_model(tiny_model, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Accelerate has no fp16 scaler on CPU)")
+def assert_overflows_took_no_step(out: Path) -> None:
+    overflows = [r for r in metrics(out) if r.get("skipped", "").startswith("fp16 gradient overflow")]
+    assert overflows, "the model was built to overflow fp16 at the scaler's initial scale"
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))  # overflowed attempts took no step number
+    assert {r["step"] for r in overflows} <= {r["step"] for r in rows}  # each was retried under the same number
+    # Warm-up runs over steps taken, not attempts: step s trained at lr * s / 4.
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3 * min(s, 4) / 4 for s in range(1, 9)])
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert not [r for r in metrics(out) if "not finite" in r.get("skipped", "")]  # the scaler's skip, not ours
+
+
+FP16_ON_CPU = """
+import os, sys, runpy
+import torch
+os.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"
+recipe = runpy.run_path(sys.argv[1])
+setup = recipe["setup_accelerator"]
+
+def with_scaler(cfg):
+    accelerator = setup(cfg)
+    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None  # Accelerate's CPU gate
+    accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+    return accelerator
+
+recipe["main"].__globals__["setup_accelerator"] = with_scaler
+recipe["run_cli"](recipe["main"], sys.argv[2:])
+"""
+
+
 def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(base_config, overflowing_model,
                                                                                  chat_file, cache_env, tmp_path):
+    """On CPU. Accelerate creates the loss scaler only on a GPU; here the recipe runs with
+    a real torch GradScaler set where Accelerate sets it on a GPU, and fp16 autocast on CPU,
+    so the overflows and the scaler's skips are real. The GPU test below runs the same
+    through accelerate launch alone."""
+    import subprocess
+    import sys
+
+    from .conftest import RECIPE, ROOT
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", FP16_ON_CPU, str(RECIPE),
+                           *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8",
+                                 "train.warmup_steps=4")],
+                          env=cache_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert_overflows_took_no_step(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Accelerate has no fp16 scaler on CPU)")
+def test_fp16_overflow_skips_the_step_through_accelerate_on_a_gpu(base_config, overflowing_model, chat_file,
+                                                                  cache_env, tmp_path):
     import subprocess
     import sys
 
@@ -135,12 +185,4 @@ def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule
            *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8", "train.warmup_steps=4")]
     proc = subprocess.run(cmd, env=cache_env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    overflows = [r for r in metrics(out) if r.get("skipped", "").startswith("fp16 gradient overflow")]
-    assert overflows, "the model was built to overflow fp16 at the scaler's initial scale"
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 9))  # overflowed attempts took no step number
-    assert {r["step"] for r in overflows} <= {r["step"] for r in rows}  # each was retried under the same number
-    # Warm-up runs over steps taken, not attempts: step s trained at lr * s / 4.
-    assert [r["lr"] for r in rows] == pytest.approx([1e-3 * min(s, 4) / 4 for s in range(1, 9)])
-    assert all(math.isfinite(r["loss"]) for r in rows)
-    assert not [r for r in metrics(out) if "not finite" in r.get("skipped", "")]  # the scaler's skip, not ours
+    assert_overflows_took_no_step(out)
