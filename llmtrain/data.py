@@ -56,6 +56,16 @@ class DataStats:
     truncated: int = 0
     trained_tokens: int = 0
 
+    def count(self, statuses) -> None:
+        """Count rows by their process_row status (kept, truncated, or why dropped)."""
+        for s in statuses:
+            self.rows += 1
+            if s in KEPT:
+                self.kept += 1
+                self.truncated += s == "truncated"
+            else:
+                self.dropped["longer than data.max_seq_len" if s.startswith("too long") else s] += 1
+
     def summary(self, key: str) -> str:
         parts = [f"{key}: {self.kept}/{self.rows} rows kept, {self.trained_tokens} trained tokens"]
         if self.truncated:
@@ -264,6 +274,21 @@ def process_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: DataC
     return {"input_ids": ids, "labels": labels, "length": len(ids), "n_trained": n_trained, "status": status}
 
 
+KEPT = ("ok", "truncated")
+
+
+def row_problem(status: str, cfg: DataConfig) -> str | None:
+    """Why a row of this process_row status stops the run (a malformed row, or an
+    over-long one under data.overlong=error), for the caller to put after the row's
+    location; None for rows that are kept or dropped."""
+    if status.startswith("error"):
+        return status[len("error: "):]
+    if status.startswith("too long") and cfg.overlong == "error":
+        return (f"row is {status[len('too long ('):-1]}, above data.max_seq_len={cfg.max_seq_len}; "
+                "raise data.max_seq_len or set data.overlong=truncate or drop")
+    return None
+
+
 def _dropped(status: str) -> dict:
     return {"input_ids": [], "labels": [], "length": 0, "n_trained": 0, "status": status}
 
@@ -321,20 +346,12 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
         )
         status = ds["status"]
         for i, s in enumerate(status):
-            if s.startswith("error"):
-                raise DataError(f"{key}: {src.where(i)}: {s[len('error: '):]}")
-            if s.startswith("too long") and cfg.overlong == "error":
-                raise DataError(f"{key}: {src.where(i)}: row is {s[len('too long ('):-1]}, above data.max_seq_len="
-                                f"{cfg.max_seq_len}; raise data.max_seq_len or set data.overlong=truncate or drop")
-        counts = Counter(s if not s.startswith("too long") else "longer than data.max_seq_len" for s in status)
-        stats.rows += len(status)
-        stats.truncated += counts.pop("truncated", 0)
-        counts.pop("ok", None)
-        stats.dropped.update(counts)
-        ds = ds.filter(lambda s: s in ("ok", "truncated"), input_columns="status").remove_columns("status")
+            if problem := row_problem(s, cfg):
+                raise DataError(f"{key}: {src.where(i)}: {problem}")
+        stats.count(status)
+        ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns("status")
         parts.append(ds)
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    stats.kept = len(ds)
     if stats.kept == 0:
         raise DataError(f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong "
                         "and data.loss_on")

@@ -22,6 +22,7 @@ import torch
 
 from .config import DataConfig
 from .data import (
+    KEPT,
     DataError,
     DataStats,
     Source,
@@ -29,6 +30,7 @@ from .data import (
     check_source,
     load_source,
     process_row,
+    row_problem,
 )
 from .packing import join_rows
 
@@ -101,23 +103,12 @@ class StreamedRows(torch.utils.data.IterableDataset):
                 if row is None:
                     readers.remove(reader)
                     continue
-                stats.rows += 1
                 out = process_row(row, src.format, self.tokenizer, self.template, cfg)
-                status = out["status"]
-                if status.startswith("error"):
-                    raise DataError(f"{self.key}: {self._where(src, row)}: {status[len('error: '):]}")
-                if status.startswith("too long"):
-                    if cfg.overlong == "error":
-                        raise DataError(f"{self.key}: {self._where(src, row)}: row is {status[len('too long ('):-1]}, "
-                                        f"above data.max_seq_len={cfg.max_seq_len}; raise data.max_seq_len or set "
-                                        "data.overlong=truncate or drop")
-                    stats.dropped["longer than data.max_seq_len"] += 1
+                if problem := row_problem(out["status"], cfg):
+                    raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
+                stats.count([out["status"]])
+                if out["status"] not in KEPT:
                     continue
-                if status not in ("ok", "truncated"):
-                    stats.dropped[status] += 1
-                    continue
-                stats.kept += 1
-                stats.truncated += status == "truncated"
                 stats.trained_tokens += out["n_trained"]
                 yield {"input_ids": out["input_ids"], "labels": out["labels"]}
         if stats.dropped or stats.truncated:

@@ -376,6 +376,11 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
                  "settings": checkpoint.position_settings(cfg, world)}
         return checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
 
+    def last_step_checkpoint() -> Path:
+        """The checkpoint of the last finished step, written now unless it already was."""
+        path = checkpoint.checkpoint_root(cfg.output_dir) / f"step-{step}"
+        return path if path.exists() else save_checkpoint()
+
     while step < total_steps:
         if streaming:
             # The stream's order depends only on (seed, pass, processes): reading it again up
@@ -483,15 +488,11 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         fault = next(f for f in gather_object([stop.fault]) if f)
         if step == 0:
             raise DataError(f"{fault}; nothing was trained yet")
-        path = checkpoint.checkpoint_root(cfg.output_dir) / f"step-{step}"
-        if not path.exists():
-            path = save_checkpoint()
+        path = last_step_checkpoint()
         raise DataError(f"{fault}. Training stopped after step {step} with checkpoint {path} complete; fix or remove "
                         "the row and run the same command again to continue from it")
     if stop.agreed:
-        path = checkpoint.checkpoint_root(cfg.output_dir) / f"step-{step}"
-        if not path.exists():
-            path = save_checkpoint()
+        path = last_step_checkpoint()
         accelerator.print(f"stopped on {stop.name} after step {step}; checkpoint {path} is complete; run again "
                           "with checkpoint.resume=auto to continue")
     return model
