@@ -41,18 +41,20 @@ TEMPLATE = (
 )
 WORKLOADS = {
     # name: (hidden, layers, heads, kv heads, ffn, vocab, seq len, rows, sequences per micro-batch, dtype)
-    "cpu": dict(hidden=256, layers=4, heads=4, kv=2, ffn=768, vocab=None, seq=512, rows=600, micro=4,
-                precision="no"),
-    "gpu-125m": dict(hidden=768, layers=12, heads=12, kv=12, ffn=3072, vocab=32000, seq=2048, rows=20000,
-                     micro=16, precision="bf16"),
-    "gpu-1b": dict(hidden=2048, layers=16, heads=32, kv=8, ffn=8192, vocab=128256, seq=2048, rows=6000, micro=4,
-                   precision="bf16"),
+    "cpu": dict(hidden=256, layers=4, heads=4, kv=2, ffn=768, vocab=None, seq=512, rows=600, micro=4, precision="no"),
+    "gpu-125m": dict(
+        hidden=768, layers=12, heads=12, kv=12, ffn=3072, vocab=32000, seq=2048, rows=20000, micro=16, precision="bf16"
+    ),
+    "gpu-1b": dict(
+        hidden=2048, layers=16, heads=32, kv=8, ffn=8192, vocab=128256, seq=2048, rows=6000, micro=4, precision="bf16"
+    ),
 }
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-                    for _ in range(max(1, n)))
+    return " ".join(
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(max(1, n))
+    )
 
 
 def make_rows(n: int, seed: int, seq: int) -> list[dict]:
@@ -64,8 +66,14 @@ def make_rows(n: int, seed: int, seq: int) -> list[dict]:
         total = min(int(rng.lognormvariate(math.log(seq * 0.25), 0.8)), int(seq * 1.2))
         user = max(3, int(total * rng.uniform(0.2, 0.6)) // 6)
         answer = max(1, (total - user * 6) // 6)
-        rows.append({"messages": [{"role": "user", "content": words(rng, user)},
-                                  {"role": "assistant", "content": words(rng, answer)}]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": words(rng, user)},
+                    {"role": "assistant", "content": words(rng, answer)},
+                ]
+            }
+        )
     return rows
 
 
@@ -81,21 +89,38 @@ def prepare(workload: str, root: Path) -> dict:
     tokenizer = build_tokenizer([m["content"] for r in rows[:200] for m in r["messages"]])
     tokenizer.chat_template = TEMPLATE
     tokenizer.model_max_length = w["seq"]
-    config = LlamaConfig(vocab_size=w["vocab"] or len(tokenizer), hidden_size=w["hidden"],
-                         intermediate_size=w["ffn"], num_hidden_layers=w["layers"], num_attention_heads=w["heads"],
-                         num_key_value_heads=w["kv"], max_position_embeddings=max(2048, w["seq"]),
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=w["vocab"] or len(tokenizer),
+        hidden_size=w["hidden"],
+        intermediate_size=w["ffn"],
+        num_hidden_layers=w["layers"],
+        num_attention_heads=w["heads"],
+        num_key_value_heads=w["kv"],
+        max_position_embeddings=max(2048, w["seq"]),
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     return {"model": str(root / "model"), "data": str(root / "train.jsonl"), **w}
 
 
 def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
-    args = [sys.executable, str(ROOT / "recipes" / "finetune.py"), "--config", str(HERE / "llmtrain_bench.yaml"),
-            f"output_dir={out}", f"model.name_or_path={setup['model']}", f"data.train={setup['data']}",
-            f"data.max_seq_len={setup['seq']}", f"train.micro_batch_size={setup['micro']}",
-            "model.dtype=float32", *overrides]
+    args = [
+        sys.executable,
+        str(ROOT / "recipes" / "finetune.py"),
+        "--config",
+        str(HERE / "llmtrain_bench.yaml"),
+        f"output_dir={out}",
+        f"model.name_or_path={setup['model']}",
+        f"data.train={setup['data']}",
+        f"data.max_seq_len={setup['seq']}",
+        f"train.micro_batch_size={setup['micro']}",
+        "model.dtype=float32",
+        *overrides,
+    ]
     env = dict(os.environ, ACCELERATE_MIXED_PRECISION=setup["precision"])
     proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -104,8 +129,12 @@ def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     steps = [r for r in rows if "loss" in r]
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps)
     mfu = [r["mfu"] for r in steps if "mfu" in r]
-    return {"seconds": seconds, "steps": len(steps), "peak_mem_gib": max(r["peak_mem_gib"] for r in steps),
-            "mfu": sum(mfu) / len(mfu) if mfu else None}
+    return {
+        "seconds": seconds,
+        "steps": len(steps),
+        "peak_mem_gib": max(r["peak_mem_gib"] for r in steps),
+        "mfu": sum(mfu) / len(mfu) if mfu else None,
+    }
 
 
 def run_trl(setup: dict, out: Path, best: bool) -> dict:
@@ -141,16 +170,30 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
     # the packed systems' micro_batch_size x max_length tokens.
     rows_per_batch = setup["micro"] if best else max(1, round(setup["micro"] * setup["seq"] / mean_len))
     config = SFTConfig(
-        output_dir=str(out), per_device_train_batch_size=rows_per_batch, gradient_accumulation_steps=1,
-        num_train_epochs=1, learning_rate=1e-4, lr_scheduler_type="constant", max_length=setup["seq"],
-        assistant_only_loss=True, packing=best, padding_free=best, bf16=dtype == torch.bfloat16,
-        use_cpu=not gpu, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
-        use_liger_kernel=best and _has("liger_kernel"), dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=str(out),
+        per_device_train_batch_size=rows_per_batch,
+        gradient_accumulation_steps=1,
+        num_train_epochs=1,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        max_length=setup["seq"],
+        assistant_only_loss=True,
+        packing=best,
+        padding_free=best,
+        bf16=dtype == torch.bfloat16,
+        use_cpu=not gpu,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        seed=0,
+        use_liger_kernel=best and _has("liger_kernel"),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     timer = StepTimer()
-    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[timer])
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    peak = (torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": timer.seconds, "steps": trainer.state.global_step, "peak_mem_gib": peak / 2**30, "mfu": None}
 
 
@@ -179,8 +222,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--ours", nargs="*", default=[], metavar="key=value",
-                        help="overrides for llmtrain's side (shown in the results)")
+    parser.add_argument(
+        "--ours",
+        nargs="*",
+        default=[],
+        metavar="key=value",
+        help="overrides for llmtrain's side (shown in the results)",
+    )
     parser.add_argument("--worker", choices=["trl-default", "trl-best"], help=argparse.SUPPRESS)
     parser.add_argument("--setup", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -201,12 +249,16 @@ def main() -> None:
             if name == "llmtrain":
                 r = run_ours(setup, out, args.ours)
             else:
-                proc = subprocess.run([sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup),
-                                       "--dir", str(out)], capture_output=True, text=True, cwd=ROOT)
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup), "--dir", str(out)],
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                )
                 line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                 if proc.returncode != 0 or not line:
                     raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-                r = json.loads(line[0][len("RESULT "):])
+                r = json.loads(line[0][len("RESULT ") :])
             print(f"{name} run {repeat + 1}: {r['seconds']:.1f} s over {r['steps']} steps", flush=True)
             results[name].append(r)
     report(args, setup, trained, total, results)
@@ -219,20 +271,31 @@ def report(args, setup: dict, trained: int, total: int, results: dict) -> None:
         return min(runs, key=lambda r: r["seconds"])
 
     ours = trained / best_of(results["llmtrain"])["seconds"]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    lines = [f"### {args.workload}: {time.strftime('%Y-%m-%d')}, {device}",
-             "", f"`python benchmarks/sft_vs_trl.py --workload {args.workload} --repeats {args.repeats}"
-             + (f" --ours {' '.join(args.ours)}" if args.ours else "") + "`; "
-             f"{WORKLOADS[args.workload]['rows']} chat rows, {trained:,} trained / {total:,} tokens per epoch, "
-             f"max length {setup['seq']}, precision {setup['precision']}.", "",
-             "| system | trained tok/s | all tok/s | MFU | peak memory | steps | ours / this |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+    )
+    lines = [
+        f"### {args.workload}: {time.strftime('%Y-%m-%d')}, {device}",
+        "",
+        f"`python benchmarks/sft_vs_trl.py --workload {args.workload} --repeats {args.repeats}"
+        + (f" --ours {' '.join(args.ours)}" if args.ours else "")
+        + "`; "
+        f"{WORKLOADS[args.workload]['rows']} chat rows, {trained:,} trained / {total:,} tokens per epoch, "
+        f"max length {setup['seq']}, precision {setup['precision']}.",
+        "",
+        "| system | trained tok/s | all tok/s | MFU | peak memory | steps | ours / this |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, runs in results.items():
         r = best_of(runs)
         tps = trained / r["seconds"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        lines.append(f"| {name} | {tps:,.0f} | {total / r['seconds']:,.0f} | {mfu} | {r['peak_mem_gib']:.2f} GiB | "
-                     f"{r['steps']} | {ours / tps:.2f}x |")
+        lines.append(
+            f"| {name} | {tps:,.0f} | {total / r['seconds']:,.0f} | {mfu} | {r['peak_mem_gib']:.2f} GiB | "
+            f"{r['steps']} | {ours / tps:.2f}x |"
+        )
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     with open(args.results, "a") as f:

@@ -55,10 +55,12 @@ class Collator:
         if packed:
             batch["doc_ids"] = pad("doc_ids", -1)
             batch["position_ids"] = torch.tensor(
-                [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples], dtype=torch.long)
+                [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples], dtype=torch.long
+            )
         else:
             batch["attention_mask"] = torch.tensor(
-                [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in examples], dtype=torch.long)
+                [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in examples], dtype=torch.long
+            )
         return batch
 
     def empty_batch(self, packed: bool) -> dict:
@@ -76,11 +78,23 @@ def make_loader(dataset, batch_size: int, collator: Collator, seed: int, shuffle
     itself)."""
     if isinstance(dataset, torch.utils.data.IterableDataset):
         # No persistent workers: each pass must start workers with the pass's shuffle seed.
-        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collator,
-                                           num_workers=num_workers, pin_memory=torch.cuda.is_available())
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=collator,
+            num_workers=num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
     if hasattr(dataset, "select_columns"):
         dataset = dataset.select_columns(["input_ids", "labels"])
     sampler = EpochSampler(len(dataset), seed, shuffle)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
-                                       num_workers=num_workers, persistent_workers=num_workers > 0,
-                                       pin_memory=torch.cuda.is_available(), drop_last=False)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        drop_last=False,
+    )

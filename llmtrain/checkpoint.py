@@ -20,8 +20,15 @@ from .throughput import full_numel
 STATE_FILE = "train_state.json"
 # Settings that fix what a step's data is: a resume that changes them would not continue
 # the same run.
-POSITION_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "train.seed", "data.max_seq_len",
-                 "data.packing", "data.shuffle", "world_size")
+POSITION_KEYS = (
+    "train.micro_batch_size",
+    "train.grad_accum_steps",
+    "train.seed",
+    "data.max_seq_len",
+    "data.packing",
+    "data.shuffle",
+    "world_size",
+)
 
 
 # What train_state.json must hold to say where the run stands.
@@ -69,13 +76,15 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
         if problems:
             raise CheckpointError(
                 f"checkpoint.resume=auto: no usable checkpoint in {checkpoint_root(output_dir)} "
-                f"({'; '.join(problems)}); move them away to start over, or use a new output_dir")
+                f"({'; '.join(problems)}); move them away to start over, or use a new output_dir"
+            )
         return None
     if resume == "none":
         if complete_checkpoints(output_dir):
             raise CheckpointError(
                 f"checkpoint.resume=none but {checkpoint_root(output_dir)} holds checkpoints of an earlier run; "
-                "use checkpoint.resume=auto to continue it or choose a new output_dir")
+                "use checkpoint.resume=auto to continue it or choose a new output_dir"
+            )
         return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
@@ -88,8 +97,11 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
 
 def file_list(path: Path) -> dict[str, int]:
     """Size of every file under `path` (but the state file), by relative path."""
-    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
-            if f.is_file() and f.name != STATE_FILE}
+    return {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != STATE_FILE
+    }
 
 
 def usable(path: Path, rng_required: bool, warn) -> str | None:
@@ -99,9 +111,11 @@ def usable(path: Path, rng_required: bool, warn) -> str | None:
     if why is None and rng_faults:
         if rng_required:
             return rng_faults[0][1]
-        warn(f"checkpoint {path}: {', '.join(rel for rel, _ in rng_faults)} missing or unreadable; resuming "
-             "without it (checkpoint.require_rng_state=false), so random draws such as dropout differ from the "
-             "uninterrupted run")
+        warn(
+            f"checkpoint {path}: {', '.join(rel for rel, _ in rng_faults)} missing or unreadable; resuming "
+            "without it (checkpoint.require_rng_state=false), so random draws such as dropout differ from the "
+            "uninterrupted run"
+        )
     return why
 
 
@@ -162,8 +176,10 @@ def check_writable(output_dir: str) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
-                              "you can write to, or fix its permissions") from None
+        raise CheckpointError(
+            f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
+            "you can write to, or fix its permissions"
+        ) from None
 
 
 def output_bytes(model) -> dict[str, int]:
@@ -181,18 +197,25 @@ def check_free_space(output_dir: str, need: dict[str, int]) -> None:
     """Refuse to start when output_dir cannot hold one checkpoint and the final export."""
     free, total = shutil.disk_usage(output_dir).free, need["checkpoint"] + need["export"]
     if free < total:
-        gib = 2 ** 30
+        gib = 2**30
         raise CheckpointError(
             f"output_dir: {output_dir} has {free / gib:.2f} GiB free, but one checkpoint "
             f"({need['checkpoint'] / gib:.2f} GiB) and the final export ({need['export'] / gib:.2f} GiB) need "
-            f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk")
+            f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk"
+        )
 
 
 def position_settings(cfg, world_size: int) -> dict:
-    return {"train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum_steps": cfg.train.grad_accum_steps,
-            "train.seed": cfg.train.seed, "data.max_seq_len": cfg.data.max_seq_len, "data.packing": cfg.data.packing,
-            "data.shuffle": cfg.data.shuffle, "world_size": world_size,
-            **({"data.streaming": True, "data.shuffle_buffer": cfg.data.shuffle_buffer} if cfg.data.streaming else {})}
+    return {
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.grad_accum_steps": cfg.train.grad_accum_steps,
+        "train.seed": cfg.train.seed,
+        "data.max_seq_len": cfg.data.max_seq_len,
+        "data.packing": cfg.data.packing,
+        "data.shuffle": cfg.data.shuffle,
+        "world_size": world_size,
+        **({"data.streaming": True, "data.shuffle_buffer": cfg.data.shuffle_buffer} if cfg.data.streaming else {}),
+    }
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -234,10 +257,15 @@ def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last:
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = complete_checkpoints(output_dir)
-        kept = f"the newest complete checkpoint, {previous[-1][1]}, is intact" if previous else \
-            "there is no earlier checkpoint"
-        raise CheckpointError(f"checkpoint: writing {tmp} failed ({e.strerror or e}); {kept}. Free space in "
-                              f"{root} (or fix its permissions), then run again with checkpoint.resume=auto") from None
+        kept = (
+            f"the newest complete checkpoint, {previous[-1][1]}, is intact"
+            if previous
+            else "there is no earlier checkpoint"
+        )
+        raise CheckpointError(
+            f"checkpoint: writing {tmp} failed ({e.strerror or e}); {kept}. Free space in "
+            f"{root} (or fix its permissions), then run again with checkpoint.resume=auto"
+        ) from None
     if accelerator.is_main_process and keep_last:
         for _, path in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
@@ -269,22 +297,29 @@ def check_pickles(path: Path) -> None:
             with torch.serialization.safe_globals(allowed):
                 torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # any unpickling failure: refuse the file
-            why = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
-                       str(e).splitlines()[0] if str(e) else type(e).__name__)
-            raise CheckpointError(f"checkpoint.resume: {f} holds more than tensors and plain data ({why}); "
-                                  "refusing to unpickle it. Resume only from checkpoints you wrote, or from an "
-                                  "earlier one") from None
+            why = next(
+                (line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
+            raise CheckpointError(
+                f"checkpoint.resume: {f} holds more than tensors and plain data ({why}); "
+                "refusing to unpickle it. Resume only from checkpoints you wrote, or from an "
+                "earlier one"
+            ) from None
 
 
 def load(accelerator, path: Path, cfg) -> dict:
     """Restore model, optimizer and RNG from `path`; return the training state."""
     state = json.loads((Path(path) / STATE_FILE).read_text())
     now = position_settings(cfg, accelerator.num_processes)
-    changed = [f"{k} was {state['settings'].get(k)!r}, now {v!r}" for k, v in now.items()
-               if state["settings"].get(k) != v]
+    changed = [
+        f"{k} was {state['settings'].get(k)!r}, now {v!r}" for k, v in now.items() if state["settings"].get(k) != v
+    ]
     if changed:
-        raise CheckpointError(f"checkpoint.resume: {path} was written with other data settings ({'; '.join(changed)}); "
-                              "resume with the same settings or start a new output_dir")
+        raise CheckpointError(
+            f"checkpoint.resume: {path} was written with other data settings ({'; '.join(changed)}); "
+            "resume with the same settings or start a new output_dir"
+        )
     check_pickles(path)
     accelerator.load_state(str(path))  # Accelerate's own files load with weights_only
     return state

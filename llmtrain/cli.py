@@ -18,12 +18,15 @@ USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError, TrainingErro
 
 def parse_args(argv: list[str] | None, default_config: Path | None, description: str = ""):
     """Returns (config, parsed arguments)."""
-    parser = argparse.ArgumentParser(description=description,
-                                     epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true")
-    parser.add_argument("--config", type=Path, default=default_config,
-                        help=f"YAML config (default: {default_config})")
-    parser.add_argument("--prepare-only", action="store_true",
-                        help="tokenize the data into the cache and exit (run once before a multi-node job)")
+    parser = argparse.ArgumentParser(
+        description=description, epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true"
+    )
+    parser.add_argument("--config", type=Path, default=default_config, help=f"YAML config (default: {default_config})")
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="tokenize the data into the cache and exit (run once before a multi-node job)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -31,9 +34,11 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
     if args.config == default_config and any(name not in demo.DEMO_NAMES for name in own):
         from accelerate import PartialState
 
-        PartialState().print(f"note: no --config given, so the demo's settings from {default_config} apply "
-                             f"(train.lr={cfg.train.lr}, train.epochs={cfg.train.epochs}, ...), which suit its tiny "
-                             "model; pass --config with your own YAML (see recipes/configs/) for a real run")
+        PartialState().print(
+            f"note: no --config given, so the demo's settings from {default_config} apply "
+            f"(train.lr={cfg.train.lr}, train.epochs={cfg.train.epochs}, ...), which suit its tiny "
+            "model; pass --config with your own YAML (see recipes/configs/) for a real run"
+        )
     return cfg, args
 
 

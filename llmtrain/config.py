@@ -295,7 +295,11 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
         full = f"{prefix}{key}"
         if key not in names:
             close = _closest(str(key), names)
-            hint = f"; did you mean '{prefix}{close}'?" if close else f"; valid keys: {', '.join(prefix + n for n in names)}"
+            hint = (
+                f"; did you mean '{prefix}{close}'?"
+                if close
+                else f"; valid keys: {', '.join(prefix + n for n in names)}"
+            )
             problems.append(f"{full}: unknown key{hint}")
             continue
         tp = hints[key]
@@ -375,17 +379,29 @@ def validate(cfg: Config) -> list[str]:
         p.append("data.train: required; a path, a list of paths, or a hub data set name")
     if not cfg.output_dir:
         p.append("output_dir: required")
-    for key, value in [("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum_steps", t.grad_accum_steps),
-                       ("train.max_consecutive_skips", t.max_consecutive_skips), ("train.spike_window", t.spike_window),
-                       ("data.max_seq_len", cfg.data.max_seq_len), ("log.every_steps", cfg.log.every_steps)]:
+    for key, value in [
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.grad_accum_steps", t.grad_accum_steps),
+        ("train.max_consecutive_skips", t.max_consecutive_skips),
+        ("train.spike_window", t.spike_window),
+        ("data.max_seq_len", cfg.data.max_seq_len),
+        ("log.every_steps", cfg.log.every_steps),
+    ]:
         if value < 1:
             p.append(f"{key}: must be at least 1, got {value}")
-    for key, value in [("train.max_steps", t.max_steps), ("train.warmup_steps", t.warmup_steps),
-                       ("eval.every_steps", cfg.eval.every_steps), ("eval.micro_batch_size", cfg.eval.micro_batch_size),
-                       ("checkpoint.every_steps", cfg.checkpoint.every_steps), ("checkpoint.keep_last", cfg.checkpoint.keep_last),
-                       ("data.num_workers", cfg.data.num_workers), ("train.max_grad_norm", t.max_grad_norm),
-                       ("train.weight_decay", t.weight_decay), ("train.hang_timeout_s", t.hang_timeout_s),
-                       ("train.loss_chunk_tokens", t.loss_chunk_tokens)]:
+    for key, value in [
+        ("train.max_steps", t.max_steps),
+        ("train.warmup_steps", t.warmup_steps),
+        ("eval.every_steps", cfg.eval.every_steps),
+        ("eval.micro_batch_size", cfg.eval.micro_batch_size),
+        ("checkpoint.every_steps", cfg.checkpoint.every_steps),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("data.num_workers", cfg.data.num_workers),
+        ("train.max_grad_norm", t.max_grad_norm),
+        ("train.weight_decay", t.weight_decay),
+        ("train.hang_timeout_s", t.hang_timeout_s),
+        ("train.loss_chunk_tokens", t.loss_chunk_tokens),
+    ]:
         if value < 0:
             p.append(f"{key}: must not be negative, got {value}")
     if cfg.data.streaming and t.max_steps == 0:
@@ -407,7 +423,9 @@ def validate(cfg: Config) -> list[str]:
         p.append("eval.every_steps: set data.eval too, or set eval.every_steps=0")
     lora = cfg.model.lora
     if lora.enabled and (lora.r < 1 or lora.alpha < 1 or not 0 <= lora.dropout < 1):
-        p.append(f"model.lora: r and alpha must be at least 1 and dropout in [0, 1), got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}")
+        p.append(
+            f"model.lora: r and alpha must be at least 1 and dropout in [0, 1), got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}"
+        )
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")
     return p

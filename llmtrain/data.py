@@ -19,8 +19,14 @@ from .config import DataConfig
 IGNORE = -100
 FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "system": "system"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 class DataError(ValueError):
@@ -92,16 +98,20 @@ def check_json_file(path: Path, key: str) -> None:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{key}: {path} line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
-                                    "each line must be one JSON object") from None
+                    raise DataError(
+                        f"{key}: {path} line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                        "each line must be one JSON object"
+                    ) from None
                 if not isinstance(row, dict):
                     raise DataError(f"{key}: {path} line {lineno}: expected a JSON object, got {type(row).__name__}")
     else:
         try:
             json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise DataError(f"{key}: {path} line {e.lineno}: invalid JSON ({e.msg}); "
-                            "use a JSON array of objects or JSON Lines (.jsonl)") from None
+            raise DataError(
+                f"{key}: {path} line {e.lineno}: invalid JSON ({e.msg}); "
+                "use a JSON array of objects or JSON Lines (.jsonl)"
+            ) from None
 
 
 def load_source(name: str, key: str, streaming: bool = False) -> Source:
@@ -117,8 +127,9 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         if FILE_BUILDERS[path.suffix] == "json" and not streaming:
             check_json_file(path, key)
         try:
-            ds = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train",
-                                       streaming=streaming)
+            ds = datasets.load_dataset(
+                FILE_BUILDERS[path.suffix], data_files=str(path), split="train", streaming=streaming
+            )
         except Exception as e:  # Arrow schema errors and the like
             raise DataError(f"{key}: could not read {name}: {str(e).splitlines()[0]}") from None
         return Source(key, name, ds, local_path=path)
@@ -128,13 +139,20 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     try:
         ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)
     except Exception as e:
-        raise DataError(f"{key}: could not load '{name}' as a file or hub data set "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DataError(
+            f"{key}: could not load '{name}' as a file or hub data set "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return Source(key, name, ds)
 
 
-REQUIRED = {"chat": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
-            "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+REQUIRED = {
+    "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
 
 
 def detect_format(columns: list[str], wanted: str, source: str, key: str) -> str:
@@ -143,13 +161,16 @@ def detect_format(columns: list[str], wanted: str, source: str, key: str) -> str
     cols = set(columns)
     if wanted != "auto":
         if not set(REQUIRED[wanted]) <= cols:
-            raise DataError(f"{key}: {source}: data.format={wanted} needs columns {sorted(REQUIRED[wanted])}, "
-                            f"found {sorted(cols)}")
+            raise DataError(
+                f"{key}: {source}: data.format={wanted} needs columns {sorted(REQUIRED[wanted])}, found {sorted(cols)}"
+            )
         return wanted
     if not any(set(need) <= cols for need in REQUIRED.values()):
-        raise DataError(f"{key}: {source}: cannot tell the row format from columns {sorted(cols)}; expected 'text', "
-                        "'prompt'+'completion', 'instruction'+'output', 'messages' or 'conversations' "
-                        "(or set data.format)")
+        raise DataError(
+            f"{key}: {source}: cannot tell the row format from columns {sorted(cols)}; expected 'text', "
+            "'prompt'+'completion', 'instruction'+'output', 'messages' or 'conversations' "
+            "(or set data.format)"
+        )
     return "auto"
 
 
@@ -192,7 +213,11 @@ def to_messages(row: dict, fmt: str) -> list[dict]:
         instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
         if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(extra, str):
             raise RowError("'instruction', 'input' and 'output' must be strings")
-        out = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) and row["system"] else []
+        out = (
+            [{"role": "system", "content": row["system"]}]
+            if isinstance(row.get("system"), str) and row["system"]
+            else []
+        )
         user = f"{instruction}\n\n{extra}" if extra else instruction
         return out + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
     raise AssertionError(fmt)
@@ -203,6 +228,7 @@ def _chat_ids(messages: list[dict], tokenizer, template: str | None, loss_on: st
 
     The span of assistant turn i runs from the end of render(messages[:i], generation prompt)
     to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
+
     def render(msgs, gen=False):
         return tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=gen)
 
@@ -215,15 +241,18 @@ def _chat_ids(messages: list[dict], tokenizer, template: str | None, loss_on: st
             continue
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
         if not (end.startswith(start) and text.startswith(end)):
-            raise RowError("the chat template does not render conversations as growing prefixes, so assistant "
-                           "turns cannot be located; use another data.chat_template or data.loss_on=all")
+            raise RowError(
+                "the chat template does not render conversations as growing prefixes, so assistant "
+                "turns cannot be located; use another data.chat_template or data.loss_on=all"
+            )
         spans.append((len(start), len(end)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if loss_on == "all":
         return ids, list(ids)
-    labels = [tok if any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE
-              for tok, (s, e) in zip(ids, enc["offset_mapping"])]
+    labels = [
+        tok if any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE for tok, (s, e) in zip(ids, enc["offset_mapping"])
+    ]
     return ids, labels
 
 
@@ -282,10 +311,12 @@ def row_problem(status: str, cfg: DataConfig) -> str | None:
     over-long one under data.overlong=error), for the caller to put after the row's
     location; None for rows that are kept or dropped."""
     if status.startswith("error"):
-        return status[len("error: "):]
+        return status[len("error: ") :]
     if status.startswith("too long") and cfg.overlong == "error":
-        return (f"row is {status[len('too long ('):-1]}, above data.max_seq_len={cfg.max_seq_len}; "
-                "raise data.max_seq_len or set data.overlong=truncate or drop")
+        return (
+            f"row is {status[len('too long (') : -1]}, above data.max_seq_len={cfg.max_seq_len}; "
+            "raise data.max_seq_len or set data.overlong=truncate or drop"
+        )
     return None
 
 
@@ -307,10 +338,15 @@ def check_source(src: Source, columns: list[str], tokenizer, template: str | Non
     """Set src.format from its columns; refuse chat rows with no chat template to render them."""
     src.format = detect_format(columns, cfg.format, src.name, src.key)
     conversational = any(set(REQUIRED[f]) <= set(columns) for f in ("chat", "sharegpt", "alpaca"))
-    if conversational and src.format in ("auto", "chat", "sharegpt", "alpaca") and not (
-            template or tokenizer.chat_template):
-        raise DataError(f"{src.key}: {src.name} has conversational rows but the tokenizer has no chat template; "
-                        "set data.chat_template to a Jinja template or a .jinja file")
+    if (
+        conversational
+        and src.format in ("auto", "chat", "sharegpt", "alpaca")
+        and not (template or tokenizer.chat_template)
+    ):
+        raise DataError(
+            f"{src.key}: {src.name} has conversational rows but the tokenizer has no chat template; "
+            "set data.chat_template to a Jinja template or a .jinja file"
+        )
 
 
 def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> str:
@@ -318,8 +354,17 @@ def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg:
     the main process wrote instead of tokenizing again."""
     tok = tokenizer.backend_tokenizer.to_str() if getattr(tokenizer, "is_fast", False) else repr(tokenizer)
     h = hashlib.sha256()
-    for part in (source.dataset._fingerprint, fmt, template or str(tokenizer.chat_template), cfg.loss_on,
-                 str(cfg.max_seq_len), cfg.overlong, tok, str(tokenizer.eos_token_id), "llmtrain-data-v1"):
+    for part in (
+        source.dataset._fingerprint,
+        fmt,
+        template or str(tokenizer.chat_template),
+        cfg.loss_on,
+        str(cfg.max_seq_len),
+        cfg.overlong,
+        tok,
+        str(tokenizer.eos_token_id),
+        "llmtrain-data-v1",
+    ):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -353,7 +398,8 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
         parts.append(ds)
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if stats.kept == 0:
-        raise DataError(f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong "
-                        "and data.loss_on")
+        raise DataError(
+            f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong and data.loss_on"
+        )
     stats.trained_tokens = sum(ds["n_trained"])
     return ds, stats

@@ -35,10 +35,42 @@ def cache_dir() -> Path:
 # --- data ---------------------------------------------------------------------------
 
 
-WORDS = ["cat", "dog", "sun", "tree", "blue", "fish", "milk", "star", "rain", "bird", "book", "lamp",
-         "frog", "cake", "ship", "wolf", "king", "rose", "snow", "gold"]
-OPPOSITES = {"hot": "cold", "up": "down", "big": "small", "fast": "slow", "day": "night", "old": "new",
-             "open": "closed", "left": "right", "early": "late", "full": "empty", "wet": "dry", "loud": "quiet"}
+WORDS = [
+    "cat",
+    "dog",
+    "sun",
+    "tree",
+    "blue",
+    "fish",
+    "milk",
+    "star",
+    "rain",
+    "bird",
+    "book",
+    "lamp",
+    "frog",
+    "cake",
+    "ship",
+    "wolf",
+    "king",
+    "rose",
+    "snow",
+    "gold",
+]
+OPPOSITES = {
+    "hot": "cold",
+    "up": "down",
+    "big": "small",
+    "fast": "slow",
+    "day": "night",
+    "old": "new",
+    "open": "closed",
+    "left": "right",
+    "early": "late",
+    "full": "empty",
+    "wet": "dry",
+    "loud": "quiet",
+}
 
 
 def _task(rng: random.Random) -> tuple[str, str]:
@@ -97,28 +129,42 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 261):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
-        unk_token="<unk>", chat_template=CHAT_TEMPLATE, model_max_length=512,
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
     )
 
 
-def build_model_dir(path: Path, corpus: list[str], hidden_size: int = 128, num_layers: int = 4,
-                    vocab_size: int = 261, seed: int = 0) -> Path:
+def build_model_dir(
+    path: Path, corpus: list[str], hidden_size: int = 128, num_layers: int = 4, vocab_size: int = 261, seed: int = 0
+) -> Path:
     """Save a randomly initialised tiny Llama and its tokenizer with save_pretrained."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer(corpus, vocab_size)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 3,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)

@@ -26,8 +26,11 @@ def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str,
         is_lora = hasattr(unwrapped, "peft_config")
         if is_lora and merge_lora:
             unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
-            merged = _merged_from_adapter(accelerator, unwrapped, tmp / "adapter") if is_sharded(accelerator) \
+            merged = (
+                _merged_from_adapter(accelerator, unwrapped, tmp / "adapter")
+                if is_sharded(accelerator)
                 else _merged_copy(unwrapped)
+            )
             merged.save_pretrained(tmp, safe_serialization=True)
         else:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
@@ -53,8 +56,9 @@ def drop_tied_copies(model, state_dict: dict) -> None:
 def is_sharded(accelerator) -> bool:
     """Whether each process holds only a shard of the weights (ZeRO-3 or FSDP)."""
     kind = accelerator.distributed_type
-    return kind == DistributedType.FSDP or (kind == DistributedType.DEEPSPEED
-                                            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    return kind == DistributedType.FSDP or (
+        kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+    )
 
 
 def model_for_sampling(accelerator, model, final: Path):
@@ -115,15 +119,24 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_templ
     answers = []
     for prompt in prompts:
         if chat_template or tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], chat_template=chat_template,
-                                                 tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
         else:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, synced_gpus=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                             else tokenizer.eos_token_id)
-        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            synced_gpus=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
     model.train(was_training)
     return answers

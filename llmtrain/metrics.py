@@ -41,8 +41,11 @@ class MetricsLog:
         if accelerator.is_main_process:
             kept = []
             if resume_step is not None and self.path.exists():
-                kept = [line for line in self.path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= resume_step]
+                kept = [
+                    line
+                    for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step
+                ]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:

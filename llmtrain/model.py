@@ -34,19 +34,25 @@ def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
 
     name = cfg.name_or_path
     if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
-        raise ModelError(f"model.name_or_path: no such directory: {name}; give a local model directory "
-                         "(with config.json) or a hub name like 'owner/model'")
+        raise ModelError(
+            f"model.name_or_path: no such directory: {name}; give a local model directory "
+            "(with config.json) or a hub name like 'owner/model'"
+        )
     try:
         mcfg = AutoConfig.from_pretrained(name, **_hub_kwargs(cfg))
     except Exception as e:
-        raise ModelError(f"model.name_or_path: could not load a model config from '{name}' "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ModelError(
+            f"model.name_or_path: could not load a model config from '{name}' "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     limit = getattr(mcfg, "max_position_embeddings", None)
     if not isinstance(limit, int) or max_seq_len <= limit or _rope_scaled(mcfg):
         return
-    raise ModelError(f"data.max_seq_len: {max_seq_len} is above the {limit} positions of '{cfg.name_or_path}' "
-                     f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
-                     "a model configured for longer context")
+    raise ModelError(
+        f"data.max_seq_len: {max_seq_len} is above the {limit} positions of '{cfg.name_or_path}' "
+        f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
+        "a model configured for longer context"
+    )
 
 
 def _rope_scaled(mcfg) -> bool:
@@ -64,9 +70,11 @@ def attention_backend(cfg: ModelConfig, packing: bool, device: torch.device) -> 
     if name == "auto":
         name = "flex_attention" if packing and device.type == "cuda" else "sdpa"
     if name == "flex_attention" and device.type == "cpu":
-        raise ModelError("model.attn_implementation: flex_attention cannot train on CPU (PyTorch has no "
-                         "FlexAttention backward there); use auto or sdpa, whose dense document mask isolates "
-                         "packed samples as well")
+        raise ModelError(
+            "model.attn_implementation: flex_attention cannot train on CPU (PyTorch has no "
+            "FlexAttention backward there); use auto or sdpa, whose dense document mask isolates "
+            "packed samples as well"
+        )
     return name
 
 
@@ -76,11 +84,15 @@ def load_tokenizer(cfg: ModelConfig):
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, **_hub_kwargs(cfg))
     except Exception as e:
-        raise ModelError(f"model.name_or_path: could not load a tokenizer from '{cfg.name_or_path}' "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ModelError(
+            f"model.name_or_path: could not load a tokenizer from '{cfg.name_or_path}' "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not tok.is_fast:
-        raise ModelError(f"model.name_or_path: '{cfg.name_or_path}' has no fast tokenizer; llmtrain needs one "
-                         "(character offsets locate assistant turns)")
+        raise ModelError(
+            f"model.name_or_path: '{cfg.name_or_path}' has no fast tokenizer; llmtrain needs one "
+            "(character offsets locate assistant turns)"
+        )
     return tok
 
 
@@ -96,19 +108,26 @@ def load_model(cfg: ModelConfig):
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
-            **_hub_kwargs(cfg))
+            cfg.name_or_path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation, **_hub_kwargs(cfg)
+        )
     except Exception as e:
-        raise ModelError(f"model.name_or_path: could not load a causal LM from '{cfg.name_or_path}' "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ModelError(
+            f"model.name_or_path: could not load a causal LM from '{cfg.name_or_path}' "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                          target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
         model = get_peft_model(model, lora)
@@ -123,8 +142,9 @@ def compile_blocks(model) -> int:
 
     blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not blocks:
-        raise ModelError(f"train.compile: found no transformer blocks in {type(model).__name__} to compile; "
-                         "set train.compile=false")
+        raise ModelError(
+            f"train.compile: found no transformer blocks in {type(model).__name__} to compile; set train.compile=false"
+        )
     for block in blocks:
         block.compile()
     return len(blocks)
@@ -133,8 +153,23 @@ def compile_blocks(model) -> int:
 # Architectures whose forward returns lm_head's output untouched (no soft-capping or
 # scaling after it), checked against their transformers source: the chunked loss stands in
 # for their lm_head. Others get whole logits.
-PLAIN_HEADS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3", "gemma",
-               "olmo", "olmo2", "smollm3", "starcoder2", "gpt_neox"}
+PLAIN_HEADS = {
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "phi",
+    "phi3",
+    "gemma",
+    "olmo",
+    "olmo2",
+    "smollm3",
+    "starcoder2",
+    "gpt_neox",
+}
 
 
 def chunkable_head(model) -> torch.nn.Linear | None:
@@ -167,15 +202,16 @@ def _chunked_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
         n = h.shape[0]
         total = h.new_zeros((), dtype=torch.float32)
         for s in range(0, max(n, 1), chunk):  # one (empty) chunk keeps the head in the graph
-            args = (h[s:s + chunk], head.weight, head.bias, y[s:s + chunk])
+            args = (h[s : s + chunk], head.weight, head.bias, y[s : s + chunk])
             total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if n > chunk else _chunk_loss(*args))
         return total
 
     return forward
 
 
-def token_loss(model, batch: dict, attn_implementation: str, chunk: int = 0,
-               head: torch.nn.Linear | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss(
+    model, batch: dict, attn_implementation: str, chunk: int = 0, head: torch.nn.Linear | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies over the batch and the number of trained tokens.
 
     Labels are already shifted (labels[t] is the target of position t). Packed batches get

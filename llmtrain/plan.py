@@ -59,9 +59,13 @@ def read_launch(path: str | None, cfg) -> Launch:
     if not Path(path).is_file():
         raise ConfigError([f"--accelerate-config: no such file: {path}"])
     ac = load_config_from_file(path)
-    launch = Launch(source=str(path), distributed_type=str(getattr(ac.distributed_type, "value", ac.distributed_type)),
-                    num_processes=ac.num_processes or 1, num_machines=ac.num_machines or 1,
-                    mixed_precision=str(getattr(ac.mixed_precision, "value", ac.mixed_precision) or "no"))
+    launch = Launch(
+        source=str(path),
+        distributed_type=str(getattr(ac.distributed_type, "value", ac.distributed_type)),
+        num_processes=ac.num_processes or 1,
+        num_machines=ac.num_machines or 1,
+        mixed_precision=str(getattr(ac.mixed_precision, "value", ac.mixed_precision) or "no"),
+    )
     launch.settings = {k: v for k, v in ac.to_dict().items() if v not in (None, {}, "")}
     ds = ac.deepspeed_config or {}
     if ds:
@@ -72,16 +76,19 @@ def read_launch(path: str | None, cfg) -> Launch:
         if gas not in (None, "auto") and int(gas) != cfg.train.grad_accum_steps:
             launch.conflicts.append(
                 f"deepspeed_config.gradient_accumulation_steps={gas} in {path} but train.grad_accum_steps="
-                f"{cfg.train.grad_accum_steps}: set one of them (llmtrain drives DeepSpeed's value from the recipe)")
+                f"{cfg.train.grad_accum_steps}: set one of them (llmtrain drives DeepSpeed's value from the recipe)"
+            )
         clip = ds.get("gradient_clipping")
         if clip not in (None, "auto") and float(clip) != cfg.train.max_grad_norm:
-            launch.conflicts.append(f"deepspeed_config.gradient_clipping={clip} in {path} but train.max_grad_norm="
-                                    f"{cfg.train.max_grad_norm}")
+            launch.conflicts.append(
+                f"deepspeed_config.gradient_clipping={clip} in {path} but train.max_grad_norm={cfg.train.max_grad_norm}"
+            )
     if ac.fsdp_config:
         launch.fsdp = True
     if launch.mixed_precision == "fp16" and cfg.model.dtype == "bfloat16":
-        launch.conflicts.append(f"mixed_precision=fp16 in {path} but model.dtype=bfloat16: use bf16 autocast, "
-                                "or float32 weights with fp16")
+        launch.conflicts.append(
+            f"mixed_precision=fp16 in {path} but model.dtype=bfloat16: use bf16 autocast, or float32 weights with fp16"
+        )
     return launch
 
 
@@ -91,16 +98,27 @@ def count_params(cfg) -> tuple[int, int, object, bool]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    mcfg = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
-                                      **({"revision": cfg.model.revision} if cfg.model.revision else {}))
+    mcfg = AutoConfig.from_pretrained(
+        cfg.model.name_or_path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        **({"revision": cfg.model.revision} if cfg.model.revision else {}),
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.lora.enabled:
         from peft import LoraConfig, get_peft_model
 
         lora = cfg.model.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable, mcfg, chunkable_head(model) is not None
@@ -155,8 +173,11 @@ def preview_row(ds, tokenizer, index: int = 0) -> str:
 def plan(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="llmtrain plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("recipes/configs/demo.yaml"))
-    parser.add_argument("--accelerate-config", default=None,
-                        help="accelerate config file (default: the one `accelerate config` wrote, if any)")
+    parser.add_argument(
+        "--accelerate-config",
+        default=None,
+        help="accelerate config file (default: the one `accelerate config` wrote, if any)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -167,12 +188,22 @@ def plan(argv: list[str]) -> None:
     tokenizer = load_tokenizer(cfg.model)
     t, world = cfg.train, launch.num_processes
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
-        stream = StreamedRows("data.train", as_list(cfg.data.train), tokenizer, resolve_chat_template(cfg.data),
-                              dataclasses.replace(cfg.data, shuffle=False), t.seed, 0, 1)
+        stream = StreamedRows(
+            "data.train",
+            as_list(cfg.data.train),
+            tokenizer,
+            resolve_chat_template(cfg.data),
+            dataclasses.replace(cfg.data, shuffle=False),
+            t.seed,
+            0,
+            1,
+        )
         ds = list(islice(stream.rows(), STREAM_SAMPLE))
         if not ds:
-            raise DataError(f"data.train: no usable row in the first {stream.stats.rows} rows of the stream: "
-                            f"{stream.stats.summary('data.train')}")
+            raise DataError(
+                f"data.train: no usable row in the first {stream.stats.rows} rows of the stream: "
+                f"{stream.stats.summary('data.train')}"
+            )
         lengths, stats, steps_per_epoch = [len(r["input_ids"]) for r in ds], stream.stats, None
     else:
         ds, stats = prepare_split("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
@@ -196,16 +227,21 @@ def plan(argv: list[str]) -> None:
     print(f"\n== launch ({launch.source}) ==")
     for key, value in sorted(launch.settings.items()):
         print(f"  {key}: {value}")
-    print(f"  distributed type {launch.distributed_type}, {launch.num_machines} machine(s), "
-          f"mixed precision {launch.mixed_precision}"
-          + (f", DeepSpeed ZeRO-{launch.zero_stage}" if launch.zero_stage else "") + (", FSDP" if launch.fsdp else ""))
+    print(
+        f"  distributed type {launch.distributed_type}, {launch.num_machines} machine(s), "
+        f"mixed precision {launch.mixed_precision}"
+        + (f", DeepSpeed ZeRO-{launch.zero_stage}" if launch.zero_stage else "")
+        + (", FSDP" if launch.fsdp else "")
+    )
     for conflict in launch.conflicts:
         print(f"  CONFLICT: {conflict}")
     print("\n== batch ==")
     print(f"  world size: {world}")
-    print(f"  global batch: {global_seqs} sequences = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
-          f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
-          + (" (packed)" if cfg.data.packing else f" (mean row {mean_len:.0f} tokens)"))
+    print(
+        f"  global batch: {global_seqs} sequences = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
+        f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
+        + (" (packed)" if cfg.data.packing else f" (mean row {mean_len:.0f} tokens)")
+    )
     if steps_per_epoch is None:
         print(f"  streamed; the first rows read: {stats.summary('data.train')}")
         print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")

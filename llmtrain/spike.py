@@ -14,8 +14,11 @@ class SpikeGuard:
 
     def is_spike(self, loss: float) -> bool:
         """Above factor x the median of a full window of recent losses (off when factor is 0)."""
-        return bool(self.factor) and len(self.recent) == self.window and \
-            loss > self.factor * statistics.median(self.recent)
+        return (
+            bool(self.factor)
+            and len(self.recent) == self.window
+            and loss > self.factor * statistics.median(self.recent)
+        )
 
     def accept(self, loss: float) -> None:
-        self.recent = (self.recent + [loss])[-self.window:]
+        self.recent = (self.recent + [loss])[-self.window :]

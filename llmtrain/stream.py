@@ -39,8 +39,17 @@ class StreamedRows(torch.utils.data.IterableDataset):
     """This process's share of data.train as tokenized examples (input_ids, labels), or
     packed sequences with data.packing."""
 
-    def __init__(self, key: str, names: list[str], tokenizer, template: str | None, cfg: DataConfig, seed: int,
-                 rank: int, world: int):
+    def __init__(
+        self,
+        key: str,
+        names: list[str],
+        tokenizer,
+        template: str | None,
+        cfg: DataConfig,
+        seed: int,
+        rank: int,
+        world: int,
+    ):
         from datasets.distributed import split_dataset_by_node
 
         self.key, self.tokenizer, self.template, self.cfg, self.rank = key, tokenizer, template, cfg, rank

@@ -22,8 +22,18 @@ import sys
 import torch
 
 # Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets.
-PEAK_BF16 = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
-             "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "RTX 4090": 165e12}
+PEAK_BF16 = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+}
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -59,8 +69,9 @@ def document_sizes(batch: dict) -> tuple[int, int]:
     return int(lengths.sum()), int((lengths * lengths).sum())
 
 
-def step_flops(tokens: int, squares: int, n_params: int, layers: int, hidden: int, head_params: int = 0,
-               head_tokens: int = 0) -> float:
+def step_flops(
+    tokens: int, squares: int, n_params: int, layers: int, hidden: int, head_params: int = 0, head_tokens: int = 0
+) -> float:
     """FLOPs of a step (see the module docstring). When the chunked loss runs the output
     layer only at trained positions, its `head_params` count for those `head_tokens` alone."""
     return 6.0 * (n_params - head_params) * tokens + 6.0 * head_params * head_tokens + 12.0 * layers * hidden * squares

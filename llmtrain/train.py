@@ -53,8 +53,11 @@ def process_group_backend() -> str | None:
     """gloo for DeepSpeed on a CPU-only machine (its CPU accelerator): Accelerate finds no
     device backend there and would leave the processes without a group. None otherwise
     (Accelerate chooses)."""
-    if (parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not parse_flag_from_env("ACCELERATE_USE_CPU")
-            and not torch.cuda.is_available()):
+    if (
+        parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+        and not parse_flag_from_env("ACCELERATE_USE_CPU")
+        and not torch.cuda.is_available()
+    ):
         return "gloo"
     return None
 
@@ -87,8 +90,12 @@ def setup_accelerator(cfg: Config):
     # whole data set and overwrite the others' output.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
-        raise ConfigError([f"launch: {launched} processes were started but they did not join one process group "
-                           "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"])
+        raise ConfigError(
+            [
+                f"launch: {launched} processes were started but they did not join one process group "
+                "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"
+            ]
+        )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, cfg)
         # DeepSpeed calls torch.distributed functions that torch has renamed; torch warns on
@@ -102,15 +109,27 @@ def check_topology(accelerator) -> None:
     """Refuse launches that would silently not be what was asked for."""
     kind = accelerator.distributed_type
     if kind == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        raise ConfigError(["launch: ACCELERATE_USE_CPU=1 (or use_cpu: true) turns DeepSpeed off in Accelerate; "
-                           "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"])
+        raise ConfigError(
+            [
+                "launch: ACCELERATE_USE_CPU=1 (or use_cpu: true) turns DeepSpeed off in Accelerate; "
+                "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"
+            ]
+        )
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
-        raise ConfigError(["launch: FSDP was asked for but Accelerate runs FSDP only on GPUs (or other accelerators); "
-                           "on CPU use DDP (accelerate_configs/cpu_ddp.yaml) "
-                           "or DeepSpeed (accelerate_configs/ds_zero3.yaml)"])
+        raise ConfigError(
+            [
+                "launch: FSDP was asked for but Accelerate runs FSDP only on GPUs (or other accelerators); "
+                "on CPU use DDP (accelerate_configs/cpu_ddp.yaml) "
+                "or DeepSpeed (accelerate_configs/ds_zero3.yaml)"
+            ]
+        )
     if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
-        raise ConfigError(["launch: FSDP1 is not supported; set fsdp_config.fsdp_version: 2 in the accelerate config "
-                           "(see accelerate_configs/fsdp2.yaml)"])
+        raise ConfigError(
+            [
+                "launch: FSDP1 is not supported; set fsdp_config.fsdp_version: 2 in the accelerate config "
+                "(see accelerate_configs/fsdp2.yaml)"
+            ]
+        )
 
 
 def configure_deepspeed(accelerator, cfg: Config) -> None:
@@ -121,26 +140,41 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
     ds = plugin.deepspeed_config
     t, world = cfg.train, accelerator.num_processes
     if t.spike_factor:
-        raise ConfigError(["train.spike_factor: the spike guard cannot run under DeepSpeed (its engine takes the "
-                           "optimizer step inside backward, before the step's loss is known); "
-                           "set train.spike_factor=0"])
+        raise ConfigError(
+            [
+                "train.spike_factor: the spike guard cannot run under DeepSpeed (its engine takes the "
+                "optimizer step inside backward, before the step's loss is known); "
+                "set train.spike_factor=0"
+            ]
+        )
     if t.compile:
-        raise ConfigError(["train.compile: not supported with DeepSpeed (its ZeRO hooks run inside every block); "
-                           "set train.compile=false, or use DDP or FSDP2"])
+        raise ConfigError(
+            [
+                "train.compile: not supported with DeepSpeed (its ZeRO hooks run inside every block); "
+                "set train.compile=false, or use DDP or FSDP2"
+            ]
+        )
     where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
-    wanted = [("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
-              ("gradient_accumulation_steps", t.grad_accum_steps, "train.grad_accum_steps"),
-              ("train_batch_size", t.micro_batch_size * t.grad_accum_steps * world,
-               f"train.micro_batch_size x train.grad_accum_steps x {world} processes"),
-              ("gradient_clipping", float(t.max_grad_norm or 0.0), "train.max_grad_norm")]
+    wanted = [
+        ("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
+        ("gradient_accumulation_steps", t.grad_accum_steps, "train.grad_accum_steps"),
+        (
+            "train_batch_size",
+            t.micro_batch_size * t.grad_accum_steps * world,
+            f"train.micro_batch_size x train.grad_accum_steps x {world} processes",
+        ),
+        ("gradient_clipping", float(t.max_grad_norm or 0.0), "train.max_grad_norm"),
+    ]
     problems = []
     for key, ours, name in wanted:
         theirs = ds.get(key, "auto")
         if theirs == "auto":
             ds[key] = ours
         elif float(theirs) != float(ours):
-            problems.append(f"{name}={ours} conflicts with {key}={theirs} in {where}; set {key} to \"auto\" "
-                            f"there (the recipe's value is then used) or make them equal")
+            problems.append(
+                f'{name}={ours} conflicts with {key}={theirs} in {where}; set {key} to "auto" '
+                f"there (the recipe's value is then used) or make them equal"
+            )
     if problems:
         raise ConfigError(problems)
     zero = ds.setdefault("zero_optimization", {})
@@ -162,7 +196,8 @@ def raise_skips(cfg: Config, step: int, in_a_row: int, reason: str) -> None:
         f"train: {reason} at step {step} ({in_a_row} skipped step(s) in a row, "
         f"train.on_nonfinite={cfg.train.on_nonfinite}, train.max_consecutive_skips={cfg.train.max_consecutive_skips}); "
         f"nothing after the last good step was saved; newest complete checkpoint: {newest}. Try a lower train.lr, "
-        "more train.warmup_steps, bf16 instead of fp16, or look for broken rows or weights")
+        "more train.warmup_steps, bf16 instead of fp16, or look for broken rows or weights"
+    )
 
 
 def build_datasets(cfg: Config, accelerator, tokenizer):
@@ -176,17 +211,31 @@ def build_datasets(cfg: Config, accelerator, tokenizer):
                 sets.append(None)
                 continue
             if key == "data.train" and cfg.data.streaming:
-                sets.append(StreamedRows(key, names, tokenizer, resolve_chat_template(cfg.data), cfg.data,
-                                         cfg.train.seed, accelerator.process_index, accelerator.num_processes))
-                accelerator.print(f"{key}: streaming {len(names)} source(s); rows are tokenized"
-                                  f"{' and packed' if cfg.data.packing else ''} as they are read")
+                sets.append(
+                    StreamedRows(
+                        key,
+                        names,
+                        tokenizer,
+                        resolve_chat_template(cfg.data),
+                        cfg.data,
+                        cfg.train.seed,
+                        accelerator.process_index,
+                        accelerator.num_processes,
+                    )
+                )
+                accelerator.print(
+                    f"{key}: streaming {len(names)} source(s); rows are tokenized"
+                    f"{' and packed' if cfg.data.packing else ''} as they are read"
+                )
                 continue
             ds, stats = prepare_split(key, names, tokenizer, cfg.data)
             accelerator.print(stats.summary(key))
             if cfg.data.packing:
                 ds = PackedDataset(ds, cfg.data.max_seq_len)
-                accelerator.print(f"{key}: packed {stats.kept} rows into {len(ds)} sequences of "
-                                  f"{cfg.data.max_seq_len} tokens ({ds.efficiency():.1%} filled)")
+                accelerator.print(
+                    f"{key}: packed {stats.kept} rows into {len(ds)} sequences of "
+                    f"{cfg.data.max_seq_len} tokens ({ds.efficiency():.1%} filled)"
+                )
             sets.append(ds)
     return sets[0], sets[1]
 
@@ -198,7 +247,11 @@ def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Opt
     t = cfg.train
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=device.type == "cuda" or None)
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        fused=device.type == "cuda" or None,
+    )
 
 
 def lr_factor(step: int, total: int, cfg: Config) -> float:
@@ -255,9 +308,17 @@ def windows(batches, size: int, accelerator, stop: StopRequest | None = None, be
         wait = time.perf_counter() - start
         signum = stop.signum if stop is not None else 0
         sizes = [document_sizes(b) for b in window]
-        local = torch.tensor([len(window), sum(int((b["labels"] != -100).sum()) for b in window), signum,
-                              sum(s for s, _ in sizes), sum(q for _, q in sizes), int(bool(stop and stop.fault))],
-                             device=accelerator.device)
+        local = torch.tensor(
+            [
+                len(window),
+                sum(int((b["labels"] != -100).sum()) for b in window),
+                signum,
+                sum(s for s, _ in sizes),
+                sum(q for _, q in sizes),
+                int(bool(stop and stop.fault)),
+            ],
+            device=accelerator.device,
+        )
         every = accelerator.gather(local[None]).view(-1, len(local))  # one row per process
         total, most = every.sum(0).tolist(), every.max(0).values.tolist()
         if most[5] > 0:
@@ -272,8 +333,9 @@ def windows(batches, size: int, accelerator, stop: StopRequest | None = None, be
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn: str, chunk: int, head=None,
-             beat=None) -> float:
+def evaluate(
+    model, loader, accelerator, collator: Collator, packed: bool, attn: str, chunk: int, head=None, beat=None
+) -> float:
     """Mean loss over all trained tokens of the eval set, across processes."""
     model.eval()
     empty = {k: v.to(accelerator.device) for k, v in collator.empty_batch(packed).items()}
@@ -286,20 +348,29 @@ def evaluate(model, loader, accelerator, collator: Collator, packed: bool, attn:
     return float(sums[0] / sums[1])
 
 
-def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resume_from: Path | None,
-          stop: StopRequest, watchdog: Watchdog):
+def train(
+    cfg: Config,
+    accelerator,
+    model,
+    tokenizer,
+    train_set,
+    eval_set,
+    resume_from: Path | None,
+    stop: StopRequest,
+    watchdog: Watchdog,
+):
     """Run the optimizer steps; returns the (prepared) model. If a stop is requested
     (stop.agreed after return), a checkpoint of the last finished step has been written."""
     t, attn, packed = cfg.train, cfg.model.attn_implementation, cfg.data.packing
     streaming = isinstance(train_set, StreamedRows)
     collator = Collator(pad_id(tokenizer), cfg.data.max_seq_len if packed else 0)
-    train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle,
-                               cfg.data.num_workers)
+    train_loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle, cfg.data.num_workers)
     sampler = train_loader.sampler  # kept: prepare() wraps it, and we set its epoch
     eval_loader = None
     if eval_set is not None:
-        eval_loader = make_loader(eval_set, cfg.eval.micro_batch_size or t.micro_batch_size, collator, t.seed,
-                                  False, cfg.data.num_workers)
+        eval_loader = make_loader(
+            eval_set, cfg.eval.micro_batch_size or t.micro_batch_size, collator, t.seed, False, cfg.data.num_workers
+        )
 
     world = accelerator.num_processes
     if streaming:
@@ -348,8 +419,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     log = MetricsLog(accelerator, cfg.output_dir, step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
-    accelerator.print(f"training {total_steps} steps ({per_epoch}), global batch "
-                      f"{t.micro_batch_size * t.grad_accum_steps * world} sequences on {world} process(es)")
+    accelerator.print(
+        f"training {total_steps} steps ({per_epoch}), global batch "
+        f"{t.micro_batch_size * t.grad_accum_steps * world} sequences on {world} process(es)"
+    )
 
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:
@@ -360,8 +433,7 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
     config_yaml = to_yaml(cfg)
 
     def run_eval() -> None:
-        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, chunk, head,
-                             watchdog.beat)
+        eval_loss = evaluate(model, eval_loader, accelerator, collator, packed, attn, chunk, head, watchdog.beat)
         log.log({"step": step, "eval_loss": eval_loss})
         accelerator.print(f"step {step}: eval_loss {eval_loss:.4f}")
 
@@ -372,8 +444,13 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
 
     def save_checkpoint() -> Path:
         watchdog.beat(f"writing the checkpoint of step {step}")
-        state = {"step": step, "epoch": epoch, "batches_in_epoch": consumed, "recent_losses": spikes.recent,
-                 "settings": checkpoint.position_settings(cfg, world)}
+        state = {
+            "step": step,
+            "epoch": epoch,
+            "batches_in_epoch": consumed,
+            "recent_losses": spikes.recent,
+            "settings": checkpoint.position_settings(cfg, world),
+        }
         return checkpoint.save(accelerator, cfg.output_dir, state, config_yaml, cfg.checkpoint.keep_last)
 
     def last_step_checkpoint() -> Path:
@@ -386,8 +463,9 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             # The stream's order depends only on (seed, pass, processes): reading it again up
             # to the saved position gives a resumed run exactly the rows that come next.
             train_set.set_epoch(epoch)
-            batches = (send_to_device(b, accelerator.device, non_blocking=True)
-                       for b in islice(train_loader, consumed, None))
+            batches = (
+                send_to_device(b, accelerator.device, non_blocking=True) for b in islice(train_loader, consumed, None)
+            )
         else:
             loader = accelerator.skip_first_batches(train_loader, consumed) if consumed else train_loader
             # Accelerate's loader re-applies its own epoch counter to the sampler on every
@@ -429,9 +507,14 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             if nonfinite or spikes.is_spike(step_loss):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
-                reason = f"the loss or gradient norm was not finite (loss {step_loss}, grad_norm {grad_norm})" \
-                    if nonfinite else (f"the loss {step_loss:.4g} spiked above train.spike_factor={t.spike_factor:g} x "
-                                       f"the median of the last {t.spike_window} steps")
+                reason = (
+                    f"the loss or gradient norm was not finite (loss {step_loss}, grad_norm {grad_norm})"
+                    if nonfinite
+                    else (
+                        f"the loss {step_loss:.4g} spiked above train.spike_factor={t.spike_factor:g} x "
+                        f"the median of the last {t.spike_window} steps"
+                    )
+                )
                 log.log({"step": step + 1, "skipped": reason})
                 accelerator.print(f"step {step + 1} skipped: {reason}")
                 if (nonfinite and t.on_nonfinite == "abort") or skipped >= t.max_consecutive_skips:
@@ -451,23 +534,37 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             seconds = time.perf_counter() - tick
             mfu = None
             if peak is not None:
-                flops = step_flops(window.input_tokens, window.squared_lengths, n_params, layers, hidden,
-                                   head_params, global_tokens)
+                flops = step_flops(
+                    window.input_tokens, window.squared_lengths, n_params, layers, hidden, head_params, global_tokens
+                )
                 mfu = flops / (seconds * world * peak)
             if step % cfg.log.every_steps == 0 or step == total_steps:
-                row = {"step": step, "epoch": epoch, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
-                       "tokens": global_tokens, "tokens_per_s": global_tokens / seconds,
-                       "input_tokens_per_s": window.input_tokens / seconds,
-                       "data_wait": window.data_wait / seconds, "peak_mem_gib": peak_memory_gib(accelerator.device)}
+                row = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": step_loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": global_tokens,
+                    "tokens_per_s": global_tokens / seconds,
+                    "input_tokens_per_s": window.input_tokens / seconds,
+                    "data_wait": window.data_wait / seconds,
+                    "peak_mem_gib": peak_memory_gib(accelerator.device),
+                }
                 log.log(row | ({"mfu": mfu} if mfu is not None else {}))
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_tokens / seconds:.0f}",
-                                     **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
-                                     wait=f"{window.data_wait / seconds:.1%}",
-                                     mem=f"{peak_memory_gib(accelerator.device):.2f}G")
-            if eval_loader is not None and (step == total_steps or
-                                            (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
+                progress.set_postfix(
+                    loss=f"{step_loss:.4f}",
+                    lr=f"{lr:.2e}",
+                    tok_s=f"{global_tokens / seconds:.0f}",
+                    **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
+                    wait=f"{window.data_wait / seconds:.1%}",
+                    mem=f"{peak_memory_gib(accelerator.device):.2f}G",
+                )
+            if eval_loader is not None and (
+                step == total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)
+            ):
                 run_eval()
             if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == total_steps):
                 save_checkpoint()
@@ -478,8 +575,10 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
             if stop.agreed or stop.failed:
                 break
             if fresh_pass:
-                raise DataError("data.train: a whole pass over the stream gave no usable row on any process (see the "
-                                "dropped-row counts above); check data.max_seq_len, data.overlong and data.loss_on")
+                raise DataError(
+                    "data.train: a whole pass over the stream gave no usable row on any process (see the "
+                    "dropped-row counts above); check data.max_seq_len, data.overlong and data.loss_on"
+                )
             epoch, consumed = epoch + 1, 0
 
     if progress is not None:
@@ -489,10 +588,14 @@ def train(cfg: Config, accelerator, model, tokenizer, train_set, eval_set, resum
         if step == 0:
             raise DataError(f"{fault}; nothing was trained yet")
         path = last_step_checkpoint()
-        raise DataError(f"{fault}. Training stopped after step {step} with checkpoint {path} complete; fix or remove "
-                        "the row and run the same command again to continue from it")
+        raise DataError(
+            f"{fault}. Training stopped after step {step} with checkpoint {path} complete; fix or remove "
+            "the row and run the same command again to continue from it"
+        )
     if stop.agreed:
         path = last_step_checkpoint()
-        accelerator.print(f"stopped on {stop.name} after step {step}; checkpoint {path} is complete; run again "
-                          "with checkpoint.resume=auto to continue")
+        accelerator.print(
+            f"stopped on {stop.name} after step {step}; checkpoint {path} is complete; run again "
+            "with checkpoint.resume=auto to continue"
+        )
     return model

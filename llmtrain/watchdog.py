@@ -83,20 +83,24 @@ class Watchdog:
             self._post(idle)
             if idle > self.timeout_s:
                 others = self._others(idle)
-                blame = ("; ".join(others) if others else
-                         "another process has probably died or hung (its log names it)")
-                print(f"error: rank {self.rank}: no progress for {self.timeout_s:g} s, stuck at {self.where}; "
-                      f"{blame}. The newest complete checkpoint is intact: resume with checkpoint.resume=auto. "
-                      "If a step, evaluation or checkpoint write really takes this long, raise train.hang_timeout_s.",
-                      file=sys.stderr, flush=True)
+                blame = "; ".join(others) if others else "another process has probably died or hung (its log names it)"
+                print(
+                    f"error: rank {self.rank}: no progress for {self.timeout_s:g} s, stuck at {self.where}; "
+                    f"{blame}. The newest complete checkpoint is intact: resume with checkpoint.resume=auto. "
+                    "If a step, evaluation or checkpoint write really takes this long, raise train.hang_timeout_s.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(EXIT_HUNG)
 
     def _post(self, idle: float) -> None:
         if self.store is None:
             return
         try:
-            self.store.set(f"llmtrain/watchdog/{self.rank}",
-                           json.dumps({"where": self.where, "idle_s": idle, "posted": time.time()}))
+            self.store.set(
+                f"llmtrain/watchdog/{self.rank}",
+                json.dumps({"where": self.where, "idle_s": idle, "posted": time.time()}),
+            )
         except Exception:  # the store is gone (the launcher is tearing down): stop posting
             self.store = None
 
@@ -115,11 +119,14 @@ class Watchdog:
                 state = json.loads(self.store.get(key))
                 silent = now - state["posted"]
                 if silent > self.silent_s:
-                    found.append(f"rank {rank} stopped reporting {silent:.0f} s ago (dead or frozen), "
-                                 f"last at {state['where']}")
+                    found.append(
+                        f"rank {rank} stopped reporting {silent:.0f} s ago (dead or frozen), last at {state['where']}"
+                    )
                 elif state["idle_s"] + silent > idle and state["where"] != self.where:
-                    found.append(f"rank {rank} is alive but has made no progress for "
-                                 f"{state['idle_s'] + silent:.0f} s, at {state['where']}")
+                    found.append(
+                        f"rank {rank} is alive but has made no progress for "
+                        f"{state['idle_s'] + silent:.0f} s, at {state['where']}"
+                    )
         except Exception:  # the store is gone: say what was found
             return found
         return found

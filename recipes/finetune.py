@@ -44,12 +44,15 @@ def main(argv=None):
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
     checkpoint.check_writable(cfg.output_dir)
-    resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume, warn,
-                                          cfg.checkpoint.require_rng_state)
+    resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state)
     if accelerator.is_main_process:
         (out / "config.yaml").write_text(to_yaml(cfg))
-        run = {"versions": versions(), "world_size": accelerator.num_processes,
-               "mixed_precision": accelerator.mixed_precision, "resumed_from": str(resume_from or "")}
+        run = {
+            "versions": versions(),
+            "world_size": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            "resumed_from": str(resume_from or ""),
+        }
         (out / "run.json").write_text(json.dumps(run, indent=2))
 
     tokenizer = load_tokenizer(cfg.model)
@@ -76,8 +79,9 @@ def main(argv=None):
         print(f"saved {final}")
         prompts = cfg.eval.sample_prompts
         if prompts:
-            answers = sample(model_for_sampling(accelerator, model, final), tokenizer, prompts,
-                             cfg.eval.sample_max_new_tokens, None)
+            answers = sample(
+                model_for_sampling(accelerator, model, final), tokenizer, prompts, cfg.eval.sample_max_new_tokens, None
+            )
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")
     accelerator.end_training()  # closes trackers and the process group: last

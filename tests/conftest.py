@@ -21,9 +21,15 @@ def cache_env(tmp_path_factory):
     """Environment for recipe subprocesses: private caches, no network, no tracker noise."""
     root = tmp_path_factory.mktemp("cache")
     env = dict(os.environ)
-    env.update(LLMTRAIN_CACHE=str(root / "llmtrain"), HF_DATASETS_CACHE=str(root / "datasets"),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(
+        LLMTRAIN_CACHE=str(root / "llmtrain"),
+        HF_DATASETS_CACHE=str(root / "datasets"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -74,9 +80,24 @@ def free_port() -> int:
 def recipe_command(args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, str(RECIPE), *args]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port()), str(RECIPE), *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(nproc),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(RECIPE),
+        *args,
+    ]
 
 
 def run_recipe(args: list[str], env: dict, nproc: int = 1, check: bool = True, timeout: int = 300):
@@ -84,8 +105,9 @@ def run_recipe(args: list[str], env: dict, nproc: int = 1, check: bool = True, t
     env = dict(env)
     if nproc > 1:
         env["ACCELERATE_USE_CPU"] = "1"
-    proc = subprocess.run(recipe_command(args, nproc), env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        recipe_command(args, nproc), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -23,12 +23,16 @@ def missing_reason() -> str | None:
     if all(shutil.which(b) for b in BINARIES):
         return None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return "Slurm is not installed and cannot be installed here (needs root and apt-get: " + " ".join(PACKAGES) + ")"
+        return (
+            "Slurm is not installed and cannot be installed here (needs root and apt-get: " + " ".join(PACKAGES) + ")"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = subprocess.run(["apt-get", "install", "-y", "-qq", *PACKAGES], env=env, capture_output=True, text=True)
     if install.returncode != 0:
         subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
-        install = subprocess.run(["apt-get", "install", "-y", "-qq", *PACKAGES], env=env, capture_output=True, text=True)
+        install = subprocess.run(
+            ["apt-get", "install", "-y", "-qq", *PACKAGES], env=env, capture_output=True, text=True
+        )
     if install.returncode != 0:
         return f"apt-get could not install Slurm: {install.stderr.strip()[-300:]}"
     return None if all(shutil.which(b) for b in BINARIES) else "Slurm binaries missing after install"
@@ -103,12 +107,24 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscr
 
     def start(self) -> None:
         self._ensure_munge()
-        self.procs.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(self.conf)], env=self.env,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(
+            subprocess.Popen(
+                ["slurmctld", "-D", "-i", "-f", str(self.conf)],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         time.sleep(1)
         for node in ("n1", "n2"):
-            self.procs.append(subprocess.Popen(["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=self.env,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    ["slurmd", "-D", "-N", node, "-f", str(self.conf)],
+                    env=self.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         deadline = time.time() + 60
         while time.time() < deadline:
             out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout
@@ -116,7 +132,9 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscr
             if states.get("n1") == "idle" and states.get("n2") == "idle":
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"Slurm nodes did not come up: {out}\n{(self.root / 'log' / 'slurmctld.log').read_text()[-2000:]}")
+        raise RuntimeError(
+            f"Slurm nodes did not come up: {out}\n{(self.root / 'log' / 'slurmctld.log').read_text()[-2000:]}"
+        )
 
     def run(self, *cmd: str, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, **kw)

@@ -31,9 +31,24 @@ def test_recipe_runs_with_the_config_accelerate_config_writes(base_config, tiny_
     subprocess.run([*accelerate, "config", "default"], env=env, check=True, capture_output=True)
     assert (tmp_path / "hf_home" / "accelerate" / "default_config.yaml").is_file()
     out = tmp_path / "out"
-    proc = subprocess.run([*accelerate, "launch", "recipes/finetune.py", "--config", str(base_config),
-                           f"model.name_or_path={tiny_model}", f"data.train={chat_file}", f"output_dir={out}",
-                           "train.max_steps=2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *accelerate,
+            "launch",
+            "recipes/finetune.py",
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={chat_file}",
+            f"output_dir={out}",
+            "train.max_steps=2",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "had defaults used instead" not in proc.stderr  # the file supplied every launch setting
     assert (out / "final" / "model.safetensors").is_file()

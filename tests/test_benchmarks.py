@@ -18,8 +18,9 @@ def test_trained_tokens_match_the_assistant_mask(tokenizer):
     tok.chat_template = bench.TEMPLATE
     for row in bench.make_rows(20, seed=1, seq=256):
         ours = process_row(row, "chat", tok, None, DataConfig(max_seq_len=10_000))
-        theirs = tok.apply_chat_template(row["messages"], return_dict=True, return_assistant_tokens_mask=True,
-                                         tokenize=True)
+        theirs = tok.apply_chat_template(
+            row["messages"], return_dict=True, return_assistant_tokens_mask=True, tokenize=True
+        )
         assert ours["input_ids"] == theirs["input_ids"]
         trained_positions = [t + 1 for t, label in enumerate(ours["labels"]) if label != IGNORE]
         assert trained_positions == [i for i, m in enumerate(theirs["assistant_masks"]) if m]

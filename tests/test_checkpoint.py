@@ -26,8 +26,9 @@ def fake_checkpoint(root, name, complete=True):
 POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
 
 
-@pytest.mark.parametrize("fault", ["truncated", "missing_rng", "garbled_rng", "no_position", "no_file_list",
-                                   "bad_json"])
+@pytest.mark.parametrize(
+    "fault", ["truncated", "missing_rng", "garbled_rng", "no_position", "no_file_list", "bad_json"]
+)
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
     fake_checkpoint(tmp_path, "step-2")
     newest = fake_checkpoint(tmp_path, "step-4")
@@ -43,7 +44,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
     elif fault == "no_file_list":
         (newest / STATE_FILE).write_text(json.dumps(POSITION))
     else:
-        (newest / STATE_FILE).write_text("{\"step\": 4, \"fi")
+        (newest / STATE_FILE).write_text('{"step": 4, "fi')
     warnings = []
     assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-2"
     assert len(warnings) == 1 and "step-4 is damaged" in warnings[0]
@@ -120,8 +121,9 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
 
     cfg = Config()
     path = fake_checkpoint(tmp_path, "step-4")
-    (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": position_settings(cfg, 2),
-                                               "files": file_list(path)}))
+    (path / STATE_FILE).write_text(
+        json.dumps({"step": 4, "settings": position_settings(cfg, 2), "files": file_list(path)})
+    )
     cfg.train.micro_batch_size = 8
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
         load(SimpleNamespace(num_processes=1), path, cfg)
@@ -134,9 +136,17 @@ def test_recipe_falls_back_past_a_truncated_checkpoint(base_config, tiny_model, 
     from .conftest import run_recipe, train_rows
 
     out = tmp_path / "run"
-    args = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-            f"output_dir={out}", "train.micro_batch_size=2", "train.max_steps=4", "checkpoint.every_steps=2",
-            "checkpoint.resume=auto"]
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        f"output_dir={out}",
+        "train.micro_batch_size=2",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+        "checkpoint.resume=auto",
+    ]
     run_recipe(args, cache_env)
     before = [(r["step"], r["loss"]) for r in train_rows(out)]
     weights = out / "checkpoints" / "step-4" / "model.safetensors"
@@ -150,6 +160,7 @@ def test_recipe_falls_back_past_a_truncated_checkpoint(base_config, tiny_model, 
 
 class FakeAccelerator:
     """One process; save_state writes part of a checkpoint, then the disk is full."""
+
     is_main_process = True
 
     def wait_for_everyone(self):
@@ -167,8 +178,11 @@ def test_a_full_disk_mid_checkpoint_is_one_clear_error_and_keeps_the_previous_on
     from llmtrain.checkpoint import save
 
     previous = fake_checkpoint(tmp_path, "step-2")
-    with pytest.raises(CheckpointError, match=r"checkpoint: writing .*\.tmp-step-4 failed \(No space left on device\); "
-                                              r"the newest complete checkpoint, .*step-2, is intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint: writing .*\.tmp-step-4 failed \(No space left on device\); "
+        r"the newest complete checkpoint, .*step-2, is intact",
+    ):
         save(FakeAccelerator(), str(tmp_path), POSITION | {"step": 4}, "", keep_last=1)
     assert not (tmp_path / "checkpoints" / ".tmp-step-4").exists()  # the partial write is cleaned up
     assert find_resume(str(tmp_path), "auto") == previous
@@ -202,13 +216,22 @@ def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_model, chat_file, cache_env,
-                                                              tmp_path):
+def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_model, chat_file, cache_env, tmp_path):
     from .conftest import run_recipe
 
     (tmp_path / "a_file").write_text("")
-    proc = run_recipe(["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-                       f"output_dir={tmp_path / 'a_file' / 'run'}"], cache_env, nproc=2, check=False)
+    proc = run_recipe(
+        [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={chat_file}",
+            f"output_dir={tmp_path / 'a_file' / 'run'}",
+        ],
+        cache_env,
+        nproc=2,
+        check=False,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and all("output_dir: cannot write to" in line for line in errors), proc.stderr[-3000:]
@@ -223,12 +246,17 @@ def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
 
     path = fake_checkpoint(tmp_path, "step-4")
     (path / "pytorch_model" / "shard_0.pt").unlink()  # a stand-in, not a torch file
-    torch.save({"zero_stage": ZeroStageEnum.weights, "module": {"w": torch.ones(2)}},
-               path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save(
+        {"zero_stage": ZeroStageEnum.weights, "module": {"w": torch.ones(2)}},
+        path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
     check_pickles(path)  # DeepSpeed's own state: fine
     marker = tmp_path / "ran"
     torch.save({"loss_scaler": Boom(str(marker))}, path / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt holds more than tensors "
-                                              r"and plain data \(.*Unsupported global"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt holds more than tensors "
+        r"and plain data \(.*Unsupported global",
+    ):
         check_pickles(path)
     assert not marker.exists()

@@ -1,4 +1,3 @@
-
 import pytest
 
 from llmtrain.config import Config, ConfigError, load_config, parse_override
@@ -20,8 +19,10 @@ def test_every_shipped_config_loads(path):
 
 
 def test_overrides_are_typed():
-    cfg = load_config(ROOT / "recipes/configs/demo.yaml",
-                      ["train.lr=2e-5", "data.packing=false", "data.train=[a.jsonl,b.parquet]", "train.max_steps=7"])
+    cfg = load_config(
+        ROOT / "recipes/configs/demo.yaml",
+        ["train.lr=2e-5", "data.packing=false", "data.train=[a.jsonl,b.parquet]", "train.max_steps=7"],
+    )
     assert cfg.train.lr == 2e-5 and isinstance(cfg.train.lr, float)
     assert cfg.data.packing is False
     assert cfg.data.train == ["a.jsonl", "b.parquet"]
@@ -49,8 +50,14 @@ def test_all_problems_reported_at_once():
         load_config(None, ["train.micro_batch_size=abc", "train.lr=-1", "data.overlong=cut", "data.max_seq_len=0"])
     problems = e.value.problems
     keys = [p.split(":")[0] for p in problems]
-    for key in ["train.micro_batch_size", "train.lr", "data.overlong", "data.max_seq_len", "model.name_or_path",
-                "data.train"]:
+    for key in [
+        "train.micro_batch_size",
+        "train.lr",
+        "data.overlong",
+        "data.max_seq_len",
+        "model.name_or_path",
+        "data.train",
+    ]:
         assert key in keys, problems
     assert any("expected an integer" in p for p in problems)
     assert any("one of 'truncate', 'drop', 'error'" in p for p in problems)
@@ -58,10 +65,13 @@ def test_all_problems_reported_at_once():
 
 def test_a_stream_needs_max_steps():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true",
-                           "data.shuffle_buffer=0"])
-    assert e.value.problems == ["data.streaming: a stream's length is not known ahead; set train.max_steps",
-                                "data.shuffle_buffer: must be at least 1, got 0"]
+        load_config(
+            None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true", "data.shuffle_buffer=0"]
+        )
+    assert e.value.problems == [
+        "data.streaming: a stream's length is not known ahead; set train.max_steps",
+        "data.shuffle_buffer: must be at least 1, got 0",
+    ]
     load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true", "train.max_steps=5"])
 
 
@@ -84,8 +94,9 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
 
 
 def test_recipe_reports_config_errors_before_loading_anything(cache_env, tmp_path):
-    proc = run_recipe([f"output_dir={tmp_path}/out", "train.lrr=1", "model.name_or_path=/nonexistent"],
-                      cache_env, check=False)
+    proc = run_recipe(
+        [f"output_dir={tmp_path}/out", "train.lrr=1", "model.name_or_path=/nonexistent"], cache_env, check=False
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: train.lrr: unknown key; did you mean 'train.lr'?"]

@@ -17,9 +17,15 @@ def row(tokenizer, data, fmt, **cfg):
     return process_row(data, fmt, tokenizer, None, DataConfig(**cfg))
 
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
-                     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
-                     {"role": "assistant", "content": "6"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+}
 
 
 def test_labels_are_shifted_inputs(tokenizer):
@@ -87,8 +93,10 @@ def test_every_format_detected_and_sources_mixed(tmp_path, tokenizer):
         write(tmp_path / "pc.jsonl", [{"prompt": "Q", "completion": "A"}]),
         write(tmp_path / "alpaca.jsonl", [{"instruction": "Say hi", "input": "", "output": "hi"}]),
         write(tmp_path / "chat.jsonl", [CHAT]),
-        write(tmp_path / "share.jsonl", [{"conversations": [{"from": "human", "value": "hi"},
-                                                            {"from": "gpt", "value": "yo"}]}]),
+        write(
+            tmp_path / "share.jsonl",
+            [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}],
+        ),
     ]
     pd.DataFrame([{"prompt": "P", "completion": "C"}]).to_parquet(tmp_path / "pc.parquet")
     pd.DataFrame([{"text": "csv row"}]).to_csv(tmp_path / "t.csv", index=False)
@@ -103,9 +111,14 @@ def test_every_format_detected_and_sources_mixed(tmp_path, tokenizer):
 
 
 def test_length_policy_counts(tmp_path, tokenizer):
-    path = write(tmp_path / "d.jsonl", [{"text": "short"}, {"text": "y" * 100},
-                                        {"messages": [{"role": "user", "content": "z" * 100},
-                                                      {"role": "assistant", "content": "a"}]}])
+    path = write(
+        tmp_path / "d.jsonl",
+        [
+            {"text": "short"},
+            {"text": "y" * 100},
+            {"messages": [{"role": "user", "content": "z" * 100}, {"role": "assistant", "content": "a"}]},
+        ],
+    )
     _, stats = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32))
     assert (stats.rows, stats.kept, stats.truncated) == (3, 2, 1)
     assert stats.dropped == {"no trained tokens": 1}
@@ -124,8 +137,9 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, tokenizer):
 
 
 def test_bad_row_names_file_and_line(tmp_path, tokenizer):
-    path = write(tmp_path / "rows.jsonl", [CHAT, {"messages": [{"role": "user", "content": "hi"},
-                                                               {"role": "assistant"}]}])
+    path = write(
+        tmp_path / "rows.jsonl", [CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}]
+    )
     with pytest.raises(DataError, match=r"rows.jsonl line 2: each message needs a string 'role' and 'content'"):
         prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
 

@@ -21,16 +21,35 @@ STAGES = ["zero1", "zero2", "zero3", "zero3_offload"]
 # other runs an empty micro-batch (ZeRO-3's forward is a collective: a missing pass hangs).
 # The cross-entropy runs in chunks of 7 tokens, recomputed in backward, where ZeRO-3 must
 # gather the output layer again; the reference computes whole logits.
-LAYOUT = ["train.micro_batch_size=2", "train.grad_accum_steps=2", "train.schedule=cosine", "train.warmup_steps=1",
-          "train.loss_chunk_tokens=7",
-          "checkpoint.every_steps=2", "eval.micro_batch_size=2", "eval.sample_prompts=['What is 2 + 3?']",
-          "eval.sample_max_new_tokens=6"]
+LAYOUT = [
+    "train.micro_batch_size=2",
+    "train.grad_accum_steps=2",
+    "train.schedule=cosine",
+    "train.warmup_steps=1",
+    "train.loss_chunk_tokens=7",
+    "checkpoint.every_steps=2",
+    "eval.micro_batch_size=2",
+    "eval.sample_prompts=['What is 2 + 3?']",
+    "eval.sample_max_new_tokens=6",
+]
 
 
 def launch_deepspeed(stage: str, args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / f"ds_{stage}.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-           "--main_process_port", str(free_port()), str(RECIPE), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / f"ds_{stage}.yaml"),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(RECIPE),
+        *args,
+    ]
     env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
@@ -44,8 +63,16 @@ def run_args(base_config, tiny_model, tmp_path_factory):
     write_jsonl(make_rows(5, seed=13), data / "eval.jsonl")
 
     def args(out: Path) -> list[str]:
-        return ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={data / 'train.jsonl'}",
-                f"data.eval={data / 'eval.jsonl'}", f"output_dir={out}", *LAYOUT]
+        return [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={data / 'train.jsonl'}",
+            f"data.eval={data / 'eval.jsonl'}",
+            f"output_dir={out}",
+            *LAYOUT,
+        ]
+
     return args
 
 
@@ -53,8 +80,9 @@ def run_args(base_config, tiny_model, tmp_path_factory):
 def reference_run(run_args, cache_env, tmp_path_factory) -> tuple[Path, str]:
     """One process, the whole global batch of 8 in one micro-batch: output dir and stdout."""
     out = tmp_path_factory.mktemp("ds_ref") / "run"
-    proc = run_recipe(run_args(out) + ["train.micro_batch_size=8", "train.grad_accum_steps=1",
-                                       "train.loss_chunk_tokens=0"], cache_env)
+    proc = run_recipe(
+        run_args(out) + ["train.micro_batch_size=8", "train.grad_accum_steps=1", "train.loss_chunk_tokens=0"], cache_env
+    )
     return out, proc.stdout
 
 
@@ -79,6 +107,7 @@ def runs(run_args, cache_env, tmp_path_factory) -> dict:
             assert proc.returncode == 0, f"{stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
             done[stage] = out, proc.stdout
         return done[stage][0]
+
     get.outputs = done
     return get
 
@@ -98,8 +127,10 @@ def test_zero_stage_trains_like_one_process(stage, runs, reference):
     assert [s for s, _ in evals] == [0, 3]
     assert [v for _, v in evals] == pytest.approx([v for _, v in ref_evals], rel=1e-5)
     # final/ holds the full, gathered weights (ZeRO-3: from every process's shard).
-    weights, ref_weights = load_file(out / "final" / "model.safetensors"), load_file(
-        reference / "final" / "model.safetensors")
+    weights, ref_weights = (
+        load_file(out / "final" / "model.safetensors"),
+        load_file(reference / "final" / "model.safetensors"),
+    )
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
         torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-6, msg=key)

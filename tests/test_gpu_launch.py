@@ -11,17 +11,30 @@ import torch
 
 from .conftest import RECIPE, ROOT, free_port, train_rows
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 CONFIGS = ["single_gpu", "multi_gpu", "ds_zero1", "ds_zero2", "ds_zero3", "ds_zero3_offload", "fsdp2"]
 
 
 def launch(config: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
     nproc = 1 if config == "single_gpu" else torch.cuda.device_count()
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(nproc),
-           "--main_process_port", str(free_port()), str(RECIPE), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        str(RECIPE),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
@@ -30,9 +43,17 @@ def test_gpu_topology_trains_resumes_and_exports(config, base_config, tiny_model
     if config.startswith("ds_"):
         pytest.importorskip("deepspeed")
     out = tmp_path / "run"
-    args = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-            "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=4", "checkpoint.every_steps=2",
-            "data.packing=true"]
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+        "data.packing=true",
+    ]
     proc = launch(config, args + [f"output_dir={out}"], cache_env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     full = train_rows(out)

@@ -11,8 +11,11 @@ def test_sequences_within_the_model_positions_pass(tiny_model):
 
 
 def test_sequences_beyond_the_model_positions_are_refused(tiny_model):
-    with pytest.raises(ModelError, match=r"data.max_seq_len: 1024 is above the 512 positions .* "
-                                         r"set data.max_seq_len=512 or less"):
+    with pytest.raises(
+        ModelError,
+        match=r"data.max_seq_len: 1024 is above the 512 positions .* "
+        r"set data.max_seq_len=512 or less",
+    ):
         check_model(ModelConfig(name_or_path=str(tiny_model)), 1024)
 
 
@@ -25,11 +28,22 @@ def test_rope_scaling_allows_longer_sequences(tiny_model, tmp_path):
     check_model(ModelConfig(name_or_path=str(tmp_path)), 2048)
 
 
-def test_recipe_refuses_too_long_sequences_before_loading_anything(base_config, tiny_model, chat_file, cache_env,
-                                                                   tmp_path):
+def test_recipe_refuses_too_long_sequences_before_loading_anything(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
     out = tmp_path / "run"
-    proc = run_recipe(["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-                       f"output_dir={out}", "data.max_seq_len=4096"], cache_env, check=False)
+    proc = run_recipe(
+        [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={chat_file}",
+            f"output_dir={out}",
+            "data.max_seq_len=4096",
+        ],
+        cache_env,
+        check=False,
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data.max_seq_len: 4096 is above the 512 positions" in errors[0]
@@ -37,6 +51,7 @@ def test_recipe_refuses_too_long_sequences_before_loading_anything(base_config, 
 
 
 # --- the chunked cross-entropy ---------------------------------------------------------
+
 
 def _batch(tokenizer, packed: bool):
     """Three chat rows with different trained spans, packed into one sequence or padded."""
@@ -84,8 +99,7 @@ def test_chunked_loss_equals_whole_logits_loss_and_gradients(tiny_model, tokeniz
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_chunked_loss_makes_logits_only_for_trained_positions_a_chunk_at_a_time(tiny_model, tokenizer,
-                                                                                 monkeypatch):
+def test_chunked_loss_makes_logits_only_for_trained_positions_a_chunk_at_a_time(tiny_model, tokenizer, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,14 +115,13 @@ def test_chunked_loss_makes_logits_only_for_trained_positions_a_chunk_at_a_time(
     forward_rows = list(rows)
     assert max(forward_rows) <= 8 and sum(forward_rows) == trained
     loss.backward()
-    assert rows[len(forward_rows):] == forward_rows[::-1]  # each chunk recomputed once, in backward
+    assert rows[len(forward_rows) :] == forward_rows[::-1]  # each chunk recomputed once, in backward
     # The output layer is itself again afterwards: generation and export see logits.
     with torch.no_grad():
         assert model(input_ids=batch["input_ids"][:1, :5]).logits.shape[-1] == model.config.vocab_size
 
 
-def test_chunked_loss_keeps_the_output_layer_in_the_graph_for_an_empty_batch(tiny_model, tokenizer,
-                                                                              monkeypatch):
+def test_chunked_loss_keeps_the_output_layer_in_the_graph_for_an_empty_batch(tiny_model, tokenizer, monkeypatch):
     """A process with no data left runs a batch with nothing to train; DDP still needs a
     gradient (zero) for every weight, the output layer's included."""
     import torch
@@ -151,6 +164,7 @@ def test_a_lora_adapted_head_gets_whole_logits(tiny_model):
 
 
 # --- attention backend and compilation -------------------------------------------------
+
 
 def test_auto_attention_is_flex_for_packed_data_on_a_gpu_and_sdpa_otherwise():
     import torch

@@ -46,8 +46,15 @@ def rows_with_poison(path: Path, poisoned: set[int], n: int = 20) -> Path:
 
 
 def args(base_config, model, data, out, *extra):
-    return ["--config", str(base_config), f"model.name_or_path={model}", f"data.train={data}", f"output_dir={out}",
-            "train.micro_batch_size=2", *extra]
+    return [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={model}",
+        f"data.train={data}",
+        f"output_dir={out}",
+        "train.micro_batch_size=2",
+        *extra,
+    ]
 
 
 def test_a_poisoned_step_is_skipped_on_every_process(base_config, poisoned_model, cache_env, tmp_path):
@@ -70,18 +77,30 @@ def test_a_poisoned_step_is_skipped_on_every_process(base_config, poisoned_model
             assert not bad.any(), name
 
 
-def test_abort_keeps_the_last_good_checkpoint_and_saves_nothing_after(base_config, poisoned_model, cache_env,
-                                                                      tmp_path):
+def test_abort_keeps_the_last_good_checkpoint_and_saves_nothing_after(base_config, poisoned_model, cache_env, tmp_path):
     data = rows_with_poison(tmp_path / "d.jsonl", {13})
     out = tmp_path / "out"
-    proc = run_recipe(args(base_config, poisoned_model, data, out, "train.on_nonfinite=abort",
-                           "checkpoint.every_steps=1", "checkpoint.keep_last=0"), cache_env, nproc=2, check=False)
+    proc = run_recipe(
+        args(
+            base_config,
+            poisoned_model,
+            data,
+            out,
+            "train.on_nonfinite=abort",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=0",
+        ),
+        cache_env,
+        nproc=2,
+        check=False,
+    )
     assert proc.returncode != 0  # the launcher reports 1 for a worker's 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     bad_step = [r for r in metrics(out) if "skipped" in r][0]["step"]
-    assert re.match(rf"error: train: the loss or gradient norm was not finite \(loss nan.*\) at step {bad_step} ",
-                    errors[0]), errors[0]
+    assert re.match(
+        rf"error: train: the loss or gradient norm was not finite \(loss nan.*\) at step {bad_step} ", errors[0]
+    ), errors[0]
     assert bad_step > 1  # the seed puts the poisoned row after a few good steps
     saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
     assert saved == list(range(1, bad_step))
@@ -94,8 +113,9 @@ def test_abort_keeps_the_last_good_checkpoint_and_saves_nothing_after(base_confi
 def test_consecutive_skips_are_bounded(base_config, poisoned_model, cache_env, tmp_path):
     data = rows_with_poison(tmp_path / "d.jsonl", set(range(20)))
     out = tmp_path / "out"
-    proc = run_recipe(args(base_config, poisoned_model, data, out, "train.max_consecutive_skips=3"), cache_env,
-                      check=False)
+    proc = run_recipe(
+        args(base_config, poisoned_model, data, out, "train.max_consecutive_skips=3"), cache_env, check=False
+    )
     assert proc.returncode == 2
     assert ") at step 1 (3 skipped step(s) in a row" in proc.stderr
     assert len([r for r in metrics(out) if "skipped" in r]) == 3 and not train_rows(out)
@@ -149,8 +169,9 @@ recipe["run_cli"](recipe["main"], sys.argv[2:])
 """
 
 
-def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(base_config, overflowing_model,
-                                                                                 chat_file, cache_env, tmp_path):
+def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(
+    base_config, overflowing_model, chat_file, cache_env, tmp_path
+):
     """On CPU. Accelerate creates the loss scaler only on a GPU; here the recipe runs with
     a real torch GradScaler set where Accelerate sets it on a GPU, and fp16 autocast on CPU,
     so the overflows and the scaler's skips are real. The GPU test below runs the same
@@ -161,28 +182,48 @@ def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule
     from .conftest import RECIPE, ROOT
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", FP16_ON_CPU, str(RECIPE),
-                           *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8",
-                                 "train.warmup_steps=4")],
-                          env=cache_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FP16_ON_CPU,
+            str(RECIPE),
+            *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8", "train.warmup_steps=4"),
+        ],
+        env=cache_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert_overflows_took_no_step(out)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Accelerate has no fp16 scaler on CPU)")
-def test_fp16_overflow_skips_the_step_through_accelerate_on_a_gpu(base_config, overflowing_model, chat_file,
-                                                                  cache_env, tmp_path):
+def test_fp16_overflow_skips_the_step_through_accelerate_on_a_gpu(
+    base_config, overflowing_model, chat_file, cache_env, tmp_path
+):
     import subprocess
     import sys
 
     from .conftest import RECIPE, ROOT, free_port
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "single_gpu.yaml"), "--mixed_precision", "fp16",
-           "--main_process_port", str(free_port()), str(RECIPE),
-           *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8", "train.warmup_steps=4")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "single_gpu.yaml"),
+        "--mixed_precision",
+        "fp16",
+        "--main_process_port",
+        str(free_port()),
+        str(RECIPE),
+        *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8", "train.warmup_steps=4"),
+    ]
     proc = subprocess.run(cmd, env=cache_env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert_overflows_took_no_step(out)

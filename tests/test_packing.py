@@ -94,7 +94,7 @@ def test_flex_block_mask_allows_exactly_what_the_dense_document_mask_allows():
     L = 300
     doc_ids = torch.full((2, L), -1)
     for b, row in enumerate(lengths):
-        doc_ids[b, :sum(row[:-1]) + row[-1]] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))[:L]
+        doc_ids[b, : sum(row[:-1]) + row[-1]] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))[:L]
     q, k, v = (torch.randn(2, 4, L, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids, "sdpa", torch.float32))
     flex = flex_attention(q, k, v, block_mask=document_mask(doc_ids, "flex_attention", torch.float32))
@@ -114,16 +114,19 @@ def test_flex_attention_model_on_packed_batches_matches_sdpa_with_the_dense_mask
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     with torch.no_grad():
         flex = load(tiny_model, "flex_attention")(
-            **inputs, attention_mask=document_mask(batch["doc_ids"], "flex_attention", torch.float32)).logits
+            **inputs, attention_mask=document_mask(batch["doc_ids"], "flex_attention", torch.float32)
+        ).logits
         dense = load(tiny_model, "sdpa")(
-            **inputs, attention_mask=document_mask(batch["doc_ids"], "sdpa", torch.float32)).logits
+            **inputs, attention_mask=document_mask(batch["doc_ids"], "sdpa", torch.float32)
+        ).logits
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
 def test_padding_in_a_pack_is_its_own_block(tokenizer, examples):
     packed = PackedDataset(examples, capacity=512)
-    batch = Collator(tokenizer.pad_token_id)([packed[0], {"input_ids": [5], "labels": [-100], "position_ids": [0],
-                                                         "doc_ids": [0]}])
+    batch = Collator(tokenizer.pad_token_id)(
+        [packed[0], {"input_ids": [5], "labels": [-100], "position_ids": [0], "doc_ids": [0]}]
+    )
     assert batch["doc_ids"][1, 1:].eq(-1).all() and batch["labels"][1, 1:].eq(-100).all()
 
 
@@ -136,7 +139,8 @@ def test_packed_batches_have_one_shape(tokenizer, examples):
     assert collate.empty_batch(packed=True)["input_ids"].shape == (1, 512)
     row = examples[0]
     assert collate([{"input_ids": row["input_ids"], "labels": row["labels"]}])["input_ids"].shape[1] == len(
-        row["input_ids"])
+        row["input_ids"]
+    )
 
 
 @pytest.mark.gpu

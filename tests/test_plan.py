@@ -17,9 +17,17 @@ def plan(*args, env=None):
 
 
 def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model, chat_file, cache_env):
-    proc = plan("--config", str(base_config), "--accelerate-config", "accelerate_configs/cpu_ddp.yaml",
-                f"model.name_or_path={tiny_model}", f"data.train={chat_file}", "train.micro_batch_size=2",
-                "train.grad_accum_steps=2", env=cache_env)
+    proc = plan(
+        "--config",
+        str(base_config),
+        "--accelerate-config",
+        "accelerate_configs/cpu_ddp.yaml",
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        env=cache_env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "world size: 2" in out
@@ -33,8 +41,15 @@ def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model,
 
 
 def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env):
-    proc = plan("--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-                "data.streaming=true", "train.max_steps=50", env=cache_env)
+    proc = plan(
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        "data.streaming=true",
+        "train.max_steps=50",
+        env=cache_env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "streamed; the first rows read: data.train: 20/20 rows kept" in proc.stdout
     assert "steps per pass: not known ahead (streamed); total steps: 50" in proc.stdout
@@ -43,13 +58,23 @@ def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, 
 
 def test_plan_flags_a_deepspeed_accumulation_conflict(base_config, tiny_model, chat_file, cache_env, tmp_path):
     ds = tmp_path / "zero2.yaml"
-    ds.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
-                  "deepspeed_config:\n  zero_stage: 2\n  gradient_accumulation_steps: 4\n")
-    proc = plan("--config", str(base_config), "--accelerate-config", str(ds), f"model.name_or_path={tiny_model}",
-                f"data.train={chat_file}", env=cache_env)
+    ds.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+        "deepspeed_config:\n  zero_stage: 2\n  gradient_accumulation_steps: 4\n"
+    )
+    proc = plan(
+        "--config",
+        str(base_config),
+        "--accelerate-config",
+        str(ds),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        env=cache_env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("CONFLICT: deepspeed_config.gradient_accumulation_steps=4 in " + str(ds) +
-            " but train.grad_accum_steps=1") in proc.stdout
+    assert (
+        "CONFLICT: deepspeed_config.gradient_accumulation_steps=4 in " + str(ds) + " but train.grad_accum_steps=1"
+    ) in proc.stdout
     assert "DeepSpeed ZeRO-2" in proc.stdout
 
 
@@ -63,10 +88,25 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
     """Llama-3.2-1B's shape on the meta device: no weights are created."""
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True).save_pretrained(tmp_path)
-    cfg = load_config(None, [f"model.name_or_path={tmp_path}", "data.train=x", "model.dtype=bfloat16",
-                             "train.micro_batch_size=1", "data.max_seq_len=2048"])
+    LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tmp_path}",
+            "data.train=x",
+            "model.dtype=bfloat16",
+            "train.micro_batch_size=1",
+            "data.max_seq_len=2048",
+        ],
+    )
     total, trainable, mcfg, chunkable = count_params(cfg)
     assert total == trainable == pytest.approx(1.236e9, rel=0.01) and chunkable
     single = memory_estimate(cfg, Launch(), total, trainable, mcfg, chunkable)
@@ -80,9 +120,18 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
     # logits (and their gradient) count, 2048 tokens x 128256 x 4 bytes x 2.
     lora = {}
     for targets in ("[q_proj]", "[q_proj,lm_head]"):
-        over = load_config(None, [f"model.name_or_path={tmp_path}", "data.train=x", "model.dtype=bfloat16",
-                                  "train.micro_batch_size=1", "data.max_seq_len=2048", "model.lora.enabled=true",
-                                  f"model.lora.target_modules={targets}"])
+        over = load_config(
+            None,
+            [
+                f"model.name_or_path={tmp_path}",
+                "data.train=x",
+                "model.dtype=bfloat16",
+                "train.micro_batch_size=1",
+                "data.max_seq_len=2048",
+                "model.lora.enabled=true",
+                f"model.lora.target_modules={targets}",
+            ],
+        )
         *counts, ok = count_params(over)
         lora[targets] = (ok, memory_estimate(over, Launch(), *counts, ok)["activations"])
     assert lora["[q_proj]"][0] and not lora["[q_proj,lm_head]"][0]

@@ -19,8 +19,9 @@ def test_config_reference_is_what_the_schema_prints():
     import subprocess
     import sys
 
-    table = subprocess.run([sys.executable, "-m", "llmtrain.config"], capture_output=True, text=True, check=True,
-                           cwd=ROOT).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "llmtrain.config"], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
     assert table.strip() in README, "regenerate the README table: python -m llmtrain.config"
 
 
@@ -31,5 +32,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_names_only_shipped_files():
-    for path in set(re.findall(r"(?:recipes/configs|accelerate_configs|recipes/slurm)/[\w.]+\.(?:yaml|sbatch|sh)", README)):
+    for path in set(
+        re.findall(r"(?:recipes/configs|accelerate_configs|recipes/slurm)/[\w.]+\.(?:yaml|sbatch|sh)", README)
+    ):
         assert (ROOT / path).is_file(), path

@@ -37,8 +37,17 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def args(base_config, tiny_model, data):
     def make(out: Path) -> list[str]:
-        return ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={data}",
-                f"output_dir={out}", "train.schedule=cosine", "checkpoint.every_steps=4", "checkpoint.keep_last=2"]
+        return [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={data}",
+            f"output_dir={out}",
+            "train.schedule=cosine",
+            "checkpoint.every_steps=4",
+            "checkpoint.keep_last=2",
+        ]
+
     return make
 
 
@@ -51,12 +60,28 @@ def reference(args, cache_env, tmp_path_factory) -> list[dict]:
 
 
 def submit(cluster, template: str, args: list[str], cache_env: dict, log: Path, **extra_env) -> str:
-    env = {"ACCELERATE_USE_CPU": "1", "LLMTRAIN_PROCS_PER_NODE": "1", "LLMTRAIN_MIXED_PRECISION": "no",
-           "HF_DATASETS_CACHE": cache_env["HF_DATASETS_CACHE"], "LLMTRAIN_CACHE": cache_env["LLMTRAIN_CACHE"],
-           "OMP_NUM_THREADS": "1", **extra_env}
-    proc = cluster.run("sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
-                       f"--output={log}", "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
-                       f"recipes/slurm/{template}", *args, "train.micro_batch_size=2", cwd=ROOT)
+    env = {
+        "ACCELERATE_USE_CPU": "1",
+        "LLMTRAIN_PROCS_PER_NODE": "1",
+        "LLMTRAIN_MIXED_PRECISION": "no",
+        "HF_DATASETS_CACHE": cache_env["HF_DATASETS_CACHE"],
+        "LLMTRAIN_CACHE": cache_env["LLMTRAIN_CACHE"],
+        "OMP_NUM_THREADS": "1",
+        **extra_env,
+    }
+    proc = cluster.run(
+        "sbatch",
+        "--parsable",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={log}",
+        "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
+        f"recipes/slurm/{template}",
+        *args,
+        "train.micro_batch_size=2",
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 

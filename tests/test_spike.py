@@ -41,10 +41,22 @@ def test_a_spiking_step_is_skipped_without_a_trace(base_config, tiny_model, cach
     write_jsonl(ordinary + spiky, tmp_path / "spiky.jsonl")
 
     def run(out, data, *extra, check=True):
-        return run_recipe(["--config", str(base_config), f"model.name_or_path={tiny_model}",
-                           f"data.train={tmp_path / data}", f"output_dir={tmp_path / out}", "data.shuffle=false",
-                           "train.micro_batch_size=2", "train.lr=3e-3", "train.max_steps=14", *extra],
-                          cache_env, check=check)
+        return run_recipe(
+            [
+                "--config",
+                str(base_config),
+                f"model.name_or_path={tiny_model}",
+                f"data.train={tmp_path / data}",
+                f"output_dir={tmp_path / out}",
+                "data.shuffle=false",
+                "train.micro_batch_size=2",
+                "train.lr=3e-3",
+                "train.max_steps=14",
+                *extra,
+            ],
+            cache_env,
+            check=check,
+        )
 
     guard = ["train.spike_factor=1.3", "train.spike_window=4"]
     run("unguarded", "spiky.jsonl")

@@ -45,8 +45,9 @@ def test_processes_read_disjoint_shares_that_cover_every_kept_row(tmp_path, toke
     rows = mixed_rows(40, seed=5)
     path = tmp_path / "rows.jsonl"
     write_jsonl(rows, path)
-    kept = Counter(tuple(k["input_ids"]) for r in rows
-                   if (k := process_row(r, "auto", tokenizer, None, cfg()))["status"] == "ok")
+    kept = Counter(
+        tuple(k["input_ids"]) for r in rows if (k := process_row(r, "auto", tokenizer, None, cfg()))["status"] == "ok"
+    )
     first = shares(path, tokenizer, cfg())
     assert Counter(first[0] + first[1]) == kept  # every kept row once, on one process
     assert len(first[0]) != len(first[1])  # the drops fall unevenly: the processes run out at different times
@@ -56,7 +57,8 @@ def test_processes_read_disjoint_shares_that_cover_every_kept_row(tmp_path, toke
     # Unshuffled, a one-file source is dealt out row by row: process r reads rows r, r+2, ...
     processed = [process_row(r, "auto", tokenizer, None, cfg()) for r in rows]
     assert shares(path, tokenizer, cfg(shuffle=False)) == [
-        [tuple(k["input_ids"]) for k in processed[rank::2] if k["status"] == "ok"] for rank in (0, 1)]
+        [tuple(k["input_ids"]) for k in processed[rank::2] if k["status"] == "ok"] for rank in (0, 1)
+    ]
 
 
 def test_sources_are_read_in_turn(tmp_path, tokenizer):
@@ -105,8 +107,15 @@ def test_a_malformed_line_is_an_error_naming_it(tmp_path, tokenizer):
 
 
 def recipe_args(base_config, tiny_model, data, out, *extra):
-    return ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={data}",
-            f"output_dir={out}", "data.streaming=true", *extra]
+    return [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={data}",
+        f"output_dir={out}",
+        "data.streaming=true",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -118,9 +127,21 @@ def test_streamed_data_trains_exactly_like_prepared_data(base_config, tiny_model
     runs = {}
     for streaming in ("false", "true"):
         out = tmp_path / f"streaming-{streaming}"
-        run_recipe(recipe_args(base_config, tiny_model, data, out, f"data.streaming={streaming}", "data.shuffle=false",
-                               "train.micro_batch_size=1", "train.grad_accum_steps=2", "train.max_steps=10"),
-                   cache_env, nproc=2)
+        run_recipe(
+            recipe_args(
+                base_config,
+                tiny_model,
+                data,
+                out,
+                f"data.streaming={streaming}",
+                "data.shuffle=false",
+                "train.micro_batch_size=1",
+                "train.grad_accum_steps=2",
+                "train.max_steps=10",
+            ),
+            cache_env,
+            nproc=2,
+        )
         runs[streaming] = train_rows(out)
     assert [r["epoch"] for r in runs["true"]] == [0] * 5 + [1] * 5  # 17 rows: a pass is 5 steps of up to 4 rows
     for key in ("loss", "grad_norm", "tokens"):
@@ -129,7 +150,8 @@ def test_streamed_data_trains_exactly_like_prepared_data(base_config, tiny_model
 
 @pytest.mark.slow
 def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_exactly(
-        base_config, tiny_model, tokenizer, cache_env, tmp_path):
+    base_config, tiny_model, tokenizer, cache_env, tmp_path
+):
     """Packed, shuffled, with rows dropped unevenly across the two processes. The reference
     run reads the good file; the other meets a bad row mid-run, stops every process after
     the same step with a checkpoint and one error naming the line, and, with the row
@@ -141,8 +163,15 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     bad_rows = list(rows)
     bad_rows[90] = {"messages": []}
     write_jsonl(bad_rows, data)
-    extra = ["data.packing=true", "data.max_seq_len=128", "data.overlong=drop", "data.shuffle_buffer=8",
-             "train.micro_batch_size=1", "train.max_steps=40", "checkpoint.every_steps=100"]
+    extra = [
+        "data.packing=true",
+        "data.max_seq_len=128",
+        "data.overlong=drop",
+        "data.shuffle_buffer=8",
+        "train.micro_batch_size=1",
+        "train.max_steps=40",
+        "checkpoint.every_steps=100",
+    ]
 
     ref = tmp_path / "ref"
     proc = run_recipe(recipe_args(base_config, tiny_model, good, ref, *extra), cache_env, nproc=2)
@@ -161,10 +190,12 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     assert len(errors) == 1, proc.stderr[-3000:]
     stopped = train_rows(out)[-1]["step"]
     assert 5 <= stopped < 30, stopped  # mid-way through the first pass
-    assert errors[0] == (f"error: data.train: {data} line 91: 'messages' must be a non-empty list of "
-                         f"{{role, content}}. Training stopped after step {stopped} with checkpoint "
-                         f"{out}/checkpoints/step-{stopped} complete; fix or remove the row and run the same "
-                         "command again to continue from it")
+    assert errors[0] == (
+        f"error: data.train: {data} line 91: 'messages' must be a non-empty list of "
+        f"{{role, content}}. Training stopped after step {stopped} with checkpoint "
+        f"{out}/checkpoints/step-{stopped} complete; fix or remove the row and run the same "
+        "command again to continue from it"
+    )
     assert not (out / "final").exists()
 
     write_jsonl(rows, data)  # the row fixed

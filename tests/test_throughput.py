@@ -15,9 +15,12 @@ from .conftest import run_recipe, train_rows
 
 def test_document_sizes_count_each_packed_document_and_skip_padding():
     collate = Collator(pad_id=0)
-    packed = collate([{"input_ids": [1] * 5, "labels": [1] * 5, "position_ids": [0, 1, 2, 0, 1],
-                       "doc_ids": [0, 0, 0, 1, 1]},
-                      {"input_ids": [1] * 2, "labels": [1] * 2, "position_ids": [0, 1], "doc_ids": [0, 0]}])
+    packed = collate(
+        [
+            {"input_ids": [1] * 5, "labels": [1] * 5, "position_ids": [0, 1, 2, 0, 1], "doc_ids": [0, 0, 0, 1, 1]},
+            {"input_ids": [1] * 2, "labels": [1] * 2, "position_ids": [0, 1], "doc_ids": [0, 0]},
+        ]
+    )
     assert document_sizes(packed) == (3 + 2 + 2, 9 + 4 + 4)
     padded = collate([{"input_ids": [1] * 4, "labels": [1] * 4}, {"input_ids": [1], "labels": [1]}])
     assert document_sizes(padded) == (5, 17)
@@ -27,8 +30,10 @@ def test_step_flops_formula():
     # two documents of 3 and 2 tokens, N=10 matmul parameters, 2 layers of width 4
     assert step_flops(5, 13, n_params=10, layers=2, hidden=4) == 6 * 10 * 5 + 12 * 2 * 4 * 13
     # the chunked loss runs a 3-parameter output layer on the 2 trained tokens only
-    assert step_flops(5, 13, n_params=10, layers=2, hidden=4, head_params=3, head_tokens=2) == \
-        6 * 7 * 5 + 6 * 3 * 2 + 12 * 2 * 4 * 13
+    assert (
+        step_flops(5, 13, n_params=10, layers=2, hidden=4, head_params=3, head_tokens=2)
+        == 6 * 7 * 5 + 6 * 3 * 2 + 12 * 2 * 4 * 13
+    )
 
 
 def test_matmul_params_count_the_head_once(tiny_model):
@@ -63,6 +68,12 @@ def test_gpu_run_reports_mfu(common_args, cache_env, tmp_path):
 @pytest.fixture
 def common_args(base_config, tiny_model, chat_file):
     def args(out):
-        return ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-                f"output_dir={out}"]
+        return [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={chat_file}",
+            f"output_dir={out}",
+        ]
+
     return args

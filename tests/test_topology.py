@@ -11,12 +11,21 @@ from llmtrain.train import check_topology, configure_deepspeed, process_group_ba
 
 
 def fake(kind, fsdp_version=2):
-    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
-        fsdp_version=fsdp_version)))
+    return SimpleNamespace(
+        distributed_type=kind, state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))
+    )
 
 
-@pytest.mark.parametrize("kind", [DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU,
-                                  DistributedType.DEEPSPEED, DistributedType.FSDP])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        DistributedType.NO,
+        DistributedType.MULTI_GPU,
+        DistributedType.MULTI_CPU,
+        DistributedType.DEEPSPEED,
+        DistributedType.FSDP,
+    ],
+)
 def test_supported_topologies_run(kind, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
@@ -59,14 +68,18 @@ def recipe(*overrides):
 
 def ds_accelerator(ds_config: dict, world: int = 2):
     plugin = SimpleNamespace(deepspeed_config=ds_config)
-    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=world,
-                           gradient_accumulation_steps=1)
+    return SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=world, gradient_accumulation_steps=1
+    )
 
 
 def test_recipe_fills_deepspeed_auto_values():
     cfg = recipe("train.micro_batch_size=3", "train.grad_accum_steps=4", "train.max_grad_norm=0.5")
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": 3}}
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 3},
+    }
     acc = ds_accelerator(ds, world=2)
     configure_deepspeed(acc, cfg)
     assert ds["train_micro_batch_size_per_gpu"] == 3
@@ -86,4 +99,3 @@ def test_conflicting_deepspeed_value_names_both_settings(monkeypatch):
     msg = str(err.value)
     assert "train.grad_accum_steps=4 conflicts with gradient_accumulation_steps=8 in ds.json" in msg
     assert "micro_batch" not in msg  # equal values are no conflict
-

@@ -21,8 +21,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def common(base_config, tiny_model):
     def args(data, out) -> list[str]:
-        return ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={data}",
-                f"output_dir={out}"]
+        return [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={data}",
+            f"output_dir={out}",
+        ]
+
     return args
 
 
@@ -42,16 +48,28 @@ def final_weights(out: Path) -> dict:
 def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, rows18, cache_env, tmp_path):
     """Also with the cross-entropy in chunks of 7 tokens (recomputed in backward) on the
     two-process layout (DDP gets the same gradients), and with two data-loader workers."""
-    layouts = {"8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]), "2x4": (1, 2, 4, ["data.num_workers=2"]),
-               "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7"])}
+    layouts = {
+        "8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]),
+        "2x4": (1, 2, 4, ["data.num_workers=2"]),
+        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7"]),
+    }
     eval_file = tmp_path / "eval.jsonl"
     write_jsonl(make_rows(5, seed=13), eval_file)  # 3 eval batches of 2: one process gets 1, the other 2
     results, evals = {}, {}
     for name, (nproc, micro, accum, extra) in layouts.items():
         out = tmp_path / name
-        run_recipe(common(rows18, out) + extra + [f"train.micro_batch_size={micro}",
-                                                  f"train.grad_accum_steps={accum}", f"data.eval={eval_file}",
-                                                  "eval.micro_batch_size=2"], cache_env, nproc=nproc)
+        run_recipe(
+            common(rows18, out)
+            + extra
+            + [
+                f"train.micro_batch_size={micro}",
+                f"train.grad_accum_steps={accum}",
+                f"data.eval={eval_file}",
+                "eval.micro_batch_size=2",
+            ],
+            cache_env,
+            nproc=nproc,
+        )
         results[name] = (train_rows(out), final_weights(out))
         evals[name] = [(r["step"], r["eval_loss"]) for r in metrics(out) if "eval_loss" in r]
     ref_rows, ref_w = results["8x1"]
@@ -74,9 +92,17 @@ def test_compiled_and_eager_runs_give_the_same_losses(common, rows18, cache_env,
     runs = {}
     for compiled in (False, True):
         out = tmp_path / f"compile-{compiled}"
-        proc = run_recipe(common(rows18, out) + ["train.micro_batch_size=2", "train.grad_accum_steps=2",
-                                                  "train.epochs=2", f"train.compile={str(compiled).lower()}"],
-                          cache_env, nproc=2)
+        proc = run_recipe(
+            common(rows18, out)
+            + [
+                "train.micro_batch_size=2",
+                "train.grad_accum_steps=2",
+                "train.epochs=2",
+                f"train.compile={str(compiled).lower()}",
+            ],
+            cache_env,
+            nproc=2,
+        )
         assert ("compiling 2 transformer blocks" in proc.stdout) == compiled
         runs[compiled] = (train_rows(out), final_weights(out))
     (eager, eager_w), (comp, comp_w) = runs[False], runs[True]
@@ -87,8 +113,14 @@ def test_compiled_and_eager_runs_give_the_same_losses(common, rows18, cache_env,
         torch.testing.assert_close(comp_w[key], eager_w[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-RESUME_ARGS = ["train.micro_batch_size=2", "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep_last=2",
-               "checkpoint.resume=auto", "train.schedule=cosine"]
+RESUME_ARGS = [
+    "train.micro_batch_size=2",
+    "train.epochs=2",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=2",
+    "checkpoint.resume=auto",
+    "train.schedule=cosine",
+]
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +139,15 @@ def reference_run(common, resume_data, cache_env, tmp_path_factory) -> Path:
 
 def start_run(args, cache_env, nproc=2) -> subprocess.Popen:
     env = dict(cache_env, ACCELERATE_USE_CPU="1")
-    return subprocess.Popen(recipe_command(args, nproc=nproc), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        recipe_command(args, nproc=nproc),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(condition, proc, timeout=240):
@@ -200,20 +239,48 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
     out = tmp_path / "run"
     eval_file = tmp_path / "eval.jsonl"
     write_jsonl(make_rows(6, seed=99), eval_file)
-    proc = run_recipe(common(chat_file, out) + [
-        f"data.eval={eval_file}", "log.tracker=tensorboard", "train.max_steps=6", "eval.every_steps=3",
-        "log.every_steps=2", "log.progress_bar=true",
-        "data.packing=true", "data.max_seq_len=128", "eval.sample_prompts=['What is 1 + 1?']",
-        "eval.sample_max_new_tokens=4"], cache_env)
+    proc = run_recipe(
+        common(chat_file, out)
+        + [
+            f"data.eval={eval_file}",
+            "log.tracker=tensorboard",
+            "train.max_steps=6",
+            "eval.every_steps=3",
+            "log.every_steps=2",
+            "log.progress_bar=true",
+            "data.packing=true",
+            "data.max_seq_len=128",
+            "eval.sample_prompts=['What is 1 + 1?']",
+            "eval.sample_max_new_tokens=4",
+        ],
+        cache_env,
+    )
     assert "sample> 'What is 1 + 1?' ->" in proc.stdout
-    for name in ["config.yaml", "run.json", "metrics.jsonl", "loss.png", "final/model.safetensors",
-                 "final/config.json", "final/tokenizer.json", "final/llmtrain_config.yaml"]:
+    for name in [
+        "config.yaml",
+        "run.json",
+        "metrics.jsonl",
+        "loss.png",
+        "final/model.safetensors",
+        "final/config.json",
+        "final/tokenizer.json",
+        "final/llmtrain_config.yaml",
+    ]:
         assert (out / name).exists(), name
     assert list((out / "logs").rglob("events.out.tfevents*")), "tensorboard events"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
-    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "input_tokens_per_s", "data_wait",
-            "peak_mem_gib"} <= set(train[0])
+    assert {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "tokens_per_s",
+        "input_tokens_per_s",
+        "data_wait",
+        "peak_mem_gib",
+    } <= set(train[0])
     assert all(0 <= r["data_wait"] < 1 and r["peak_mem_gib"] > 0 for r in train)
     assert "mfu" not in train[0]  # no known peak for a CPU
     assert [r["step"] for r in rows if "eval_loss" in r] == [0, 3, 6]
@@ -234,9 +301,17 @@ def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cach
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "lora"
-    run_recipe(common(chat_file, out) + ["model.lora.enabled=true", "model.lora.r=4",
-                                           "model.gradient_checkpointing=true",
-                                                      "export.merge_lora=true", "train.max_steps=3"], cache_env)
+    run_recipe(
+        common(chat_file, out)
+        + [
+            "model.lora.enabled=true",
+            "model.lora.r=4",
+            "model.gradient_checkpointing=true",
+            "export.merge_lora=true",
+            "train.max_steps=3",
+        ],
+        cache_env,
+    )
     assert (out / "final" / "adapter" / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -259,8 +334,17 @@ def test_malformed_data_line_is_one_clear_error(common, cache_env, tmp_path, npr
 
 
 def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp_path):
-    proc = run_recipe(["--config", str(base_config), f"model.name_or_path={tmp_path}/no-model",
-                       f"data.train={chat_file}", f"output_dir={tmp_path}/out"], cache_env, check=False)
+    proc = run_recipe(
+        [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tmp_path}/no-model",
+            f"data.train={chat_file}",
+            f"output_dir={tmp_path}/out",
+        ],
+        cache_env,
+        check=False,
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1

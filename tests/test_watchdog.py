@@ -26,8 +26,12 @@ dog.stop()
 
 
 def watch(timeout: float, beats: int, then_sleep: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(timeout), str(beats), str(then_sleep)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(timeout), str(beats), str(then_sleep)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_no_progress_ends_the_process_naming_its_rank():
@@ -54,13 +58,29 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(base_config, tiny_model, ch
     from llmtrain.checkpoint import find_resume
 
     out = tmp_path / "run"
-    proc = start_run(["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}",
-                      f"output_dir={out}", "train.micro_batch_size=1", "train.epochs=1000", "log.every_steps=1",
-                      "checkpoint.every_steps=2", "train.hang_timeout_s=10"], cache_env)
+    proc = start_run(
+        [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={chat_file}",
+            f"output_dir={out}",
+            "train.micro_batch_size=1",
+            "train.epochs=1000",
+            "log.every_steps=1",
+            "checkpoint.every_steps=2",
+            "train.hang_timeout_s=10",
+        ],
+        cache_env,
+    )
     workers = []
     try:
-        assert wait_for(lambda: (out / "metrics.jsonl").exists() and
-                        any(r.get("step", 0) >= 3 and "loss" in r for r in metrics(out)), proc)
+        assert wait_for(
+            lambda: (
+                (out / "metrics.jsonl").exists() and any(r.get("step", 0) >= 3 and "loss" in r for r in metrics(out))
+            ),
+            proc,
+        )
         time.sleep(3)  # the watchdogs post their state every 1.25 s here
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
         next(p for p in workers if p.environ()["RANK"] == "1").send_signal(signal.SIGSTOP)
@@ -99,7 +119,8 @@ class FakeStore:
         import json
 
         self.data[f"llmtrain/watchdog/{rank}"] = lambda: json.dumps(
-            {"where": where, "idle_s": idle_s, "posted": time.time() - age}).encode()
+            {"where": where, "idle_s": idle_s, "posted": time.time() - age}
+        ).encode()
 
     def check(self, keys):
         return all(k in self.data for k in keys)
