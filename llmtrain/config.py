@@ -37,7 +37,7 @@ class LoraConfig:
     """LoRA scaling numerator; the update is scaled by alpha / r."""
     dropout: float = 0.05
     """Dropout on the LoRA input."""
-    target_modules: Union[str, list[str]] = "all-linear"
+    target_modules: str | list[str] = "all-linear"
     """Modules to adapt: 'all-linear' or a list of module names such as [q_proj, v_proj]."""
 
 
@@ -64,10 +64,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: Union[str, list[str]] = field(default_factory=list)
+    train: str | list[str] = field(default_factory=list)
     """Training data: a path (jsonl, json, parquet, csv), a hub data set name
     ('owner/name' or 'owner/name:split'), or a list of these to mix."""
-    eval: Union[str, list[str]] = field(default_factory=list)
+    eval: str | list[str] = field(default_factory=list)
     """Evaluation data, same forms as data.train; empty for no evaluation."""
     format: Literal["auto", "text", "prompt_completion", "alpaca", "chat", "sharegpt"] = "auto"
     """Row format; 'auto' takes each row's format from the fields it fills (see README)."""
@@ -424,7 +424,8 @@ def validate(cfg: Config) -> list[str]:
     lora = cfg.model.lora
     if lora.enabled and (lora.r < 1 or lora.alpha < 1 or not 0 <= lora.dropout < 1):
         p.append(
-            f"model.lora: r and alpha must be at least 1 and dropout in [0, 1), got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}"
+            f"model.lora: r and alpha must be at least 1 and dropout in [0, 1), "
+            f"got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}"
         )
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")

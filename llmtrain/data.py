@@ -384,7 +384,7 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
         check_source(src, src.dataset.column_names, tokenizer, template, cfg)
         fmt = src.format
         ds = src.dataset.map(
-            lambda row: process_row(row, fmt, tokenizer, template, cfg),
+            lambda row, fmt=fmt: process_row(row, fmt, tokenizer, template, cfg),
             remove_columns=src.dataset.column_names,
             new_fingerprint=_fingerprint(src, fmt, tokenizer, template, cfg),
             desc=f"tokenizing {Path(name).name}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -22,10 +23,8 @@ def tracker_name(choice: str) -> str | None:
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for pkg in ("llmtrain", "torch", "accelerate", "transformers", "datasets", "peft", "deepspeed"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return out
 
 

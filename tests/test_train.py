@@ -1,6 +1,7 @@
 """The real recipe, launched as a user launches it (python, or accelerate launch with two
 DDP processes on CPU), on a tiny model."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -175,10 +176,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
     parent = psutil.Process(proc.pid)
     for p in [parent, *parent.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def test_killed_run_resumes_to_the_same_losses(common, resume_data, reference_run, cache_env, tmp_path):

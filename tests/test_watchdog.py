@@ -1,5 +1,6 @@
 """A dead or hung rank ends the whole job within train.hang_timeout_s, with the rank named."""
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -92,10 +93,8 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(base_config, tiny_model, ch
         if proc.poll() is None:
             kill_tree(proc)
         for worker in workers:  # the frozen one, if the launcher left it behind
-            try:
+            with contextlib.suppress(psutil.Error):
                 worker.kill()
-            except psutil.Error:
-                pass
     assert proc.returncode != 0
     assert "error: rank 0: no progress for 10 s" in output, output[-3000:]
     # ...and names the frozen rank, with the last state it posted (up to 1.25 s before the freeze)
