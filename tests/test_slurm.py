@@ -2,7 +2,9 @@
 (CPU processes over gloo). Skipped, with the reason, where Slurm cannot be installed."""
 
 import json
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -60,7 +62,10 @@ def reference(args, cache_env, tmp_path_factory) -> list[dict]:
 
 
 def submit(cluster, template: str, args: list[str], cache_env: dict, log: Path, **extra_env) -> str:
+    # The templates run `python` and `accelerate` from PATH, as in the user's activated
+    # environment: put this interpreter's first, also when pytest was started without activating it.
     env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "ACCELERATE_USE_CPU": "1",
         "LLMTRAIN_PROCS_PER_NODE": "1",
         "LLMTRAIN_MIXED_PRECISION": "no",
