@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from .state import TrainState
 from .throughput import full_numel
 
 STATE_FILE = "train_state.json"
@@ -29,10 +30,6 @@ POSITION_KEYS = (
     "data.shuffle",
     "world_size",
 )
-
-
-# What train_state.json must hold to say where the run stands.
-POSITION_FIELDS = ("step", "epoch", "batches_in_epoch")
 
 
 class CheckpointError(ValueError):
@@ -129,8 +126,8 @@ def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
         state = json.loads((Path(path) / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         return f"{STATE_FILE} is unreadable ({type(e).__name__})", []
-    if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in POSITION_FIELDS):
-        return f"{STATE_FILE} has no training position ({', '.join(POSITION_FIELDS)})", []
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in TrainState.POSITION):
+        return f"{STATE_FILE} has no training position ({', '.join(TrainState.POSITION)})", []
     files = state.get("files")
     if not isinstance(files, dict):
         return f"{STATE_FILE} has no file list", []
@@ -232,12 +229,14 @@ def publish(tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
 
 
-def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last: int) -> Path:
-    """Write checkpoint step-<state['step']> on all ranks; returns its path. A failed write
-    (disk full, permissions) removes the partial directory and raises CheckpointError; the
-    previous checkpoint is untouched."""
+def save(accelerator, output_dir: str, state: TrainState, settings: dict, config_yaml: str, keep_last: int) -> Path:
+    """Write checkpoint step-<state.step> on all ranks: what Accelerate saves (model,
+    optimizer, every rank's RNG), the run's TrainState with the `settings` that fix what
+    its data position means (`position_settings`), and the config. Returns its path. A
+    failed write (disk full, permissions) removes the partial directory and raises
+    CheckpointError; the previous checkpoint is untouched."""
     root = checkpoint_root(output_dir)
-    step = state["step"]
+    step = state.step
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     try:
         if accelerator.is_main_process:
@@ -248,9 +247,10 @@ def save(accelerator, output_dir: str, state: dict, config_yaml: str, keep_last:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "config.yaml").write_text(config_yaml)
-            state = state | {"files": file_list(tmp)}  # lets a resume detect a missing or truncated file
+            # The file list lets a resume detect a missing or truncated file.
+            saved = state.state_dict() | {"settings": settings, "files": file_list(tmp)}
             with open(tmp / STATE_FILE, "w") as f:  # written last inside the directory
-                json.dump(state, f, indent=2)
+                json.dump(saved, f, indent=2)
                 f.flush()
                 os.fsync(f.fileno())
             publish(tmp, final)
@@ -308,12 +308,13 @@ def check_pickles(path: Path) -> None:
             ) from None
 
 
-def load(accelerator, path: Path, cfg) -> dict:
-    """Restore model, optimizer and RNG from `path`; return the training state."""
-    state = json.loads((Path(path) / STATE_FILE).read_text())
+def load(accelerator, path: Path, cfg, state: TrainState) -> None:
+    """Restore model, optimizer and RNG from `path` and `state` from its train_state.json,
+    after checking that the run's data settings are the ones it was written with."""
+    saved = json.loads((Path(path) / STATE_FILE).read_text())
     now = position_settings(cfg, accelerator.num_processes)
     changed = [
-        f"{k} was {state['settings'].get(k)!r}, now {v!r}" for k, v in now.items() if state["settings"].get(k) != v
+        f"{k} was {saved['settings'].get(k)!r}, now {v!r}" for k, v in now.items() if saved["settings"].get(k) != v
     ]
     if changed:
         raise CheckpointError(
@@ -322,4 +323,4 @@ def load(accelerator, path: Path, cfg) -> dict:
         )
     check_pickles(path)
     accelerator.load_state(str(path))  # Accelerate's own files load with weights_only
-    return state
+    state.load_state_dict(saved)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import demo
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .data import DataError, as_list
+from .launch import process_group_backend
 from .model import ModelError
-from .train import TrainingError, process_group_backend
+from .train import TrainingError
 
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError, TrainingError)
 
@@ -42,10 +44,30 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
     return cfg, args
 
 
-def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run main(argv); turn a user error into 'error: ...' lines on stderr and exit 2.
+def warn(message: str) -> None:
+    """'warning: <message>' on stderr, from the main process only."""
+    from accelerate import PartialState
 
-    Anything else is a bug and keeps its traceback."""
+    if PartialState().is_main_process:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def user_errors(report: bool = True):
+    """Turn a user error (USER_ERRORS) into one 'error: ...' line per problem on stderr,
+    printed only where `report` (the main process), and exit 2. Anything else is a bug
+    and keeps its traceback. The recipes and `llmtrain plan` both report through here."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        if report:
+            for line in str(e).splitlines():
+                print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run main(argv), reporting user errors once (see `user_errors`)."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
@@ -54,10 +76,5 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     # --num_processes 2 would silently become two unrelated single-process runs.
     backend = process_group_backend()
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **({"backend": backend} if backend else {}))
-    try:
+    with user_errors(state.is_main_process):
         main(argv)
-    except USER_ERRORS as e:
-        if state.is_main_process:
-            for line in str(e).splitlines():
-                print(f"error: {line}", file=sys.stderr, flush=True)
-        sys.exit(2)

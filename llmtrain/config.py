@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,6 +156,23 @@ class TrainConfig:
     collective never returns) exits with an error naming its rank and the ranks that
     stopped reporting, and the launcher stops the rest. Must exceed the longest step,
     evaluation or checkpoint write; 0 disables."""
+    # Batch arithmetic, in one place for the recipe, `llmtrain plan` and DeepSpeed's config.
+
+    def global_batch(self, world: int) -> int:
+        """Sequences (rows, or packed sequences) per optimizer step on `world` processes."""
+        return self.micro_batch_size * self.grad_accum_steps * world
+
+    def steps_per_epoch(self, sequences: int, world: int) -> int:
+        """Optimizer steps in one pass over `sequences` on `world` processes: the
+        micro-batches are dealt out to the processes in turn, each step takes
+        grad_accum_steps of a process's micro-batches, and a short last step counts."""
+        per_process = math.ceil(math.ceil(sequences / self.micro_batch_size) / world)
+        return math.ceil(per_process / self.grad_accum_steps)
+
+    def total_steps(self, steps_per_epoch: int | None) -> int:
+        """train.max_steps, or train.epochs passes (a stream, whose length is unknown,
+        has train.max_steps)."""
+        return self.max_steps or self.epochs * steps_per_epoch
 
 
 @dataclass

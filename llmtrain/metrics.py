@@ -28,6 +28,24 @@ def versions() -> dict:
     return out
 
 
+def describe_run(cfg, accelerator, resume_from) -> None:
+    """config.yaml (every key, defaults included) and run.json (library versions, world
+    size, mixed precision, the checkpoint resumed from) in output_dir, by the main process."""
+    from .config import to_yaml
+
+    if not accelerator.is_main_process:
+        return
+    out = Path(cfg.output_dir)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    run = {
+        "versions": versions(),
+        "world_size": accelerator.num_processes,
+        "mixed_precision": accelerator.mixed_precision,
+        "resumed_from": str(resume_from or ""),
+    }
+    (out / "run.json").write_text(json.dumps(run, indent=2))
+
+
 class MetricsLog:
     """Appends rows to metrics.jsonl and the tracker, on the main process only.
 

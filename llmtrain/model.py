@@ -1,16 +1,14 @@
-"""Model and tokenizer loading, LoRA, and the summed token loss of one batch."""
+"""Model and tokenizer loading, LoRA, attention backend, compilation, and the output layer
+the chunked loss (objective.TokenLoss) can stand in for. `llmtrain plan` reads the model
+through the same functions."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .data import IGNORE
-from .packing import document_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -19,17 +17,24 @@ class ModelError(ValueError):
     pass
 
 
-def _hub_kwargs(cfg: ModelConfig) -> dict:
+def hub_kwargs(cfg: ModelConfig) -> dict:
+    """What every from_pretrained call of the model, its config and tokenizer is given."""
     kw = {"trust_remote_code": cfg.trust_remote_code}
     if cfg.revision:
         kw["revision"] = cfg.revision
     return kw
 
 
-def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
-    """Read the model's config (no weights) before any data or weights load: a bad
-    model.name_or_path, or sequences longer than the model's positions without rope
-    scaling (they would train on positions the model never learned), stop the run here."""
+def _load_error(what: str, name: str, e: Exception) -> ModelError:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({type(e).__name__}: {first})")
+
+
+def check_model(cfg: ModelConfig, max_seq_len: int):
+    """Read the model's config (no weights) before any data or weights load, and return
+    it: a bad model.name_or_path, or sequences longer than the model's positions without
+    rope scaling (they would train on positions the model never learned), stop the run
+    here."""
     from transformers import AutoConfig
 
     name = cfg.name_or_path
@@ -39,15 +44,12 @@ def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
             "(with config.json) or a hub name like 'owner/model'"
         )
     try:
-        mcfg = AutoConfig.from_pretrained(name, **_hub_kwargs(cfg))
+        mcfg = AutoConfig.from_pretrained(name, **hub_kwargs(cfg))
     except Exception as e:
-        raise ModelError(
-            f"model.name_or_path: could not load a model config from '{name}' "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        raise _load_error("a model config", name, e) from None
     limit = getattr(mcfg, "max_position_embeddings", None)
     if not isinstance(limit, int) or max_seq_len <= limit or _rope_scaled(mcfg):
-        return
+        return mcfg
     raise ModelError(
         f"data.max_seq_len: {max_seq_len} is above the {limit} positions of '{cfg.name_or_path}' "
         f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
@@ -78,21 +80,22 @@ def attention_backend(cfg: ModelConfig, packing: bool, device: torch.device) -> 
     return name
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
+    """The model's (fast) tokenizer; `chat_template` (data.chat_template, resolved by
+    data.resolve_chat_template) replaces its own, and is exported with the model."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, **_hub_kwargs(cfg))
+        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
     except Exception as e:
-        raise ModelError(
-            f"model.name_or_path: could not load a tokenizer from '{cfg.name_or_path}' "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        raise _load_error("a tokenizer", cfg.name_or_path, e) from None
     if not tok.is_fast:
         raise ModelError(
             f"model.name_or_path: '{cfg.name_or_path}' has no fast tokenizer; llmtrain needs one "
             "(character offsets locate assistant turns)"
         )
+    if chat_template:
+        tok.chat_template = chat_template
     return tok
 
 
@@ -108,30 +111,32 @@ def load_model(cfg: ModelConfig):
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation, **_hub_kwargs(cfg)
+            cfg.name_or_path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation, **hub_kwargs(cfg)
         )
     except Exception as e:
-        raise ModelError(
-            f"model.name_or_path: could not load a causal LM from '{cfg.name_or_path}' "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        raise _load_error("a causal LM", cfg.name_or_path, e) from None
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora.enabled:
-        from peft import LoraConfig, get_peft_model
+    return add_lora(model, cfg) if cfg.lora.enabled else model
 
-        lora = LoraConfig(
-            r=cfg.lora.r,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        if cfg.gradient_checkpointing:
-            model.enable_input_require_grads()
-        model = get_peft_model(model, lora)
-    return model
+
+def add_lora(model, cfg: ModelConfig):
+    """The model with peft LoRA adapters per model.lora (also on the meta-device model of
+    `llmtrain plan`, which counts what they train)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.lora
+    adapters = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    if cfg.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return get_peft_model(model, adapters)
 
 
 def compile_blocks(model) -> int:
@@ -175,7 +180,7 @@ PLAIN_HEADS = {
 def chunkable_head(model) -> torch.nn.Linear | None:
     """The model's output layer if the chunked loss can stand in for it: a plain Linear
     (not a LoRA-adapted one) of an architecture in PLAIN_HEADS. Found once, before
-    accelerator.prepare, and passed to token_loss."""
+    accelerator.prepare, by the objective (objective.TokenLoss.for_model)."""
     from accelerate.utils import extract_model_from_parallel
 
     base = extract_model_from_parallel(model)
@@ -183,59 +188,3 @@ def chunkable_head(model) -> torch.nn.Linear | None:
     if type(head) is not torch.nn.Linear or getattr(base.config, "model_type", None) not in PLAIN_HEADS:
         return None
     return head
-
-
-def _chunk_loss(hidden, weight, bias, labels):
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, labels, reduction="sum")
-
-
-def _chunked_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
-    """A forward for `head` that returns the summed cross-entropy of the trained positions
-    instead of logits. Logits exist for at most `chunk` tokens at a time; when there is
-    more than one chunk each is recomputed in backward rather than kept."""
-
-    def forward(hidden):
-        flat = labels.flatten()
-        where = (flat != IGNORE).nonzero().squeeze(1)
-        h, y = hidden.flatten(0, -2).index_select(0, where), flat.index_select(0, where)
-        n = h.shape[0]
-        total = h.new_zeros((), dtype=torch.float32)
-        for s in range(0, max(n, 1), chunk):  # one (empty) chunk keeps the head in the graph
-            args = (h[s : s + chunk], head.weight, head.bias, y[s : s + chunk])
-            total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if n > chunk else _chunk_loss(*args))
-        return total
-
-    return forward
-
-
-def token_loss(
-    model, batch: dict, attn_implementation: str, chunk: int = 0, head: torch.nn.Linear | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of token cross-entropies over the batch and the number of trained tokens.
-
-    Labels are already shifted (labels[t] is the target of position t). Packed batches get
-    a document mask (see packing.document_mask). With `chunk` > 0 and the model's
-    chunkable_head as `head` (looked up here if not given), the loss is computed inside
-    the output layer's forward, `chunk` tokens at a time and only at trained positions, so
-    the full [tokens, vocab] fp32 logits never exist; it runs inside the model's forward so
-    DDP, FSDP and ZeRO-3 see the layer used as usual."""
-    kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
-    if "doc_ids" in batch:
-        kwargs["position_ids"] = batch["position_ids"]
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        kwargs["attention_mask"] = document_mask(batch["doc_ids"], attn_implementation, dtype)
-    else:
-        kwargs["attention_mask"] = batch["attention_mask"]
-    labels = batch["labels"]
-    n = (labels != IGNORE).sum()
-    if chunk > 0 and head is None:
-        head = chunkable_head(model)
-    if chunk <= 0 or head is None:
-        logits = model(**kwargs).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"), n
-    head.forward = _chunked_head(head, labels, chunk)
-    try:
-        return model(**kwargs).logits, n
-    finally:
-        del head.forward  # the class's forward again (generation, export)

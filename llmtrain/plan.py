@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
 from . import demo
-from .cli import USER_ERRORS
+from .cli import user_errors
 from .config import ConfigError, load_config, to_yaml
 from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
-from .model import check_model, chunkable_head, load_tokenizer
+from .model import add_lora, check_model, chunkable_head, hub_kwargs, load_tokenizer
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -92,33 +91,19 @@ def read_launch(path: str | None, cfg) -> Launch:
     return launch
 
 
-def count_params(cfg) -> tuple[int, int, object, bool]:
+def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool]:
     """(total, trainable, model config, whether the chunked loss can stand in for its
-    output layer) from a model built on the meta device: no weights."""
+    output layer) from the model built on the meta device (no weights), LoRA adapters
+    added as the recipe adds them. `mcfg`: the model's config if already read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    mcfg = AutoConfig.from_pretrained(
-        cfg.model.name_or_path,
-        trust_remote_code=cfg.model.trust_remote_code,
-        **({"revision": cfg.model.revision} if cfg.model.revision else {}),
-    )
+    if mcfg is None:
+        mcfg = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.lora.enabled:
-        from peft import LoraConfig, get_peft_model
-
-        lora = cfg.model.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            ),
-        )
+        model = add_lora(model, cfg.model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable, mcfg, chunkable_head(model) is not None
@@ -184,15 +169,16 @@ def plan(argv: list[str]) -> None:
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
 
-    check_model(cfg.model, cfg.data.max_seq_len)
-    tokenizer = load_tokenizer(cfg.model)
+    mcfg = check_model(cfg.model, cfg.data.max_seq_len)
+    template = resolve_chat_template(cfg.data)
+    tokenizer = load_tokenizer(cfg.model, template)
     t, world = cfg.train, launch.num_processes
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
             "data.train",
             as_list(cfg.data.train),
             tokenizer,
-            resolve_chat_template(cfg.data),
+            template,
             dataclasses.replace(cfg.data, shuffle=False),
             t.seed,
             0,
@@ -214,10 +200,9 @@ def plan(argv: list[str]) -> None:
             sequences = len(pack_lengths(lengths, cfg.data.max_seq_len))
         else:
             sequences = len(ds)
-        per_process = math.ceil(math.ceil(sequences / t.micro_batch_size) / world)
-        steps_per_epoch = math.ceil(per_process / t.grad_accum_steps)
-    total, trainable, mcfg, chunkable = count_params(cfg)
-    global_seqs = t.micro_batch_size * t.grad_accum_steps * world
+        steps_per_epoch = t.steps_per_epoch(sequences, world)
+    total, trainable, mcfg, chunkable = count_params(cfg, mcfg)
+    global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
     tokens_per_seq = cfg.data.max_seq_len if cfg.data.packing else mean_len
     memory = memory_estimate(cfg, launch, total, trainable, mcfg, chunkable)
@@ -247,7 +232,7 @@ def plan(argv: list[str]) -> None:
         print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")
     else:
         print(f"  {stats.summary('data.train')}")
-        print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.max_steps or t.epochs * steps_per_epoch}")
+        print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.total_steps(steps_per_epoch)}")
     print("\n== memory per GPU (rough estimate) ==")
     print(f"  parameters: {total:,} ({trainable:,} trainable)")
     for key, n in memory.items():
@@ -262,9 +247,5 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] != "plan":
         print("usage: llmtrain plan [--config F] [--accelerate-config F] [key.sub=value ...]", file=sys.stderr)
         sys.exit(2)
-    try:
+    with user_errors():
         plan(argv[1:])
-    except USER_ERRORS as e:
-        for line in str(e).splitlines():
-            print(f"error: {line}", file=sys.stderr)
-        sys.exit(2)

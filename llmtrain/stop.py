@@ -1,12 +1,12 @@
 """Stopping on request. A signal only sets a flag; at the next step boundary every process
-learns whether any of them was asked (the flag rides on the per-step reduce), so all stop
-at the same step, write one complete checkpoint, and exit.
+learns whether any of them was asked (the flag rides on the per-step agreement,
+`window.draw_window`), so all stop at the same step, write one complete checkpoint, and
+exit.
 
 SIGUSR1 is the preemption warning (Slurm's `--signal=USR1@<seconds>`): exit 0, so a
 launcher with --max_restarts does not restart the workers, and the batch script
 requeues the job. SIGTERM and SIGINT exit 128+signal after the checkpoint; a second
-Ctrl-C interrupts at once. Bad streamed data met by one process stops all of them the
-same way, before the step, and then ends the run with its error.
+Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ class StopRequest:
     def __init__(self):
         self.signum = 0  # the signal this process received (0: none)
         self.agreed = 0  # the signal all processes agreed to stop on (0: keep going)
-        # Bad streamed data rides the same agreement: this process's error message, and
-        # whether any process had one (all then stop before the step).
-        self.fault = ""
-        self.failed = False
 
     def install(self) -> StopRequest:
         for sig in GRACEFUL:

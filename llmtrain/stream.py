@@ -4,7 +4,7 @@ training runs, so a corpus never has to be prepared, cached or held whole.
 Each process reads its own part of every source (datasets' `split_dataset_by_node`: whole
 shards when a source has a multiple of the process count, else every N-th row), so ranks
 can run out at different times; the training loop's windows then run empty micro-batches
-on the ranks that are done until all are (see `train.windows`). Sources are read in turn,
+on the ranks that are done until all are (see `window.draw_window`). Sources are read in turn,
 a row from each, and shuffled through a buffer of data.shuffle_buffer rows, reseeded every
 pass. The order depends only on (seed, pass, process count), so a resumed run reads the
 stream again up to its saved position and continues with exactly the rows it would have had.

@@ -83,3 +83,38 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
+
+
+class StepMeter:
+    """Throughput figures of a step, for the metrics row and the progress bar. Built once
+    from the unwrapped model (before prepare) and the objective: its `unit`, and its
+    `head`, the output layer when it runs only at the counted tokens (the chunked loss)."""
+
+    def __init__(self, model, device: torch.device, world: int, unit: str = "tokens", head=None):
+        self.device, self.world, self.unit = device, world, unit
+        self.n_params, self.peak = matmul_params(model), device_peak_flops(device)
+        self.head_params = full_numel(head.weight) if head is not None else 0
+        self.layers, self.hidden = model.config.num_hidden_layers, model.config.hidden_size
+
+    def figures(self, window, result) -> dict:
+        """Per second of the step: counted units (`<unit>_per_s`, e.g. tokens_per_s),
+        input tokens; the data-wait share, peak memory, and MFU where the peak is known."""
+        seconds = result.seconds
+        out = {
+            f"{self.unit}_per_s": result.count / seconds,
+            "input_tokens_per_s": window.input_tokens / seconds,
+            "data_wait": window.data_wait / seconds,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }
+        if self.peak is not None:
+            flops = step_flops(
+                window.input_tokens,
+                window.squared_lengths,
+                self.n_params,
+                self.layers,
+                self.hidden,
+                self.head_params,
+                result.count,
+            )
+            out["mfu"] = flops / (seconds * self.world * self.peak)
+        return out

@@ -11,20 +11,22 @@ SIGUSR1 (exit 0), SIGTERM or Ctrl-C (exit 128+signal) stop every process at the 
 after a complete checkpoint; run the same command again to continue.
 """
 
-import json
 import sys
 from pathlib import Path
 
 from llmtrain import checkpoint, demo
-from llmtrain.cli import parse_args, run_cli
+from llmtrain.cli import parse_args, run_cli, warn
 from llmtrain.config import to_yaml
 from llmtrain.data import resolve_chat_template
 from llmtrain.export import model_for_sampling, sample, save_final
-from llmtrain.metrics import plot_losses, versions
+from llmtrain.launch import setup_accelerator
+from llmtrain.metrics import describe_run, plot_losses
 from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
+from llmtrain.objective import TokenLoss
 from llmtrain.stop import StopRequest
-from llmtrain.train import build_datasets, setup_accelerator, train
+from llmtrain.train import build_datasets, setup, train
 from llmtrain.watchdog import Watchdog
+from llmtrain.window import Outcome
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -37,51 +39,35 @@ def main(argv=None):
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
     check_model(cfg.model, cfg.data.max_seq_len)
     cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
-    out = Path(cfg.output_dir)
-
-    def warn(message: str) -> None:
-        if accelerator.is_main_process:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
-
     checkpoint.check_writable(cfg.output_dir)
     resume_from = checkpoint.find_resume(cfg.output_dir, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state)
-    if accelerator.is_main_process:
-        (out / "config.yaml").write_text(to_yaml(cfg))
-        run = {
-            "versions": versions(),
-            "world_size": accelerator.num_processes,
-            "mixed_precision": accelerator.mixed_precision,
-            "resumed_from": str(resume_from or ""),
-        }
-        (out / "run.json").write_text(json.dumps(run, indent=2))
+    describe_run(cfg, accelerator, resume_from)  # config.yaml, run.json
 
-    tokenizer = load_tokenizer(cfg.model)
-    template = resolve_chat_template(cfg.data)
-    if template:
-        tokenizer.chat_template = template  # exported with the model
+    tokenizer = load_tokenizer(cfg.model, resolve_chat_template(cfg.data))
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model)
     checkpoint.check_free_space(cfg.output_dir, checkpoint.output_bytes(model))
+    objective = TokenLoss.for_model(model, cfg.model.attn_implementation, cfg.train.loss_chunk_tokens)
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.
     with Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes) as watchdog:
-        model = train(cfg, accelerator, model, tokenizer, train_set, eval_set, resume_from, stop, watchdog)
-        if not stop.agreed:
+        run = setup(cfg, accelerator, model, tokenizer, objective, train_set, eval_set, resume_from, stop, watchdog)
+        outcome = train(run)
+        if outcome is Outcome.FINISHED:
             watchdog.beat("writing final/")
-            final = save_final(accelerator, model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
-    if stop.agreed:
+            final = save_final(accelerator, run.model, tokenizer, cfg.output_dir, to_yaml(cfg), cfg.export.merge_lora)
+    if outcome is Outcome.STOPPED:
         accelerator.end_training()
         sys.exit(stop.exit_code())
     if accelerator.is_main_process:
-        plot_losses(out / "metrics.jsonl", out / "loss.png")
+        plot_losses(Path(cfg.output_dir) / "metrics.jsonl", Path(cfg.output_dir) / "loss.png")
         print(f"saved {final}")
         prompts = cfg.eval.sample_prompts
         if prompts:
-            answers = sample(
-                model_for_sampling(accelerator, model, final), tokenizer, prompts, cfg.eval.sample_max_new_tokens, None
-            )
+            model = model_for_sampling(accelerator, run.model, final)
+            answers = sample(model, tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")
     accelerator.end_training()  # closes trackers and the process group: last

@@ -118,6 +118,7 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
 
     from llmtrain.checkpoint import load, position_settings
     from llmtrain.config import Config
+    from llmtrain.state import TrainState
 
     cfg = Config()
     path = fake_checkpoint(tmp_path, "step-4")
@@ -126,7 +127,7 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     )
     cfg.train.micro_batch_size = 8
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
-        load(SimpleNamespace(num_processes=1), path, cfg)
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
 
 
 @pytest.mark.slow
@@ -176,6 +177,7 @@ class FakeAccelerator:
 
 def test_a_full_disk_mid_checkpoint_is_one_clear_error_and_keeps_the_previous_one(tmp_path):
     from llmtrain.checkpoint import save
+    from llmtrain.state import TrainState
 
     previous = fake_checkpoint(tmp_path, "step-2")
     with pytest.raises(
@@ -183,9 +185,45 @@ def test_a_full_disk_mid_checkpoint_is_one_clear_error_and_keeps_the_previous_on
         match=r"checkpoint: writing .*\.tmp-step-4 failed \(No space left on device\); "
         r"the newest complete checkpoint, .*step-2, is intact",
     ):
-        save(FakeAccelerator(), str(tmp_path), POSITION | {"step": 4}, "", keep_last=1)
+        save(FakeAccelerator(), str(tmp_path), TrainState(step=4), {}, "", keep_last=1)
     assert not (tmp_path / "checkpoints" / ".tmp-step-4").exists()  # the partial write is cleaned up
     assert find_resume(str(tmp_path), "auto") == previous
+
+
+class RecordingAccelerator(FakeAccelerator):
+    """One process whose save_state writes a file and whose load_state does nothing."""
+
+    num_processes = 1
+
+    def save_state(self, path):
+        from pathlib import Path
+
+        (Path(path) / "model.safetensors").write_bytes(b"weights")
+
+    def load_state(self, path):
+        pass
+
+
+def test_the_train_state_is_saved_and_loaded_whole(tmp_path):
+    """Every field of the run's state comes back from a checkpoint, the spike window with
+    it; a checkpoint written before skips_in_a_row was saved loads with 0 skips."""
+    from llmtrain.checkpoint import load, position_settings, save
+    from llmtrain.config import Config
+    from llmtrain.spike import SpikeGuard
+    from llmtrain.state import TrainState
+
+    cfg = Config()
+    state = TrainState(step=7, epoch=1, batches_in_epoch=12, skips_in_a_row=2, spikes=SpikeGuard(2.0, 3, [1.0, 2.0]))
+    path = save(RecordingAccelerator(), str(tmp_path), state, position_settings(cfg, 1), "", keep_last=0)
+    assert path.name == "step-7" and find_resume(str(tmp_path), "auto") == path
+    loaded = TrainState(spikes=SpikeGuard(2.0, 3))
+    load(RecordingAccelerator(), path, cfg, loaded)
+    assert loaded.state_dict() == state.state_dict() and loaded.spikes.window == 3
+    saved = json.loads((path / STATE_FILE).read_text())
+    del saved["skips_in_a_row"]
+    (path / STATE_FILE).write_text(json.dumps(saved))
+    load(RecordingAccelerator(), path, cfg, loaded)
+    assert (loaded.step, loaded.skips_in_a_row, loaded.spikes.recent) == (7, 0, [1.0, 2.0])
 
 
 def test_an_unwritable_output_dir_is_refused_at_start_up(tmp_path):

@@ -101,3 +101,16 @@ def test_recipe_reports_config_errors_before_loading_anything(cache_env, tmp_pat
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: train.lrr: unknown key; did you mean 'train.lr'?"]
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_arithmetic_is_one_set_of_methods():
+    """What the recipe, `llmtrain plan` and the DeepSpeed config use for steps and batches."""
+    from llmtrain.config import TrainConfig
+
+    t = TrainConfig(micro_batch_size=2, grad_accum_steps=2)
+    assert t.global_batch(2) == 8
+    assert t.steps_per_epoch(20, 2) == 3  # 10 micro-batches, 5 per process: steps of 2, 2 and 1
+    assert t.steps_per_epoch(18, 2) == 3  # 9 micro-batches: 5 and 4, the last step on one process only
+    assert t.steps_per_epoch(16, 2) == 2
+    assert t.total_steps(3) == 3 and TrainConfig(epochs=2).total_steps(3) == 6
+    assert TrainConfig(max_steps=5, epochs=2).total_steps(None) == 5  # a stream, or a fixed length

@@ -139,65 +139,68 @@ def overflowing_model(tiny_model, tmp_path_factory) -> Path:
     return path
 
 
-def assert_overflows_took_no_step(out: Path) -> None:
-    overflows = [r for r in metrics(out) if r.get("skipped", "").startswith("fp16 gradient overflow")]
+def assert_overflows_took_no_step(rows: list[dict]) -> None:
+    """`rows` as in metrics.jsonl: a step taken (step, loss, lr) or a window skipped (step, skipped)."""
+    overflows = [r for r in rows if r.get("skipped", "").startswith("fp16 gradient overflow")]
     assert overflows, "the model was built to overflow fp16 at the scaler's initial scale"
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 9))  # overflowed attempts took no step number
-    assert {r["step"] for r in overflows} <= {r["step"] for r in rows}  # each was retried under the same number
+    taken = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in taken] == list(range(1, 9))  # overflowed attempts took no step number
+    assert {r["step"] for r in overflows} <= {r["step"] for r in taken}  # each was retried under the same number
     # Warm-up runs over steps taken, not attempts: step s trained at lr * s / 4.
-    assert [r["lr"] for r in rows] == pytest.approx([1e-3 * min(s, 4) / 4 for s in range(1, 9)])
-    assert all(math.isfinite(r["loss"]) for r in rows)
-    assert not [r for r in metrics(out) if "not finite" in r.get("skipped", "")]  # the scaler's skip, not ours
+    assert [r["lr"] for r in taken] == pytest.approx([1e-3 * min(s, 4) / 4 for s in range(1, 9)])
+    assert all(math.isfinite(r["loss"]) for r in taken)
+    assert not [r for r in rows if "not finite" in r.get("skipped", "")]  # the scaler's skip, not ours
 
 
-FP16_ON_CPU = """
-import os, sys, runpy
-import torch
-os.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"
-recipe = runpy.run_path(sys.argv[1])
-setup = recipe["setup_accelerator"]
+def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(overflowing_model, tokenizer):
+    """On CPU, in-process, with the training step itself. Accelerate creates the loss
+    scaler only on a GPU; here a real torch GradScaler is set where Accelerate sets it
+    there, under fp16 autocast on CPU, so the overflows and the scaler's skips are real.
+    Windows are drawn and stepped, and their results recorded in the state, as the loop
+    does. The GPU test below runs the recipe through accelerate launch."""
+    from itertools import cycle
 
-def with_scaler(cfg):
-    accelerator = setup(cfg)
-    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None  # Accelerate's CPU gate
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.backend import Backend
+    from llmtrain.batches import Collator
+    from llmtrain.config import DataConfig, TrainConfig
+    from llmtrain.data import process_row
+    from llmtrain.objective import TokenLoss
+    from llmtrain.optim import build_optimizer, learning_rate
+    from llmtrain.state import TrainState
+    from llmtrain.step import train_step
+    from llmtrain.window import draw_window
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    assert accelerator.scaler is None  # Accelerate's CPU gate
     accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
-    return accelerator
-
-recipe["main"].__globals__["setup_accelerator"] = with_scaler
-recipe["run_cli"](recipe["main"], sys.argv[2:])
-"""
-
-
-def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(
-    base_config, overflowing_model, chat_file, cache_env, tmp_path
-):
-    """On CPU. Accelerate creates the loss scaler only on a GPU; here the recipe runs with
-    a real torch GradScaler set where Accelerate sets it on a GPU, and fp16 autocast on CPU,
-    so the overflows and the scaler's skips are real. The GPU test below runs the same
-    through accelerate launch alone."""
-    import subprocess
-    import sys
-
-    from .conftest import RECIPE, ROOT
-
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            FP16_ON_CPU,
-            str(RECIPE),
-            *args(base_config, overflowing_model, chat_file, out, "train.max_steps=8", "train.warmup_steps=4"),
-        ],
-        env=cache_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert_overflows_took_no_step(out)
+    t = TrainConfig(micro_batch_size=2, lr=1e-3, warmup_steps=4, schedule="constant", max_steps=8)
+    model = AutoModelForCausalLM.from_pretrained(overflowing_model)
+    objective = TokenLoss.for_model(model, "sdpa", t.loss_chunk_tokens)
+    model, optimizer = accelerator.prepare(model, build_optimizer(model, t, accelerator.device))
+    examples = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(20, seed=3)]
+    collate = Collator(tokenizer.pad_token_id)
+    batches = cycle([collate(examples[i : i + 2]) for i in range(0, 20, 2)])
+    state, rows = TrainState(), []
+    try:
+        while state.step < t.max_steps and len(rows) < 100:
+            window = draw_window(batches, 1, accelerator, objective.count)
+            result = train_step(
+                model, optimizer, window, objective, Backend(accelerator, 1), state,
+                lr=learning_rate(state.step, t.max_steps, t), max_grad_norm=t.max_grad_norm,
+                empty=collate.empty_batch(packed=False),
+            )  # fmt: skip
+            attempted = state.step + 1
+            rows.append({"step": attempted, **({"skipped": result.reason} if result.skip else
+                                               {"loss": result.loss, "lr": result.lr})})  # fmt: skip
+            state.record(result)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert_overflows_took_no_step(rows)
 
 
 @pytest.mark.gpu
@@ -226,4 +229,4 @@ def test_fp16_overflow_skips_the_step_through_accelerate_on_a_gpu(
     ]
     proc = subprocess.run(cmd, env=cache_env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert_overflows_took_no_step(out)
+    assert_overflows_took_no_step(metrics(out))

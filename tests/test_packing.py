@@ -5,7 +5,7 @@ from llmtrain.batches import Collator
 from llmtrain.config import DataConfig
 from llmtrain.data import process_row
 from llmtrain.demo import make_rows
-from llmtrain.model import token_loss
+from llmtrain.objective import TokenLoss
 from llmtrain.packing import PackedDataset, pack_lengths
 
 
@@ -74,10 +74,10 @@ def test_packed_and_unpacked_give_the_same_summed_loss(tiny_model, tokenizer, ex
     collate = Collator(tokenizer.pad_token_id)
     packed = PackedDataset(examples, capacity=256)
     with torch.no_grad():
-        p_loss, p_n = token_loss(model, collate([packed[j] for j in range(len(packed))]), attn)
-        u_loss, u_n = token_loss(model, collate([examples[i] for i in range(len(examples))]), attn)
-    assert p_n == u_n == sum(examples["n_trained"])
-    torch.testing.assert_close(p_loss, u_loss, rtol=1e-5, atol=1e-4)
+        p = TokenLoss(attn)(model, collate([packed[j] for j in range(len(packed))]))
+        u = TokenLoss(attn)(model, collate([examples[i] for i in range(len(examples))]))
+    assert p.count == u.count == sum(examples["n_trained"])
+    torch.testing.assert_close(p.total, u.total, rtol=1e-5, atol=1e-4)
 
 
 def test_flex_block_mask_allows_exactly_what_the_dense_document_mask_allows():
@@ -154,7 +154,7 @@ def test_flex_attention_trains_like_the_dense_mask_on_a_gpu(tiny_model, tokenize
     for attn in ("flex_attention", "sdpa"):
         model = load(tiny_model, attn).cuda().train()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, n = token_loss(model, batch, attn, chunk=64)
+            loss = TokenLoss.for_model(model, attn, 64)(model, batch).total
         loss.backward()
         results[attn] = loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     (flex, g_flex), (dense, g_dense) = results["flex_attention"], results["sdpa"]

@@ -7,7 +7,7 @@ import pytest
 from accelerate.utils import DistributedType
 
 from llmtrain.config import ConfigError, load_config
-from llmtrain.train import check_topology, configure_deepspeed, process_group_backend
+from llmtrain.launch import check_topology, configure_deepspeed, process_group_backend
 
 
 def fake(kind, fsdp_version=2):

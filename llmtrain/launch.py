@@ -1,0 +1,150 @@
+"""Launch checks and the Accelerator: what `accelerate launch` set up, checked before
+anything loads, and the recipe's batch settings made DeepSpeed's."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType, parse_flag_from_env
+
+from .config import Config, ConfigError
+from .metrics import tracker_name
+
+
+def process_group_backend() -> str | None:
+    """gloo for DeepSpeed on a CPU-only machine (its CPU accelerator): Accelerate finds no
+    device backend there and would leave the processes without a group. None otherwise
+    (Accelerate chooses)."""
+    if (
+        parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+        and not parse_flag_from_env("ACCELERATE_USE_CPU")
+        and not torch.cuda.is_available()
+    ):
+        return "gloo"
+    return None
+
+
+def setup_accelerator(cfg: Config):
+    """The Accelerator; topology and precision come from `accelerate launch` / its config."""
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+        set_seed,
+    )
+
+    backend = process_group_backend()
+    handlers = [InitProcessGroupKwargs(backend=backend)] if backend else []
+    tracker = tracker_name(cfg.log.tracker)
+    accelerator = Accelerator(
+        log_with=tracker,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
+        # Uneven last batches are not padded by repeating rows (which would count them
+        # twice); a process with nothing left runs an empty batch instead (see `window`).
+        # Batches from pinned memory (batches.make_loader) are copied to the GPU without blocking.
+        dataloader_config=DataLoaderConfiguration(even_batches=False, non_blocking=True),
+        kwargs_handlers=handlers,
+    )
+    check_topology(accelerator)
+    # torchrun/accelerate launch tell every process the world size. If the processes did
+    # not form a group (no GPU and no ACCELERATE_USE_CPU=1), each would train alone on the
+    # whole data set and overwrite the others' output.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise ConfigError(
+            [
+                f"launch: {launched} processes were started but they did not join one process group "
+                "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"
+            ]
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator, cfg)
+        # DeepSpeed calls torch.distributed functions that torch has renamed; torch warns on
+        # every call, burying the training log under advice meant for DeepSpeed's authors.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    set_seed(cfg.train.seed)
+    return accelerator
+
+
+def check_topology(accelerator) -> None:
+    """Refuse launches that would silently not be what was asked for."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        raise ConfigError(
+            [
+                "launch: ACCELERATE_USE_CPU=1 (or use_cpu: true) turns DeepSpeed off in Accelerate; "
+                "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"
+            ]
+        )
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
+        raise ConfigError(
+            [
+                "launch: FSDP was asked for but Accelerate runs FSDP only on GPUs (or other accelerators); "
+                "on CPU use DDP (accelerate_configs/cpu_ddp.yaml) "
+                "or DeepSpeed (accelerate_configs/ds_zero3.yaml)"
+            ]
+        )
+    if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
+        raise ConfigError(
+            [
+                "launch: FSDP1 is not supported; set fsdp_config.fsdp_version: 2 in the accelerate config "
+                "(see accelerate_configs/fsdp2.yaml)"
+            ]
+        )
+
+
+def configure_deepspeed(accelerator, cfg: Config) -> None:
+    """Make the recipe's batch settings DeepSpeed's: "auto" (or absent) values are filled
+    in from train.*; an explicit value that differs is an error naming both settings.
+    ZeRO-3 is told to gather full weights on save, which export needs."""
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    t, world = cfg.train, accelerator.num_processes
+    if t.spike_factor:
+        raise ConfigError(
+            [
+                "train.spike_factor: the spike guard cannot run under DeepSpeed (its engine takes the "
+                "optimizer step inside backward, before the step's loss is known); "
+                "set train.spike_factor=0"
+            ]
+        )
+    if t.compile:
+        raise ConfigError(
+            [
+                "train.compile: not supported with DeepSpeed (its ZeRO hooks run inside every block); "
+                "set train.compile=false, or use DDP or FSDP2"
+            ]
+        )
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
+    wanted = [
+        ("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
+        ("gradient_accumulation_steps", t.grad_accum_steps, "train.grad_accum_steps"),
+        (
+            "train_batch_size",
+            t.global_batch(world),
+            f"train.micro_batch_size x train.grad_accum_steps x {world} processes",
+        ),
+        ("gradient_clipping", float(t.max_grad_norm or 0.0), "train.max_grad_norm"),
+    ]
+    problems = []
+    for key, ours, name in wanted:
+        theirs = ds.get(key, "auto")
+        if theirs == "auto":
+            ds[key] = ours
+        elif float(theirs) != float(ours):
+            problems.append(
+                f'{name}={ours} conflicts with {key}={theirs} in {where}; set {key} to "auto" '
+                f"there (the recipe's value is then used) or make them equal"
+            )
+    if problems:
+        raise ConfigError(problems)
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    # Accelerate compares its own count with DeepSpeed's; it does not scale the loss
+    # under DeepSpeed, so matching it only silences a mismatch warning.
+    accelerator.gradient_accumulation_steps = t.grad_accum_steps

@@ -1,0 +1,130 @@
+"""Objectives: what an optimizer step minimises.
+
+An objective turns one micro-batch into a summed loss and the number of units it was
+summed over (trained tokens for SFT). The step (`step.train_step`) adds the summed losses
+of every micro-batch on every process and divides by the units of the whole global batch,
+which every process learns before the forward passes (`window.draw_window` asks the
+objective's `count` of each micro-batch). So the step's loss is the mean over the global
+batch whatever its layout: 8 x 1, 2 x 4 and 2 processes x 2 x 2 give the same update.
+
+How to add an objective (say, a preference loss over chosen/rejected pairs):
+
+1. Write a class with
+   - `unit`: what it counts, e.g. "pairs"; the step's metrics row logs the global count
+     under this name;
+   - `count(batch) -> int`: the units in a micro-batch, from the batch alone (no forward);
+   - `__call__(model, batch) -> Loss`: the loss summed over those units, their count,
+     and any metrics of its own as sums over the units (`Loss.metrics`, e.g. how many
+     pairs were ranked right); the step adds them over the global batch, divides by the
+     global count and logs them beside the loss;
+   - `head`: the output layer it runs only at counted positions, or None (for MFU).
+2. An empty batch (`batches.Collator.empty_batch`) must count 0 and give a zero loss
+   that still uses every trainable weight: processes with no data left run one so that
+   every process joins the same collectives.
+3. Build it in the recipe and pass it to `train.setup`; everything else (windows,
+   accumulation, skips, checkpoints, resume, logging) is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .data import IGNORE
+from .model import chunkable_head
+from .packing import document_mask
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One micro-batch's contribution."""
+
+    total: torch.Tensor  # the loss summed over the micro-batch's units (differentiable)
+    count: torch.Tensor  # the units in it
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums over the units
+
+
+class Objective(Protocol):
+    unit: str
+    head: torch.nn.Module | None
+
+    def count(self, batch: dict) -> int: ...
+
+    def __call__(self, model, batch: dict) -> Loss: ...
+
+
+class TokenLoss:
+    """Supervised fine-tuning: the summed cross-entropy of the trained tokens (labels are
+    already shifted: labels[t] is the target of position t, or -100 for none).
+
+    Packed batches get a document mask (packing.document_mask) in the form the attention
+    backend takes. With `chunk_tokens` > 0 and a `head` (the model's `chunkable_head`),
+    the loss is computed inside the output layer's forward, `chunk_tokens` at a time and
+    only at trained positions, so the full [tokens, vocab] fp32 logits never exist; it
+    runs inside the model's forward, so DDP, FSDP and ZeRO-3 see the layer used as usual."""
+
+    unit = "tokens"
+
+    def __init__(self, attn_implementation: str, chunk_tokens: int = 0, head: torch.nn.Linear | None = None):
+        self.attn_implementation = attn_implementation
+        self.head = head if chunk_tokens > 0 else None
+        self.chunk = chunk_tokens if self.head is not None else 0  # whole logits when the head cannot be chunked
+
+    @classmethod
+    def for_model(cls, model, attn_implementation: str, chunk_tokens: int) -> TokenLoss:
+        """Built once, before accelerator.prepare: finds the output layer the chunked loss
+        can stand in for (none for some architectures and LoRA-adapted heads)."""
+        return cls(attn_implementation, chunk_tokens, chunkable_head(model) if chunk_tokens else None)
+
+    def count(self, batch: dict) -> int:
+        return int((batch["labels"] != IGNORE).sum())
+
+    def __call__(self, model, batch: dict) -> Loss:
+        kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
+        if "doc_ids" in batch:
+            kwargs["position_ids"] = batch["position_ids"]
+            # The parameters' dtype after prepare (DeepSpeed may have cast them): a cheap lookup.
+            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+            kwargs["attention_mask"] = document_mask(batch["doc_ids"], self.attn_implementation, dtype)
+        else:
+            kwargs["attention_mask"] = batch["attention_mask"]
+        labels = batch["labels"]
+        n = (labels != IGNORE).sum()
+        if self.head is None:
+            logits = model(**kwargs).logits
+            flat = logits.float().flatten(0, 1)
+            total = F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            return Loss(total, n)
+        self.head.forward = _chunked_head(self.head, labels, self.chunk)
+        try:
+            return Loss(model(**kwargs).logits, n)
+        finally:
+            del self.head.forward  # the class's forward again (generation, export)
+
+
+def _chunk_loss(hidden, weight, bias, labels):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def _chunked_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
+    """A forward for `head` that returns the summed cross-entropy of the trained positions
+    instead of logits. Logits exist for at most `chunk` tokens at a time; when there is
+    more than one chunk each is recomputed in backward rather than kept."""
+
+    def forward(hidden):
+        flat = labels.flatten()
+        where = (flat != IGNORE).nonzero().squeeze(1)
+        h, y = hidden.flatten(0, -2).index_select(0, where), flat.index_select(0, where)
+        n = h.shape[0]
+        total = h.new_zeros((), dtype=torch.float32)
+        for s in range(0, max(n, 1), chunk):  # one (empty) chunk keeps the head in the graph
+            args = (h[s : s + chunk], head.weight, head.bias, y[s : s + chunk])
+            total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if n > chunk else _chunk_loss(*args))
+        return total
+
+    return forward

@@ -1,0 +1,61 @@
+"""Where a run stands: one object that the loop updates after every optimizer step and
+that checkpoints save and load whole (as train_state.json), so a resumed run continues
+exactly where the saved one was."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .spike import SpikeGuard
+from .step import Skip, StepResult
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps taken. Skipped windows take no step number; the learning rate is
+    a function of it."""
+    epoch: int = 0
+    """The pass over the training data."""
+    batches_in_epoch: int = 0
+    """Micro-batches this process has drawn in the pass, those of skipped windows
+    included: where a resumed run starts reading."""
+    skips_in_a_row: int = 0
+    """Windows skipped (non-finite or spiking) since the last step taken; the run stops
+    at train.max_consecutive_skips."""
+    spikes: SpikeGuard = field(default_factory=lambda: SpikeGuard(0.0, 1))
+    """The spike guard and its window of recent losses."""
+
+    # What train_state.json must hold to say where a run stands.
+    POSITION = ("step", "epoch", "batches_in_epoch")
+
+    def record(self, result: StepResult) -> None:
+        """Take a step's outcome into the state: a step taken
+        advances the step and joins the spike window; a skipped window counts toward
+        train.max_consecutive_skips, except an fp16 overflow, the loss scaler's own
+        business, which is retried under the same step number."""
+        if result.skip is None:
+            self.step += 1
+            self.skips_in_a_row = 0
+            self.spikes.accept(result.loss)
+        elif result.skip is not Skip.OVERFLOW:
+            self.skips_in_a_row += 1
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "skips_in_a_row": self.skips_in_a_row,
+            "recent_losses": self.spikes.recent,
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        """From train_state.json; checkpoints written before skips_in_a_row was saved
+        count from 0."""
+        self.step, self.epoch, self.batches_in_epoch = (saved[k] for k in self.POSITION)
+        self.skips_in_a_row = saved.get("skips_in_a_row", 0)
+        self.spikes = SpikeGuard(self.spikes.factor, self.spikes.window, saved.get("recent_losses"))
