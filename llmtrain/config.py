@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -156,6 +157,14 @@ class TrainConfig:
     collective never returns) exits with an error naming its rank and the ranks that
     stopped reporting, and the launcher stops the rest. Must exceed the longest step,
     evaluation or checkpoint write; 0 disables."""
+    profile_steps: str | int = ""
+    """Record a torch.profiler trace of these optimizer steps on every process, e.g.
+    '10-12' or '5' (empty or 0: off). Writes output_dir/profile/steps-A-B/: a trace per
+    process (rankN.pt.trace.json, for Perfetto, chrome://tracing or TensorBoard's profiler
+    plugin), a table of the top operators (printed by the main process), and on CUDA a
+    memory snapshot (rankN-memory.pickle, for pytorch.org/memory_viz). Skip the first
+    steps, which include warm-up and compilation."""
+
     # Batch arithmetic, in one place for the recipe, `llmtrain plan` and DeepSpeed's config.
 
     def global_batch(self, world: int) -> int:
@@ -173,6 +182,17 @@ class TrainConfig:
         """train.max_steps, or train.epochs passes (a stream, whose length is unknown,
         has train.max_steps)."""
         return self.max_steps or self.epochs * steps_per_epoch
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """train.profile_steps as (first, last) optimizer step, both counted from 1 and
+        included; None when off. Raises ValueError for text that is neither N nor A-B."""
+        if not self.profile_steps:
+            return None
+        found = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(self.profile_steps))
+        first, last = (int(found[1]), int(found[2] or found[1])) if found else (0, 0)
+        if not 1 <= first <= last:
+            raise ValueError(self.profile_steps)
+        return first, last
 
 
 @dataclass
@@ -437,6 +457,13 @@ def validate(cfg: Config) -> list[str]:
     for key, value in [("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)]:
         if not 0 <= value < 1:
             p.append(f"{key}: must be in [0, 1), got {value}")
+    try:
+        t.profile_range()
+    except ValueError:
+        p.append(
+            f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), "
+            f"got {t.profile_steps!r}"
+        )
     if cfg.eval.every_steps and not cfg.data.eval:
         p.append("eval.every_steps: set data.eval too, or set eval.every_steps=0")
     lora = cfg.model.lora

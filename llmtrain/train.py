@@ -28,6 +28,7 @@ from .model import compile_blocks, pad_id
 from .objective import Objective
 from .optim import build_optimizer, learning_rate
 from .packing import PackedDataset
+from .profiler import StepProfiler
 from .spike import SpikeGuard
 from .state import TrainState
 from .step import Skip, StepResult, train_step
@@ -99,6 +100,7 @@ class Run:
     total_steps: int
     log: MetricsLog
     meter: StepMeter
+    profiler: StepProfiler
     stop: StopRequest
     watchdog: Watchdog
     progress: object | None  # the progress bar, on the main process
@@ -163,9 +165,10 @@ def setup(
 
         progress = tqdm(total=total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
+    profiler = StepProfiler(t.profile_range(), cfg.output_dir, accelerator)
     return Run(
         cfg, accelerator, model, optimizer, objective, backend, state, TrainBatches(loader, sampler, accelerator),
-        eval_loader, empty, total_steps, log, meter, stop, watchdog, progress,
+        eval_loader, empty, total_steps, log, meter, profiler, stop, watchdog, progress,
     )  # fmt: skip
 
 
@@ -181,6 +184,7 @@ def train(run: Run) -> Outcome:
     drew_in_pass = state.batches_in_epoch > 0
     try:
         while state.step < run.total_steps:
+            run.profiler.before(state.step + 1)
             window = draw_window(
                 batches, cfg.train.grad_accum_steps, run.accelerator, run.objective.count, run.stop, run.watchdog.beat
             )
@@ -203,6 +207,7 @@ def train(run: Run) -> Outcome:
                 empty=run.empty, beat=run.watchdog.beat,
             )  # fmt: skip
             state.record(result)
+            run.profiler.after(state.step)
             report(run, window, result)
             if result.skip is not None:
                 check_skips(run, result)
@@ -215,6 +220,7 @@ def train(run: Run) -> Outcome:
                 save_checkpoint(run)
         return Outcome.FINISHED
     finally:
+        run.profiler.close()
         close_progress(run)
 
 

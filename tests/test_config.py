@@ -114,3 +114,18 @@ def test_batch_arithmetic_is_one_set_of_methods():
     assert t.steps_per_epoch(16, 2) == 2
     assert t.total_steps(3) == 3 and TrainConfig(epochs=2).total_steps(3) == 6
     assert TrainConfig(max_steps=5, epochs=2).total_steps(None) == 5  # a stream, or a fixed length
+
+
+@pytest.mark.parametrize("value, expected", [("10-12", (10, 12)), ("5", (5, 5)), ("", None), ("0", None)])
+def test_profile_steps_take_a_step_or_a_range(value, expected):
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"train.profile_steps={value}"])
+    assert cfg.train.profile_range() == expected
+
+
+@pytest.mark.parametrize("value", ["12-10", "x", "3-", "0-2", "1-2-3"])
+def test_a_bad_profile_range_names_the_key(value):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"train.profile_steps={value}"])
+    assert e.value.problems == [
+        f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), got {value!r}"
+    ]

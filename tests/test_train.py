@@ -48,18 +48,20 @@ def final_weights(out: Path) -> dict:
 
 def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, rows18, cache_env, tmp_path):
     """Also with the cross-entropy in chunks of 7 tokens (recomputed in backward) on the
-    two-process layout (DDP gets the same gradients), and with two data-loader workers."""
+    two-process layout (DDP gets the same gradients), and with two data-loader workers.
+    The two-process run profiles its second step (train.profile_steps), which must change
+    no number and leave a trace from each process."""
     layouts = {
         "8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]),
         "2x4": (1, 2, 4, ["data.num_workers=2"]),
-        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7"]),
+        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7", "train.profile_steps=2"]),
     }
     eval_file = tmp_path / "eval.jsonl"
     write_jsonl(make_rows(5, seed=13), eval_file)  # 3 eval batches of 2: one process gets 1, the other 2
-    results, evals = {}, {}
+    results, evals, stdout = {}, {}, {}
     for name, (nproc, micro, accum, extra) in layouts.items():
         out = tmp_path / name
-        run_recipe(
+        stdout[name] = run_recipe(
             common(rows18, out)
             + extra
             + [
@@ -70,7 +72,7 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
             ],
             cache_env,
             nproc=nproc,
-        )
+        ).stdout
         results[name] = (train_rows(out), final_weights(out))
         evals[name] = [(r["step"], r["eval_loss"]) for r in metrics(out) if "eval_loss" in r]
     ref_rows, ref_w = results["8x1"]
@@ -85,6 +87,11 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
         for key in ref_w:
             torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    profile = tmp_path / "2proc_2x2" / "profile" / "steps-2-2"
+    for rank in (0, 1):
+        assert len(list(profile.glob(f"rank{rank}.*.pt.trace.json"))) == 1, rank
+        assert "aten::" in (profile / f"rank{rank}-top-ops.txt").read_text()
+    assert stdout["2proc_2x2"].count("profile of steps 2-2 written to") == 1  # printed by the main process
 
 
 def test_compiled_and_eager_runs_give_the_same_losses(common, rows18, cache_env, tmp_path):
