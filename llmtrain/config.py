@@ -160,7 +160,7 @@ class TrainConfig:
     profile_steps: str | int = ""
     """Record a torch.profiler trace of these optimizer steps on every process, e.g.
     '10-12' or '5' (empty or 0: off). Writes output_dir/profile/steps-A-B/: a trace per
-    process (rankN.pt.trace.json, for Perfetto, chrome://tracing or TensorBoard's profiler
+    process (rankN.<time>.pt.trace.json, for Perfetto, chrome://tracing or TensorBoard's profiler
     plugin), a table of the top operators (printed by the main process), and on CUDA a
     memory snapshot (rankN-memory.pickle, for pytorch.org/memory_viz). Skip the first
     steps, which include warm-up and compilation."""
@@ -189,6 +189,8 @@ class TrainConfig:
         if not self.profile_steps:
             return None
         found = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(self.profile_steps))
+        if found and found[1].strip("0") == "" and not found[2]:
+            return None  # "0", quoted or not, is off as well
         first, last = (int(found[1]), int(found[2] or found[1])) if found else (0, 0)
         if not 1 <= first <= last:
             raise ValueError(self.profile_steps)

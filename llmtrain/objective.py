@@ -1,10 +1,10 @@
 """Objectives: what an optimizer step minimises.
 
-An objective turns one micro-batch into a summed loss and the number of units it was
-summed over (trained tokens for SFT). The step (`step.train_step`) adds the summed losses
-of every micro-batch on every process and divides by the units of the whole global batch,
-which every process learns before the forward passes (`window.draw_window` asks the
-objective's `count` of each micro-batch). So the step's loss is the mean over the global
+An objective turns one micro-batch into a loss summed over its units (trained tokens for
+SFT), and counts those units from the batch alone. The step (`step.train_step`) adds the
+summed losses of every micro-batch on every process and divides by the units of the whole
+global batch, which every process learns before the forward passes (`window.draw_window`
+sums the objective's `count` of each micro-batch over all processes). So the step's loss is the mean over the global
 batch whatever its layout: 8 x 1, 2 x 4 and 2 processes x 2 x 2 give the same update.
 
 How to add an objective (say, a preference loss over chosen/rejected pairs):
@@ -13,10 +13,14 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
    - `unit`: what it counts, e.g. "pairs"; the step's metrics row logs the global count
      under this name;
    - `count(batch) -> int`: the units in a micro-batch, from the batch alone (no forward);
-   - `__call__(model, batch) -> Loss`: the loss summed over those units, their count,
-     and any metrics of its own as sums over the units (`Loss.metrics`, e.g. how many
-     pairs were ranked right); the step adds them over the global batch, divides by the
-     global count and logs them beside the loss;
+   - `__call__(model, batch) -> Loss`: the loss summed over those units, and any metrics
+     of its own as sums over the units (`Loss.metrics`, e.g. how many pairs were ranked
+     right); the step adds them over the global batch, divides by the global count and
+     logs them beside the loss;
+   - `metric_names`: the names of those metrics, every one of them, in a fixed order.
+     They travel in the step's one reduce, which must have the same length on every
+     process, so a metric a batch does not give counts 0 (names of the metrics row's own
+     fields, like "loss", are refused by `train.setup`);
    - `head`: the output layer it runs only at counted positions, or None (for MFU).
 2. An empty batch (`batches.Collator.empty_batch`) must count 0 and give a zero loss
    that still uses every trainable weight: processes with no data left run one so that
@@ -44,12 +48,12 @@ class Loss:
     """One micro-batch's contribution."""
 
     total: torch.Tensor  # the loss summed over the micro-batch's units (differentiable)
-    count: torch.Tensor  # the units in it
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums over the units
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums over the units, by metric_names
 
 
 class Objective(Protocol):
     unit: str
+    metric_names: tuple[str, ...]
     head: torch.nn.Module | None
 
     def count(self, batch: dict) -> int: ...
@@ -68,6 +72,7 @@ class TokenLoss:
     runs inside the model's forward, so DDP, FSDP and ZeRO-3 see the layer used as usual."""
 
     unit = "tokens"
+    metric_names = ()
 
     def __init__(self, attn_implementation: str, chunk_tokens: int = 0, head: torch.nn.Linear | None = None):
         self.attn_implementation = attn_implementation
@@ -93,15 +98,13 @@ class TokenLoss:
         else:
             kwargs["attention_mask"] = batch["attention_mask"]
         labels = batch["labels"]
-        n = (labels != IGNORE).sum()
         if self.head is None:
             logits = model(**kwargs).logits
             flat = logits.float().flatten(0, 1)
-            total = F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum")
-            return Loss(total, n)
+            return Loss(F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum"))
         self.head.forward = _chunked_head(self.head, labels, self.chunk)
         try:
-            return Loss(model(**kwargs).logits, n)
+            return Loss(model(**kwargs).logits)
         finally:
             del self.head.forward  # the class's forward again (generation, export)
 

@@ -12,11 +12,14 @@ Written to output_dir/profile/steps-A-B/:
 
 Recording starts before the window of the first step is drawn (data loading shows) and
 stops after the last step is taken; a step retried after an fp16 overflow is recorded
-under its number. Profiling slows the steps it records, and only those.
+under its number, and an evaluation or checkpoint due inside the range is recorded too.
+Profiling slows what it records, and only that. A run that fails inside the range writes
+no trace (its error is what matters); one that stops or ends there writes what it has.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -25,8 +28,8 @@ TOP_OPS = 20
 
 
 class StepProfiler:
-    def __init__(self, steps: tuple[int, int] | None, output_dir: str, accelerator):
-        self.steps, self.accelerator = steps, accelerator
+    def __init__(self, steps: tuple[int, int] | None, output_dir: str, accelerator, beat=None):
+        self.steps, self.accelerator, self.beat = steps, accelerator, beat
         self.cuda = accelerator.device.type == "cuda"
         self.dir = Path(output_dir) / "profile" / (f"steps-{steps[0]}-{steps[1]}" if steps else "")
         self.profile: torch.profiler.profile | None = None
@@ -62,6 +65,8 @@ class StepProfiler:
         if self.profile is None:
             return
         profile, self.profile = self.profile, None
+        if self.beat is not None:
+            self.beat(f"writing the profile of steps {self.steps[0]}-{self.steps[1]}")
         profile.stop()  # writes the trace through on_trace_ready
         rank = self.accelerator.process_index
         if self.cuda:
@@ -74,3 +79,15 @@ class StepProfiler:
             f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.dir}; "
             f"top operators on this process:\n{table}"
         )
+
+    def abandon(self) -> None:
+        """Stop recording without writing anything: the run is failing, and its error,
+        not a trace, is what the user must see."""
+        if self.profile is None:
+            return
+        profile, self.profile = self.profile, None
+        profile.on_trace_ready = None
+        with contextlib.suppress(Exception):
+            profile.stop()
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)

@@ -18,8 +18,9 @@ class TrainState:
     epoch: int = 0
     """The pass over the training data."""
     batches_in_epoch: int = 0
-    """Micro-batches this process has drawn in the pass, those of skipped windows
-    included: where a resumed run starts reading."""
+    """Micro-batches drawn in the pass by the process that drew the most, those of
+    skipped windows included: where a resumed run starts reading. The same on every
+    process (a process that ran out earlier skips past its end, which reads nothing)."""
     skips_in_a_row: int = 0
     """Windows skipped (non-finite or spiking) since the last step taken; the run stops
     at train.max_consecutive_skips."""
@@ -30,16 +31,18 @@ class TrainState:
     POSITION = ("step", "epoch", "batches_in_epoch")
 
     def record(self, result: StepResult) -> None:
-        """Take a step's outcome into the state: a step taken
-        advances the step and joins the spike window; a skipped window counts toward
-        train.max_consecutive_skips, except an fp16 overflow, the loss scaler's own
-        business, which is retried under the same step number."""
+        """Take a step's outcome into the state. A step taken advances the step and joins
+        the spike window. A window skipped as non-finite or spiking counts toward
+        train.max_consecutive_skips. An fp16 overflow is the loss scaler's own business:
+        the loss and gradients passed our checks, so it ends a run of skips, and the
+        window is retried under the same step number."""
         if result.skip is None:
             self.step += 1
-            self.skips_in_a_row = 0
             self.spikes.accept(result.loss)
-        elif result.skip is not Skip.OVERFLOW:
+        if result.skip in (Skip.NONFINITE, Skip.SPIKE):
             self.skips_in_a_row += 1
+        else:
+            self.skips_in_a_row = 0
 
     def next_epoch(self) -> None:
         self.epoch, self.batches_in_epoch = self.epoch + 1, 0

@@ -66,7 +66,7 @@ def train_step(
     scale = backend.loss_scale(window.count)
     micro = window.micro_batches(empty)
     loss_sum = torch.zeros((), device=backend.accelerator.device)
-    metric_sums: dict[str, torch.Tensor] = {}
+    metric_sums = torch.zeros(len(objective.metric_names), device=loss_sum.device)
     for i, batch in enumerate(micro):
         if beat is not None:
             beat(f"step {state.step + 1}, micro-batch {i + 1} of {len(micro)}")
@@ -74,12 +74,13 @@ def train_step(
             out = objective(model, batch)
             backend.backward(out.total * scale)
         loss_sum += out.total.detach()
-        for key, value in out.metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0) + value.detach().float()
+        for key, value in out.metrics.items():  # a name not in metric_names is a bug in the objective
+            metric_sums[objective.metric_names.index(key)] += value.detach().float()
     grad_norm = backend.clip_grad_norm(model, max_grad_norm)
-    sums = backend.sum_over_processes(torch.stack([loss_sum, *metric_sums.values()]))
+    # One reduce of the same length on every process: the loss, then the metrics by name.
+    sums = backend.sum_over_processes(torch.cat([loss_sum[None], metric_sums]))
     loss = float(sums[0]) / window.count
-    metrics = {key: float(s) / window.count for key, s in zip(metric_sums, sums[1:])}
+    metrics = {key: float(s) / window.count for key, s in zip(objective.metric_names, sums[1:])}
 
     def result(skip: Skip | None = None, reason: str = "") -> StepResult:
         seconds = time.perf_counter() - window.started

@@ -38,6 +38,9 @@ from .throughput import StepMeter, peak_memory_gib
 from .watchdog import Watchdog
 from .window import Outcome, Window, draw_window
 
+# Fields of the metrics rows the loop writes itself (an objective's metrics join them).
+ROW_KEYS = set("step epoch loss lr grad_norm input_tokens_per_s data_wait peak_mem_gib mfu eval_loss skipped".split())  # noqa: SIM905
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on; the message says what happened and what to try."""
@@ -83,6 +86,14 @@ def build_datasets(cfg: Config, accelerator, tokenizer):
     return sets[0], sets[1]
 
 
+def check_metric_names(objective: Objective) -> None:
+    """An objective's metrics join the loop's own fields in each metrics row: refuse a
+    name that would overwrite one (a bug in the objective, not a user's mistake)."""
+    clash = sorted(set(objective.metric_names) & (ROW_KEYS | {objective.unit, f"{objective.unit}_per_s"}))
+    if clash:
+        raise ValueError(f"{type(objective).__name__}.metric_names: {clash} are the metrics row's own fields")
+
+
 @dataclass
 class Run:
     """What the loop works with; built by `setup`."""
@@ -121,6 +132,7 @@ def setup(
     """Loaders, optimizer and `accelerator.prepare`, then the state from `resume_from`
     (a checkpoint, or None for a fresh start), metrics and trackers."""
     t, world = cfg.train, accelerator.num_processes
+    check_metric_names(objective)
     streaming = isinstance(train_set, StreamedRows)
     collator = Collator(pad_id(tokenizer), cfg.data.max_seq_len if cfg.data.packing else 0)
     loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle, cfg.data.num_workers)
@@ -165,11 +177,26 @@ def setup(
 
         progress = tqdm(total=total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
-    profiler = StepProfiler(t.profile_range(), cfg.output_dir, accelerator)
+    profiler = StepProfiler(t.profile_range(), cfg.output_dir, accelerator, watchdog.beat)
     return Run(
-        cfg, accelerator, model, optimizer, objective, backend, state, TrainBatches(loader, sampler, accelerator),
-        eval_loader, empty, total_steps, log, meter, profiler, stop, watchdog, progress,
-    )  # fmt: skip
+        cfg=cfg,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        objective=objective,
+        backend=backend,
+        state=state,
+        data=TrainBatches(loader, sampler, accelerator),
+        eval_loader=eval_loader,
+        empty=empty,
+        total_steps=total_steps,
+        log=log,
+        meter=meter,
+        profiler=profiler,
+        stop=stop,
+        watchdog=watchdog,
+        progress=progress,
+    )
 
 
 def train(run: Run) -> Outcome:
@@ -177,12 +204,12 @@ def train(run: Run) -> Outcome:
     process agrees on (STOPPED, after a checkpoint of the last step taken). Bad streamed
     data met by any process stops all of them alike, after a checkpoint, with its error."""
     cfg, state = run.cfg, run.state
-    if run.eval_loader is not None and state.step == 0:
-        run_eval(run)  # the baseline the run improves on
-    run.model.train()
-    batches = run.data.epoch(state.epoch, state.batches_in_epoch)
-    drew_in_pass = state.batches_in_epoch > 0
     try:
+        if run.eval_loader is not None and state.step == 0:
+            run_eval(run)  # the baseline the run improves on
+        run.model.train()
+        batches = run.data.epoch(state.epoch, state.batches_in_epoch)
+        drew_in_pass = state.batches_in_epoch > 0
         while state.step < run.total_steps:
             run.profiler.before(state.step + 1)
             window = draw_window(
@@ -200,12 +227,8 @@ def train(run: Run) -> Outcome:
             if window.outcome is not Outcome.STEP:  # a stop signal or bad data, on some process
                 return stop_early(run, window)
             drew_in_pass = True
-            state.batches_in_epoch += len(window.batches)
-            result = train_step(
-                run.model, run.optimizer, window, run.objective, run.backend, state,
-                lr=learning_rate(state.step, run.total_steps, cfg.train), max_grad_norm=cfg.train.max_grad_norm,
-                empty=run.empty, beat=run.watchdog.beat,
-            )  # fmt: skip
+            state.batches_in_epoch += window.micro_steps  # the same on every process
+            result = run_step(run, window)
             state.record(result)
             run.profiler.after(state.step)
             report(run, window, result)
@@ -219,9 +242,12 @@ def train(run: Run) -> Outcome:
             ):
                 save_checkpoint(run)
         return Outcome.FINISHED
+    except BaseException:
+        run.profiler.abandon()  # the error is what the user must see, not a trace write's
+        raise
     finally:
-        run.profiler.close()
         close_progress(run)
+        run.profiler.close()
 
 
 def due(step: int, every: int) -> bool:
@@ -239,16 +265,15 @@ def report(run: Run, window: Window, result: StepResult) -> None:
         return
     figures = run.meter.figures(window, result)
     if state.step % run.cfg.log.every_steps == 0 or state.step == run.total_steps:
-        row = {"step": state.step, "epoch": state.epoch, "loss": result.loss, "lr": result.lr,
-               "grad_norm": result.grad_norm, run.objective.unit: result.count}  # fmt: skip
+        row = {"step": state.step, "epoch": state.epoch, "loss": result.loss, "lr": result.lr}
+        row |= {"grad_norm": result.grad_norm, run.objective.unit: result.count}
         run.log.log(row | result.metrics | figures)
     if run.progress is not None:
         run.progress.update(1)
-        mfu = {"mfu": f"{figures['mfu']:.1%}"} if "mfu" in figures else {}
-        run.progress.set_postfix(
-            loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}", tok_s=f"{result.count / result.seconds:.0f}", **mfu,
-            wait=f"{figures['data_wait']:.1%}", mem=f"{peak_memory_gib(run.accelerator.device):.2f}G",
-        )  # fmt: skip
+        bar = {"loss": f"{result.loss:.4f}", "lr": f"{result.lr:.2e}", "tok_s": f"{result.count / result.seconds:.0f}"}
+        bar |= {"mfu": f"{figures['mfu']:.1%}"} if "mfu" in figures else {}
+        bar |= {"wait": f"{figures['data_wait']:.1%}", "mem": f"{peak_memory_gib(run.accelerator.device):.2f}G"}
+        run.progress.set_postfix(bar)
 
 
 def check_skips(run: Run, result: StepResult) -> None:
@@ -267,6 +292,22 @@ def check_skips(run: Run, result: StepResult) -> None:
             f"nothing after the last good step was saved; newest complete checkpoint: {newest}. Try a lower "
             "train.lr, more train.warmup_steps, bf16 instead of fp16, or look for broken rows or weights"
         )
+
+
+def run_step(run: Run, window: Window) -> StepResult:
+    """step.train_step on `window` with the run's parts, at the step's learning rate."""
+    return train_step(
+        run.model,
+        run.optimizer,
+        window,
+        run.objective,
+        run.backend,
+        run.state,
+        lr=learning_rate(run.state.step, run.total_steps, run.cfg.train),
+        max_grad_norm=run.cfg.train.max_grad_norm,
+        empty=run.empty,
+        beat=run.watchdog.beat,
+    )
 
 
 def run_eval(run: Run) -> None:

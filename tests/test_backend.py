@@ -19,9 +19,15 @@ def fake(kind=DistributedType.MULTI_CPU, precision="no", world=2, skipped=False)
         calls.append("no_sync")
         yield
 
-    acc = SimpleNamespace(distributed_type=kind, mixed_precision=precision, num_processes=world,
-                          device=torch.device("cpu"), sync_gradients=None, no_sync=no_sync,
-                          optimizer_step_was_skipped=skipped)  # fmt: skip
+    acc = SimpleNamespace(
+        distributed_type=kind,
+        mixed_precision=precision,
+        num_processes=world,
+        device=torch.device("cpu"),
+        sync_gradients=None,
+        no_sync=no_sync,
+        optimizer_step_was_skipped=skipped,
+    )
     return acc, calls
 
 
@@ -41,8 +47,10 @@ def test_gradients_are_reduced_on_the_last_micro_batch_only():
         assert acc.sync_gradients is True and calls == ["no_sync"]  # DeepSpeed's boundary, DDP's all-reduce
 
 
-@pytest.mark.parametrize("kind, placed", [(DistributedType.MULTI_CPU, True), (DistributedType.DEEPSPEED, False),
-                                          (DistributedType.FSDP, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, placed",
+    [(DistributedType.MULTI_CPU, True), (DistributedType.DEEPSPEED, False), (DistributedType.FSDP, False)],
+)
 def test_only_plain_ddp_places_the_model_itself(kind, placed):
     class Model:
         moved = False

@@ -116,7 +116,9 @@ def test_batch_arithmetic_is_one_set_of_methods():
     assert TrainConfig(max_steps=5, epochs=2).total_steps(None) == 5  # a stream, or a fixed length
 
 
-@pytest.mark.parametrize("value, expected", [("10-12", (10, 12)), ("5", (5, 5)), ("", None), ("0", None)])
+@pytest.mark.parametrize(
+    "value, expected", [("10-12", (10, 12)), ("5", (5, 5)), ("", None), ("0", None), ("'0'", None)]
+)
 def test_profile_steps_take_a_step_or_a_range(value, expected):
     cfg = load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"train.profile_steps={value}"])
     assert cfg.train.profile_range() == expected

@@ -190,17 +190,77 @@ def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule
         while state.step < t.max_steps and len(rows) < 100:
             window = draw_window(batches, 1, accelerator, objective.count)
             result = train_step(
-                model, optimizer, window, objective, Backend(accelerator, 1), state,
-                lr=learning_rate(state.step, t.max_steps, t), max_grad_norm=t.max_grad_norm,
+                model,
+                optimizer,
+                window,
+                objective,
+                Backend(accelerator, 1),
+                state,
+                lr=learning_rate(state.step, t.max_steps, t),
+                max_grad_norm=t.max_grad_norm,
                 empty=collate.empty_batch(packed=False),
-            )  # fmt: skip
+            )
             attempted = state.step + 1
-            rows.append({"step": attempted, **({"skipped": result.reason} if result.skip else
-                                               {"loss": result.loss, "lr": result.lr})})  # fmt: skip
+            rows.append(
+                {
+                    "step": attempted,
+                    **({"skipped": result.reason} if result.skip else {"loss": result.loss, "lr": result.lr}),
+                }
+            )
             state.record(result)
     finally:
         AcceleratorState._reset_state(True)
     assert_overflows_took_no_step(rows)
+
+
+def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
+    base_config, overflowing_model, chat_file, tmp_path
+):
+    """The same through the loop itself (train.setup and train.train, in-process, with the
+    scaler placed as above): metrics.jsonl holds the overflow rows, the steps taken and
+    their warm-up rates, and the run finishes."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from llmtrain.config import load_config
+    from llmtrain.model import attention_backend, load_model, load_tokenizer
+    from llmtrain.objective import TokenLoss
+    from llmtrain.stop import StopRequest
+    from llmtrain.train import build_datasets, setup, train
+    from llmtrain.watchdog import Watchdog
+    from llmtrain.window import Outcome
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = load_config(
+        base_config,
+        args(
+            base_config,
+            overflowing_model,
+            chat_file,
+            out,
+            "train.max_steps=8",
+            "train.warmup_steps=4",
+            "train.hang_timeout_s=0",
+        )[2:],
+    )
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+        accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+        cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
+        tokenizer = load_tokenizer(cfg.model)
+        train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
+        model = load_model(cfg.model)
+        objective = TokenLoss.for_model(model, cfg.model.attn_implementation, cfg.train.loss_chunk_tokens)
+        with Watchdog(0, 0) as watchdog:
+            run = setup(
+                cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog
+            )
+            assert train(run) is Outcome.FINISHED
+    finally:
+        AcceleratorState._reset_state(True)
+    assert_overflows_took_no_step(metrics(out))
 
 
 @pytest.mark.gpu

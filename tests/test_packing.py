@@ -73,11 +73,13 @@ def test_packed_and_unpacked_give_the_same_summed_loss(tiny_model, tokenizer, ex
     model = load(tiny_model, attn)
     collate = Collator(tokenizer.pad_token_id)
     packed = PackedDataset(examples, capacity=256)
+    objective = TokenLoss(attn)
+    packed_batch = collate([packed[j] for j in range(len(packed))])
+    padded_batch = collate([examples[i] for i in range(len(examples))])
     with torch.no_grad():
-        p = TokenLoss(attn)(model, collate([packed[j] for j in range(len(packed))]))
-        u = TokenLoss(attn)(model, collate([examples[i] for i in range(len(examples))]))
-    assert p.count == u.count == sum(examples["n_trained"])
-    torch.testing.assert_close(p.total, u.total, rtol=1e-5, atol=1e-4)
+        p, u = objective(model, packed_batch).total, objective(model, padded_batch).total
+    assert objective.count(packed_batch) == objective.count(padded_batch) == sum(examples["n_trained"])
+    torch.testing.assert_close(p, u, rtol=1e-5, atol=1e-4)
 
 
 def test_flex_block_mask_allows_exactly_what_the_dense_document_mask_allows():

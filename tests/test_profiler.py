@@ -45,6 +45,15 @@ def test_a_run_that_ends_inside_the_range_still_writes_its_trace(tmp_path):
     assert list((tmp_path / "profile" / "steps-2-9").glob("rank0.*.pt.trace.json"))
 
 
+def test_a_failing_run_writes_no_trace(tmp_path):
+    profiler = StepProfiler((1, 3), str(tmp_path), fake_accelerator([]))
+    profiler.before(1)
+    work(8)
+    profiler.abandon()  # the loop met an error inside the range
+    profiler.close()
+    assert not list((tmp_path / "profile").rglob("*.json"))
+
+
 def test_off_by_default(tmp_path):
     profiler = StepProfiler(None, str(tmp_path), fake_accelerator([]))
     profiler.before(1)
@@ -58,8 +67,9 @@ def test_off_by_default(tmp_path):
 def test_on_cuda_the_trace_has_kernels_and_a_memory_snapshot_is_written(tmp_path):
     import pickle
 
-    profiler = StepProfiler((1, 1), str(tmp_path), SimpleNamespace(device=torch.device("cuda"), process_index=0,
-                                                                   print=lambda text: None))  # fmt: skip
+    profiler = StepProfiler(
+        (1, 1), str(tmp_path), SimpleNamespace(device=torch.device("cuda"), process_index=0, print=lambda text: None)
+    )
     profiler.before(1)
     x = torch.randn(256, 256, device="cuda")
     (x @ x).sum().item()

@@ -60,9 +60,16 @@ def step(model, accelerator, batches, objective=None, state=None, lr=1e-2, max_g
     assert window.outcome is Outcome.STEP and window.micro_steps == len(batches)
     empty = Collator(0).empty_batch(packed=False)
     result = train_step(
-        model, optimizer, window, objective, Backend(accelerator, len(batches)), state or TrainState(),
-        lr=lr, max_grad_norm=max_grad_norm, empty=empty,
-    )  # fmt: skip
+        model,
+        optimizer,
+        window,
+        objective,
+        Backend(accelerator, len(batches)),
+        state or TrainState(),
+        lr=lr,
+        max_grad_norm=max_grad_norm,
+        empty=empty,
+    )
     return result, model, optimizer
 
 
@@ -95,7 +102,7 @@ def test_the_step_loss_is_the_mean_over_the_windows_trained_tokens(model, tokeni
 class NaNLoss(TokenLoss):
     def __call__(self, model, batch):
         out = super().__call__(model, batch)
-        return Loss(out.total * float("nan"), out.count)
+        return Loss(out.total * float("nan"))
 
 
 def test_a_non_finite_step_changes_nothing_and_counts_as_a_skip(model, tokenizer, accelerator):
@@ -124,3 +131,79 @@ def test_a_spiking_loss_is_skipped_and_an_ordinary_one_joins_the_window(model, t
     assert result.skip is None and math.isfinite(result.loss)
     calm.record(result)
     assert (calm.step, calm.skips_in_a_row, calm.spikes.recent) == (1, 0, [9.0, result.loss])
+
+
+class EvenLabels(TokenLoss):
+    """TokenLoss with a metric of its own: how many trained tokens have an even id (a
+    batch with none leaves it out, as the rule allows)."""
+
+    metric_names = ("even_share",)
+
+    def __call__(self, model, batch):
+        out = super().__call__(model, batch)
+        even = ((batch["labels"] != -100) & (batch["labels"] % 2 == 0)).sum()
+        return Loss(out.total, {"even_share": even} if even else {})
+
+
+def test_an_objectives_metrics_are_averaged_over_the_global_count(model, tokenizer, accelerator):
+    batches = micro_batches(tokenizer, 6, 2)
+    even = sum(int(((b["labels"] != -100) & (b["labels"] % 2 == 0)).sum()) for b in batches)
+    trained = sum(int((b["labels"] != -100).sum()) for b in batches)
+    result, _, _ = step(model, accelerator, batches, objective=EvenLabels("sdpa"))
+    assert 0 < even < trained and result.metrics == {"even_share": pytest.approx(even / trained, rel=1e-6)}
+
+
+def test_empty_micro_batches_add_nothing(model, tokenizer, accelerator):
+    """A process that has run out runs empty batches up to the most any process has: they
+    add no loss, no count and no gradient (the update is that of its real batches)."""
+    from llmtrain.window import Window
+
+    batches = micro_batches(tokenizer, 2, 2)
+    alone, after_alone, _ = step(model, accelerator, batches)
+    objective = TokenLoss.for_model(copy.deepcopy(model), "sdpa", 0)
+    padded_model = copy.deepcopy(model)
+    optimizer = build_optimizer(padded_model, TrainConfig(lr=1e-2, adam_eps=1.0), accelerator.device)
+    padded_model, optimizer = accelerator.prepare(padded_model, optimizer)
+    window = Window(Outcome.STEP, batches=batches, micro_steps=3, count=objective.count(batches[0]))
+    padded = train_step(
+        padded_model,
+        optimizer,
+        window,
+        TokenLoss("sdpa"),
+        Backend(accelerator, 3),
+        TrainState(),
+        lr=1e-2,
+        max_grad_norm=1.0,
+        empty=Collator(0).empty_batch(packed=False),
+    )
+    assert padded.loss == alone.loss and padded.grad_norm == pytest.approx(alone.grad_norm, rel=1e-6)
+    for (name, a), (_, b) in zip(after_alone.named_parameters(), padded_model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_an_objectives_metric_may_not_overwrite_the_loops_fields():
+    from llmtrain.train import check_metric_names
+
+    class Clashing(TokenLoss):
+        metric_names = ("accuracy", "loss")
+
+    check_metric_names(EvenLabels("sdpa"))
+    with pytest.raises(ValueError, match=r"Clashing.metric_names: \['loss'\] are the metrics row's own fields"):
+        check_metric_names(Clashing("sdpa"))
+
+
+def test_skips_in_a_row_count_only_our_skips_and_an_overflow_ends_them():
+    from llmtrain.step import StepResult
+
+    def result(skip=None):
+        return StepResult(1.0, 1.0, 10, 1e-3, 0.1, 0.0, skip)
+
+    state = TrainState(spikes=SpikeGuard(2.0, 2))
+    for skip in (Skip.NONFINITE, Skip.SPIKE):
+        state.record(result(skip))
+    assert (state.step, state.skips_in_a_row) == (0, 2)
+    state.record(result(Skip.OVERFLOW))  # the loss and gradients passed our checks: the scaler's business
+    assert (state.step, state.skips_in_a_row) == (0, 0)
+    state.record(result(Skip.NONFINITE))
+    state.record(result())
+    assert (state.step, state.skips_in_a_row, state.spikes.recent) == (1, 0, [1.0])

@@ -206,3 +206,45 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     assert [r["loss"] for r in got] == [r["loss"] for r in ref_rows]  # exactly
     assert [r["tokens"] for r in got] == [r["tokens"] for r in ref_rows]
     assert (out / "final").exists() and len([r for r in metrics(out) if "skipped" in r]) == 0
+
+
+@pytest.mark.slow
+def test_a_resume_after_one_process_ran_out_continues_exactly(base_config, tiny_model, cache_env, tmp_path):
+    """Unshuffled, process 0 reads rows 0, 2, 4, ... and process 1 rows 1, 3, 5, ...; most
+    of process 0's rows are too long and dropped, so it runs out at step 2 of a 6-step pass
+    while process 1 goes on. A resume from step 4 must give process 1 the rows after the 8
+    it had drawn, not after process 0's 3 (the position every process resumes from is the
+    most any process drew)."""
+    import shutil
+
+    rows = []
+    for i, row in enumerate(make_rows(24, seed=8)):
+        rows.append(row if i % 2 or i in (0, 2, 4) else {"text": "x" * 400})
+    data = tmp_path / "uneven.jsonl"
+    write_jsonl(rows, data)
+    extra = [
+        "data.shuffle=false",
+        "data.max_seq_len=256",
+        "data.overlong=drop",
+        "train.micro_batch_size=1",
+        "train.grad_accum_steps=2",
+        "train.max_steps=9",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=0",
+    ]
+    ref = tmp_path / "ref"
+    run_recipe(recipe_args(base_config, tiny_model, data, ref, *extra), cache_env, nproc=2)
+    ref_rows = train_rows(ref)
+    assert [r["epoch"] for r in ref_rows] == [0] * 6 + [1] * 3
+    assert [r["tokens"] > 0 for r in ref_rows] == [True] * 9
+
+    out = tmp_path / "resumed"
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / "final")
+    for step in range(5, 10):
+        shutil.rmtree(out / "checkpoints" / f"step-{step}")
+    proc = run_recipe(recipe_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2)
+    assert f"resumed from {out}/checkpoints/step-4 at step 4" in proc.stdout
+    got = train_rows(out)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref_rows]
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref_rows]  # exactly

@@ -6,6 +6,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from llmtrain.batches import Collator
 from llmtrain.data import DataError
@@ -66,7 +67,18 @@ def test_bad_data_ends_the_iteration_with_its_message(accelerator):
         draw_window(bad(), 2, accelerator, count)
 
 
-def test_the_report_travels_as_one_tensor_with_named_fields(accelerator):
-    report = Report(batches=2, count=7, input_tokens=9, squared_lengths=41, signal=0, fault=1)
-    total, most = report.exchange(accelerator)
-    assert total == most == report  # one process: the sum and the maximum are its own
+def test_the_report_travels_as_one_tensor_read_back_by_name():
+    """Two processes' reports through one gather: each field comes back as its own sum
+    and maximum (a field read from the wrong column would mix counts and signals)."""
+    other = Report(batches=0, count=0, input_tokens=0, squared_lengths=0, signal=int(signal.SIGUSR1), fault=0)
+
+    class TwoProcesses:
+        device = torch.device("cpu")
+
+        def gather(self, local):
+            return torch.cat([local, torch.tensor([list(vars(other).values())])])
+
+    mine = Report(batches=2, count=7, input_tokens=9, squared_lengths=41, signal=0, fault=1)
+    total, most = mine.exchange(TwoProcesses())
+    assert total == Report(2, 7, 9, 41, int(signal.SIGUSR1), 1)
+    assert (most.batches, most.count, most.signal, most.fault) == (2, 7, int(signal.SIGUSR1), 1)
