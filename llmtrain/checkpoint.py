@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from .errors import UserError, describe
 from .state import TrainState
 from .throughput import full_numel
 
@@ -32,7 +33,7 @@ POSITION_KEYS = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     pass
 
 
@@ -297,14 +298,11 @@ def check_pickles(path: Path) -> None:
             with torch.serialization.safe_globals(allowed):
                 torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # any unpickling failure: refuse the file
-            why = next(
-                (line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
-                str(e).splitlines()[0] if str(e) else type(e).__name__,
-            )
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            why = f"it holds {found[1]}, which is neither a tensor nor plain data" if found else describe(e)
             raise CheckpointError(
-                f"checkpoint.resume: {f} holds more than tensors and plain data ({why}); "
-                "refusing to unpickle it. Resume only from checkpoints you wrote, or from an "
-                "earlier one"
+                f"checkpoint.resume: refusing to unpickle {f}: {why}. Resume only from checkpoints you wrote, "
+                "or from an earlier one"
             ) from None
 
 

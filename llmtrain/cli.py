@@ -8,14 +8,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import demo
-from .checkpoint import CheckpointError
-from .config import ConfigError, load_config
-from .data import DataError, as_list
+from .config import load_config
+from .data import as_list
+from .errors import UserError
 from .launch import process_group_backend
-from .model import ModelError
-from .train import TrainingError
-
-USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError, TrainingError)
 
 
 def parse_args(argv: list[str] | None, default_config: Path | None, description: str = ""):
@@ -54,12 +50,12 @@ def warn(message: str) -> None:
 
 @contextmanager
 def user_errors(report: bool = True):
-    """Turn a user error (USER_ERRORS) into one 'error: ...' line per problem on stderr,
+    """Turn a user error (errors.UserError) into one 'error: ...' line per problem on stderr,
     printed only where `report` (the main process), and exit 2. Anything else is a bug
     and keeps its traceback. The recipes and `llmtrain plan` both report through here."""
     try:
         yield
-    except USER_ERRORS as e:
+    except UserError as e:
         if report:
             for line in str(e).splitlines():
                 print(f"error: {line}", file=sys.stderr, flush=True)

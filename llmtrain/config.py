@@ -16,12 +16,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """Bad configuration. `problems` holds one line per problem, each naming its key."""
 
     def __init__(self, problems: list[str]):
@@ -29,15 +31,48 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The valid range of a number field. Every number is checked at start-up
+    (`validate`): finite, and within its Bounds, which are "not negative" unless the
+    field's annotation gives others."""
+
+    low: float = 0
+    high: float = math.inf
+    low_open: bool = False  # low itself is not allowed
+    high_open: bool = False  # high itself is not allowed
+
+    def problem(self, value) -> str | None:
+        if not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        too_low = value <= self.low if self.low_open else value < self.low
+        too_high = value >= self.high if self.high_open else value > self.high
+        return f"must be {self.describe()}, got {value}" if too_low or too_high else None
+
+    def describe(self) -> str:
+        low, high = (str(int(x)) if float(x).is_integer() else f"{x:g}" for x in (self.low, self.high))
+        if self.high == math.inf:
+            if self.low == 0:
+                return "positive" if self.low_open else "zero or more"
+            return f"above {low}" if self.low_open else f"at least {low}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+AT_LEAST_1 = Bounds(1)
+POSITIVE = Bounds(0, low_open=True)
+FRACTION = Bounds(0, 1)
+BELOW_1 = Bounds(0, 1, high_open=True)
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = False
     """Train LoRA adapters (through peft) instead of all weights."""
-    r: int = 16
+    r: Annotated[int, AT_LEAST_1] = 16
     """Rank of the LoRA update matrices."""
-    alpha: int = 32
+    alpha: Annotated[int, AT_LEAST_1] = 32
     """LoRA scaling numerator; the update is scaled by alpha / r."""
-    dropout: float = 0.05
+    dropout: Annotated[float, BELOW_1] = 0.05
     """Dropout on the LoRA input."""
     target_modules: str | list[str] = "all-linear"
     """Modules to adapt: 'all-linear' or a list of module names such as [q_proj, v_proj]."""
@@ -78,7 +113,7 @@ class DataConfig:
     loss_on: Literal["assistant", "all"] = "assistant"
     """Which tokens are trained: the assistant turns / completions (end-of-turn token
     included), or every token of the row."""
-    max_seq_len: int = 1024
+    max_seq_len: Annotated[int, AT_LEAST_1] = 1024
     """Longest sequence in tokens; packed sequences have exactly this length."""
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     """What to do with a row longer than max_seq_len."""
@@ -90,7 +125,7 @@ class DataConfig:
     never prepared or cached whole; for corpora too large to prepare up front. Needs
     train.max_steps. Each process reads its own part of each source; a bad row stops the
     run with a checkpoint when it is reached. data.eval is still prepared whole."""
-    shuffle_buffer: int = 10000
+    shuffle_buffer: Annotated[int, AT_LEAST_1] = 10000
     """With data.streaming and data.shuffle, rows held in the shuffle buffer: each row
     read is drawn at random from a buffer of this many. Larger mixes better, at the cost
     of memory and a slower first step."""
@@ -103,46 +138,46 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 4
+    micro_batch_size: Annotated[int, AT_LEAST_1] = 4
     """Rows (or packed sequences) per forward pass on each process."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: Annotated[int, AT_LEAST_1] = 1
     """Micro-batches per optimizer step on each process."""
     max_steps: int = 0
     """Optimizer steps to run; 0 means run train.epochs epochs."""
     epochs: int = 1
     """Passes over the training data when train.max_steps is 0."""
-    lr: float = 2e-5
+    lr: Annotated[float, POSITIVE] = 2e-5
     """Peak learning rate."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Learning-rate decay after warm-up."""
     warmup_steps: int = 0
     """Linear warm-up steps from 0 to train.lr."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, FRACTION] = 0.0
     """Final learning rate of the cosine/linear decay, as a fraction of train.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay (not applied to biases and norm weights)."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, BELOW_1] = 0.9
     """AdamW beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, BELOW_1] = 0.999
     """AdamW beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: Annotated[float, POSITIVE] = 1e-8
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    seed: int = 42
+    seed: Annotated[int, Bounds(0, 2**32 - 1)] = 42
     """Seed for weights of new modules, data order and dropout."""
     on_nonfinite: Literal["skip", "abort"] = "skip"
     """When a step's loss or gradient norm is NaN or infinite (decided on all processes
     together, before the optimizer step): skip the step, leaving weights, optimizer and
     schedule as they were, or abort."""
-    max_consecutive_skips: int = 5
+    max_consecutive_skips: Annotated[int, AT_LEAST_1] = 5
     """Abort after this many skipped steps in a row."""
     spike_factor: float = 0.0
     """Loss-spike guard, off at 0: skip a step whose loss is above spike_factor times the
     median of the last spike_window accepted steps (counted like a non-finite step, so
     max_consecutive_skips bounds it). Not available under DeepSpeed, whose engine steps
     inside backward. Try 3.0 for long runs on noisy data."""
-    spike_window: int = 50
+    spike_window: Annotated[int, AT_LEAST_1] = 50
     """Accepted steps the spike guard compares against; it acts once it has this many."""
     loss_chunk_tokens: int = 1024
     """Compute the cross-entropy this many tokens at a time, and only at trained positions,
@@ -205,13 +240,13 @@ class EvalConfig:
     """Rows per evaluation forward pass; 0 uses train.micro_batch_size."""
     sample_prompts: list[str] = field(default_factory=list)
     """User messages answered by the trained model at the end of the run (printed)."""
-    sample_max_new_tokens: int = 64
+    sample_max_new_tokens: Annotated[int, AT_LEAST_1] = 64
     """Longest generated answer for eval.sample_prompts."""
 
 
 @dataclass
 class LogConfig:
-    every_steps: int = 1
+    every_steps: Annotated[int, AT_LEAST_1] = 1
     """Write a train row to metrics.jsonl (and the tracker) every N steps."""
     tracker: Literal["auto", "none", "tensorboard", "wandb", "mlflow"] = "auto"
     """Experiment tracker through Accelerate; 'auto' uses TensorBoard when installed."""
@@ -380,6 +415,28 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line: int, first: int):
+        self.line = line
+        super().__init__(f"'{key}' is given twice (first on line {first}); give each key once")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: the
+    plain loader keeps the last, so a second `train:` block would silently replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key == "<<":  # a merge key, resolved by the loader
+                continue
+            if key in seen:
+                raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Load a YAML file (optional) and apply dotted overrides; validate everything."""
     raw: dict = {}
@@ -388,8 +445,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         path = Path(path)
         if not path.is_file():
             raise ConfigError([f"--config: no such file: {path}"])
+        data = path.read_bytes()
         try:
-            loaded = yaml.safe_load(path.read_text())
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise ConfigError([f"{path}:{line}: not UTF-8 text; save the file as UTF-8"]) from None
+        try:
+            loaded = yaml.load(text, Loader=UniqueKeyLoader)
+        except DuplicateKey as e:
+            raise ConfigError([f"{path}:{e.line}: {e}"]) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -419,46 +484,12 @@ def validate(cfg: Config) -> list[str]:
         p.append("data.train: required; a path, a list of paths, or a hub data set name")
     if not cfg.output_dir:
         p.append("output_dir: required")
-    for key, value in [
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.grad_accum_steps", t.grad_accum_steps),
-        ("train.max_consecutive_skips", t.max_consecutive_skips),
-        ("train.spike_window", t.spike_window),
-        ("data.max_seq_len", cfg.data.max_seq_len),
-        ("log.every_steps", cfg.log.every_steps),
-    ]:
-        if value < 1:
-            p.append(f"{key}: must be at least 1, got {value}")
-    for key, value in [
-        ("train.max_steps", t.max_steps),
-        ("train.warmup_steps", t.warmup_steps),
-        ("eval.every_steps", cfg.eval.every_steps),
-        ("eval.micro_batch_size", cfg.eval.micro_batch_size),
-        ("checkpoint.every_steps", cfg.checkpoint.every_steps),
-        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
-        ("data.num_workers", cfg.data.num_workers),
-        ("train.max_grad_norm", t.max_grad_norm),
-        ("train.weight_decay", t.weight_decay),
-        ("train.hang_timeout_s", t.hang_timeout_s),
-        ("train.loss_chunk_tokens", t.loss_chunk_tokens),
-    ]:
-        if value < 0:
-            p.append(f"{key}: must not be negative, got {value}")
     if cfg.data.streaming and t.max_steps == 0:
         p.append("data.streaming: a stream's length is not known ahead; set train.max_steps")
-    if cfg.data.shuffle_buffer < 1:
-        p.append(f"data.shuffle_buffer: must be at least 1, got {cfg.data.shuffle_buffer}")
-    if t.max_steps == 0 and t.epochs < 1:
+    if t.max_steps == 0 and t.epochs == 0:
         p.append(f"train.epochs: must be at least 1 when train.max_steps is 0, got {t.epochs}")
-    if t.spike_factor and not t.spike_factor > 1:
+    if t.spike_factor and math.isfinite(t.spike_factor) and not t.spike_factor > 1:
         p.append(f"train.spike_factor: must be above 1 (or 0 to turn the guard off), got {t.spike_factor}")
-    if not t.lr > 0:
-        p.append(f"train.lr: must be positive, got {t.lr}")
-    if not 0 <= t.min_lr_ratio <= 1:
-        p.append(f"train.min_lr_ratio: must be between 0 and 1, got {t.min_lr_ratio}")
-    for key, value in [("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)]:
-        if not 0 <= value < 1:
-            p.append(f"{key}: must be in [0, 1), got {value}")
     try:
         t.profile_range()
     except ValueError:
@@ -468,15 +499,31 @@ def validate(cfg: Config) -> list[str]:
         )
     if cfg.eval.every_steps and not cfg.data.eval:
         p.append("eval.every_steps: set data.eval too, or set eval.every_steps=0")
+    from .data import chat_template_problem
+
+    if (problem := chat_template_problem(cfg.data)) is not None:
+        p.append(problem)
     lora = cfg.model.lora
-    if lora.enabled and (lora.r < 1 or lora.alpha < 1 or not 0 <= lora.dropout < 1):
-        p.append(
-            f"model.lora: r and alpha must be at least 1 and dropout in [0, 1), "
-            f"got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}"
-        )
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")
-    return p
+    return p + number_problems(cfg)
+
+
+def number_problems(node, prefix: str = "") -> list[str]:
+    """Every int and float field of the tree against its Bounds (see `Bounds`)."""
+    problems = []
+    hints = typing.get_type_hints(type(node), include_extras=True)
+    for f in dataclasses.fields(node):
+        tp, value = hints[f.name], getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += number_problems(value, f"{prefix}{f.name}.")
+            continue
+        base, *extras = typing.get_args(tp) if typing.get_origin(tp) is Annotated else (tp,)
+        if base in (int, float):
+            bounds = next((e for e in extras if isinstance(e, Bounds)), Bounds())
+            if (why := bounds.problem(value)) is not None:
+                problems.append(f"{prefix}{f.name}: {why}")
+    return problems
 
 
 def as_dict(cfg: Config) -> dict:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import DataConfig
+from .errors import DataError, describe
+from .files import LINE, RAW, TEXT_FILES, first_rows, row_dataset
 
 IGNORE = -100
 FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
@@ -29,29 +31,22 @@ SHAREGPT_ROLES = {
 }
 
 
-class DataError(ValueError):
-    """Bad data: the message names the config key, the file and the line or row."""
-
-
 @dataclass
 class Source:
     key: str  # the config key it came from: data.train or data.eval
     name: str  # path or hub name as the user wrote it
-    dataset: object  # datasets.Dataset
+    dataset: object  # datasets.Dataset (or IterableDataset when streamed)
+    columns: list[str]  # the fields its rows fill (for a local text file: those of its first rows)
     format: str = ""
-    local_path: Path | None = None
+    raw: bool = False  # rows are files.RAW JSON text with their files.LINE (local .jsonl/.json/.csv)
 
-    def where(self, index: int) -> str:
-        """'file.jsonl line 12' for a row index, or 'name row 12'."""
-        if self.local_path is not None and self.local_path.suffix == ".jsonl":
-            with open(self.local_path, encoding="utf-8") as f:
-                seen = -1
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        seen += 1
-                        if seen == index:
-                            return f"{self.name} line {lineno}"
-        return f"{self.name} row {index}"
+    def where(self, row: dict, index: int) -> str:
+        """'file.jsonl line 12' for a row of a local text file, else 'name row 12'."""
+        return f"{self.name} line {row[LINE]}" if self.raw else f"{self.name} row {index}"
+
+    def parse(self, row: dict) -> dict:
+        """The row as the user wrote it."""
+        return json.loads(row[RAW]) if self.raw else row
 
 
 @dataclass
@@ -88,51 +83,29 @@ def as_list(x) -> list[str]:
 # --- loading -------------------------------------------------------------------------------
 
 
-def check_json_file(path: Path, key: str) -> None:
-    """Fail on the first malformed line with its number; datasets' own error gives none."""
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{key}: {path} line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
-                        "each line must be one JSON object"
-                    ) from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{key}: {path} line {lineno}: expected a JSON object, got {type(row).__name__}")
-    else:
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{key}: {path} line {e.lineno}: invalid JSON ({e.msg}); "
-                "use a JSON array of objects or JSON Lines (.jsonl)"
-            ) from None
-
-
 def load_source(name: str, key: str, streaming: bool = False) -> Source:
     """A file or hub data set as a datasets.Dataset, or with `streaming` as an
-    IterableDataset read while it is iterated (a JSON file is then checked as it is read,
-    not up front, see `StreamedRows`)."""
+    IterableDataset read while it is iterated. Local .jsonl/.json/.csv files are read by
+    `files.read_rows`, so every row keeps its file line."""
     import datasets
 
     path = Path(name)
     if path.suffix in FILE_BUILDERS:
         if not path.is_file():
             raise DataError(f"{key}: no such file: {name}")
-        if FILE_BUILDERS[path.suffix] == "json" and not streaming:
-            check_json_file(path, key)
+        if path.suffix in TEXT_FILES:
+            first = first_rows(path, key)  # a file that cannot be read fails here, with its line
+            if not first:
+                raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
+            ds = row_dataset(path, key, streaming)
+            return Source(key, name, ds, sorted({k for row in first for k in row}), raw=True)
         try:
             ds = datasets.load_dataset(
                 FILE_BUILDERS[path.suffix], data_files=str(path), split="train", streaming=streaming
             )
         except Exception as e:  # Arrow schema errors and the like
-            raise DataError(f"{key}: could not read {name}: {str(e).splitlines()[0]}") from None
-        return Source(key, name, ds, local_path=path)
+            raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
+        return Source(key, name, ds, list(ds.column_names or []))
     if path.exists():
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
     hub, _, split = name.partition(":")
@@ -140,10 +113,15 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)
     except Exception as e:
         raise DataError(
-            f"{key}: could not load '{name}' as a file or hub data set "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"{key}: could not load '{name}' as a file or hub data set ({no_rows(e) or describe(e)})"
         ) from None
-    return Source(key, name, ds)
+    return Source(key, name, ds, list(ds.column_names or []))
+
+
+def no_rows(e: Exception) -> str | None:
+    """datasets' words for a source with no rows ("Instruction 'train' corresponds to no
+    data!"), in the user's."""
+    return "it has no rows" if "corresponds to no data" in str(e) else None
 
 
 REQUIRED = {
@@ -230,7 +208,14 @@ def _chat_ids(messages: list[dict], tokenizer, template: str | None, loss_on: st
     to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
 
     def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=gen)
+        try:
+            return tokenizer.apply_chat_template(
+                msgs, chat_template=template, tokenize=False, add_generation_prompt=gen
+            )
+        except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
+            raise RowError(
+                f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
+            ) from None
 
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("the conversation has no assistant turn")
@@ -265,6 +250,8 @@ def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, loss_on: 
     """Return (input_ids, labels) before shifting; labels are IGNORE where no loss is taken."""
     if fmt == "auto":
         fmt = row_format(row)
+    elif missing := [c for c in REQUIRED[fmt] if row.get(c) is None]:
+        raise RowError(f"data.format={fmt} needs {missing}, which this row does not fill")
     if fmt == "text":
         if not isinstance(row["text"], str):
             raise RowError("'text' must be a string")
@@ -328,16 +315,47 @@ def _dropped(status: str) -> dict:
 
 
 def resolve_chat_template(cfg: DataConfig) -> str | None:
+    """data.chat_template: the text of a template file, the template text itself (it has
+    `{`), or None for the tokenizer's own. Checked at start-up by `chat_template_problem`."""
     t = cfg.chat_template
-    if t and "{" not in t and Path(t).is_file():
-        return Path(t).read_text()
+    if t and "{" not in t:
+        return Path(t).expanduser().read_text(encoding="utf-8")
     return t or None
 
 
-def check_source(src: Source, columns: list[str], tokenizer, template: str | None, cfg: DataConfig) -> None:
+def chat_template_problem(cfg: DataConfig) -> str | None:
+    """Why data.chat_template cannot be used, or None: a path (no `{` in it) that is not a
+    readable UTF-8 file, or a template with a Jinja syntax error (with its line)."""
+    t = cfg.chat_template
+    if not t:
+        return None
+    where = "the template"
+    if "{" not in t:
+        path = Path(t).expanduser()
+        if not path.is_file():
+            return f"data.chat_template: no such file: {t}; give a Jinja template file, or the template text itself"
+        where = t
+        try:
+            t = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            return f"data.chat_template: cannot read {where} ({describe(e)}); give a UTF-8 Jinja template file"
+    import jinja2
+
+    try:
+        # The environment transformers renders chat templates in (its own `generation`
+        # tag included); private, but a public check would accept templates it rejects.
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(t)
+    except jinja2.TemplateSyntaxError as e:
+        return f"data.chat_template: {where} line {e.lineno}: Jinja syntax error ({e.message}); fix the template"
+    return None
+
+
+def check_source(src: Source, tokenizer, template: str | None, cfg: DataConfig) -> None:
     """Set src.format from its columns; refuse chat rows with no chat template to render them."""
-    src.format = detect_format(columns, cfg.format, src.name, src.key)
-    conversational = any(set(REQUIRED[f]) <= set(columns) for f in ("chat", "sharegpt", "alpaca"))
+    src.format = detect_format(src.columns, cfg.format, src.name, src.key)
+    conversational = any(set(REQUIRED[f]) <= set(src.columns) for f in ("chat", "sharegpt", "alpaca"))
     if (
         conversational
         and src.format in ("auto", "chat", "sharegpt", "alpaca")
@@ -363,7 +381,7 @@ def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg:
         cfg.overlong,
         tok,
         str(tokenizer.eos_token_id),
-        "llmtrain-data-v1",
+        "llmtrain-data-v2",
     ):
         h.update(part.encode())
         h.update(b"\0")
@@ -381,20 +399,22 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
     parts, stats = [], DataStats()
     for name in names:
         src = load_source(name, key)
-        check_source(src, src.dataset.column_names, tokenizer, template, cfg)
-        fmt = src.format
+        check_source(src, tokenizer, template, cfg)
         ds = src.dataset.map(
-            lambda row, fmt=fmt: process_row(row, fmt, tokenizer, template, cfg),
-            remove_columns=src.dataset.column_names,
-            new_fingerprint=_fingerprint(src, fmt, tokenizer, template, cfg),
+            lambda row, src=src: (
+                process_row(src.parse(row), src.format, tokenizer, template, cfg)
+                | ({LINE: row[LINE]} if src.raw else {})
+            ),
+            remove_columns=[c for c in src.dataset.column_names if c != LINE],
+            new_fingerprint=_fingerprint(src, src.format, tokenizer, template, cfg),
             desc=f"tokenizing {Path(name).name}",
         )
         status = ds["status"]
         for i, s in enumerate(status):
             if problem := row_problem(s, cfg):
-                raise DataError(f"{key}: {src.where(i)}: {problem}")
+                raise DataError(f"{key}: {src.where(ds[i], i)}: {problem}")
         stats.count(status)
-        ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns("status")
+        ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns(["status", LINE][: 1 + src.raw])
         parts.append(ds)
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if stats.kept == 0:

@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .errors import UserError, describe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     pass
 
 
@@ -26,8 +27,7 @@ def hub_kwargs(cfg: ModelConfig) -> dict:
 
 
 def _load_error(what: str, name: str, e: Exception) -> ModelError:
-    first = str(e).splitlines()[0] if str(e) else ""
-    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({type(e).__name__}: {first})")
+    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)})")
 
 
 def check_model(cfg: ModelConfig, max_seq_len: int):
@@ -35,7 +35,7 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
     it: a bad model.name_or_path, or sequences longer than the model's positions without
     rope scaling (they would train on positions the model never learned), stop the run
     here."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     name = cfg.name_or_path
     if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
@@ -47,6 +47,10 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
         mcfg = AutoConfig.from_pretrained(name, **hub_kwargs(cfg))
     except Exception as e:
         raise _load_error("a model config", name, e) from None
+    _check_dtype(cfg, mcfg)
+    if cfg.lora.enabled:  # on the meta device: no weights
+        with torch.device("meta"):
+            add_lora(AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.trust_remote_code), cfg)
     limit = getattr(mcfg, "max_position_embeddings", None)
     if not isinstance(limit, int) or max_seq_len <= limit or _rope_scaled(mcfg):
         return mcfg
@@ -55,6 +59,21 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
         f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
         "a model configured for longer context"
     )
+
+
+def _check_dtype(cfg: ModelConfig, mcfg) -> None:
+    """Refuse float16 weights that would be trained (not frozen under LoRA): AdamW's small
+    updates vanish in fp16, and no loss scaler works on fp16 weights (torch's GradScaler
+    refuses to unscale fp16 gradients)."""
+    saved = str(getattr(mcfg, "dtype", None) or getattr(mcfg, "torch_dtype", None) or "").replace("torch.", "")
+    fp16 = cfg.dtype == "float16" or (cfg.dtype == "auto" and saved == "float16")
+    if fp16 and not cfg.lora.enabled:
+        how = "model.dtype=auto takes the checkpoint's float16" if cfg.dtype == "auto" else "model.dtype=float16"
+        raise ModelError(
+            f"model.dtype: float16 weights cannot be fine-tuned with AdamW ({how}); keep float32 weights "
+            "(model.dtype=float32) and launch with --mixed_precision fp16 or bf16, use bfloat16 weights, or "
+            "train LoRA adapters (model.lora.enabled=true), which stay float32 on a float16 base"
+        )
 
 
 def _rope_scaled(mcfg) -> bool:
@@ -136,7 +155,16 @@ def add_lora(model, cfg: ModelConfig):
     )
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    return get_peft_model(model, adapters)
+    try:
+        return get_peft_model(model, adapters)
+    except ValueError as e:  # peft: no module matches target_modules (or a module it cannot adapt)
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise ModelError(
+            f"model.lora.target_modules: {lora.target_modules!r} cannot be adapted ({describe(e)}); the model's "
+            f"linear layers are named {', '.join(linear)}; or use all-linear"
+        ) from None
 
 
 def compile_blocks(model) -> int:

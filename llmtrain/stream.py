@@ -26,12 +26,13 @@ from .data import (
     DataError,
     DataStats,
     Source,
-    check_json_file,
     check_source,
     load_source,
     process_row,
     row_problem,
 )
+from .errors import describe
+from .files import user_cause
 from .packing import join_rows
 
 
@@ -56,9 +57,11 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.streams: list[tuple[Source, object]] = []
         for name in names:
             src = load_source(name, key, streaming=True)
-            check_source(src, src.dataset.column_names or list(self._first_row(src)), tokenizer, template, cfg)
-            # The row's index in its source, taken before shuffling and splitting, names it in errors.
-            ds = src.dataset.map(lambda row, i: {"__row": i}, with_indices=True)
+            src.columns = src.columns or list(self._first_row(src))  # a hub stream may not know its columns
+            check_source(src, tokenizer, template, cfg)
+            # A local text file's rows carry their line; others get their index in the source,
+            # taken before shuffling and splitting, to name them in errors.
+            ds = src.dataset if src.raw else src.dataset.map(lambda row, i: {"__row": i}, with_indices=True)
             if cfg.shuffle:
                 ds = ds.shuffle(seed=seed, buffer_size=cfg.shuffle_buffer)
             self.streams.append((src, split_dataset_by_node(ds, rank=rank, world_size=world)))
@@ -77,16 +80,14 @@ class StreamedRows(torch.utils.data.IterableDataset):
             ds.set_epoch(epoch)
 
     def _read_error(self, src: Source, e: Exception) -> DataError:
-        if src.local_path is not None and src.local_path.suffix in (".jsonl", ".json"):
-            try:
-                check_json_file(src.local_path, self.key)  # raises with the line number
-            except DataError as located:
-                return located
-        return DataError(f"{self.key}: could not read {src.name} ({type(e).__name__}: {str(e).splitlines()[0]})")
+        """What reading failed on: the file reader's own error (with its line), else the gist."""
+        return user_cause(e) or DataError(f"{self.key}: could not read {src.name} ({describe(e)})")
 
     def _where(self, src: Source, row: dict) -> str:
+        if src.raw:
+            return src.where(row, 0)
         if src.dataset.n_shards == 1:  # one shard is split row by row, so the index is the source's own
-            return src.where(row["__row"])
+            return src.where(row, row["__row"])
         return f"{src.name} (row {row['__row']} of a shard read by process {self.rank})"
 
     def _read(self, src: Source, ds):
@@ -112,7 +113,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
                 if row is None:
                     readers.remove(reader)
                     continue
-                out = process_row(row, src.format, self.tokenizer, self.template, cfg)
+                out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
                 if problem := row_problem(out["status"], cfg):
                     raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
                 stats.count([out["status"]])

@@ -22,6 +22,7 @@ from .backend import Backend
 from .batches import Collator, TrainBatches, make_loader
 from .config import Config, flat_dict, to_yaml
 from .data import DataError, as_list, prepare_split, resolve_chat_template
+from .errors import UserError
 from .evaluate import evaluate
 from .metrics import MetricsLog, tracker_name
 from .model import compile_blocks, pad_id
@@ -42,7 +43,7 @@ from .window import Outcome, Window, draw_window
 ROW_KEYS = set("step epoch loss lr grad_norm input_tokens_per_s data_wait peak_mem_gib mfu eval_loss skipped".split())  # noqa: SIM905
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError):
     """Training cannot go on; the message says what happened and what to try."""
 
 

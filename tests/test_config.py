@@ -131,3 +131,84 @@ def test_a_bad_profile_range_names_the_key(value):
     assert e.value.problems == [
         f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), got {value!r}"
     ]
+
+
+def numeric_keys() -> list[str]:
+    import typing
+
+    from llmtrain.config import field_docs
+
+    keys = []
+    for key, _, _ in field_docs():
+        node = Config()
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = getattr(node, part)
+        if typing.get_type_hints(type(node))[leaf] in (int, float):
+            keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("key", numeric_keys())
+def test_every_number_is_checked_from_the_schema(key):
+    """No numeric field can take a value that cannot train: inf and nan for every float,
+    negative values for every number (all are counts, sizes, rates or factors)."""
+    values = ["-1", ".nan", ".inf"] if isinstance(_default(key), float) else ["-1"]
+    for value in values:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"])
+        assert [p for p in e.value.problems if p.startswith(f"{key}: ")], (key, value, e.value.problems)
+
+
+def _default(key: str):
+    node = Config()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def test_number_messages_say_the_range():
+    with pytest.raises(ConfigError) as e:
+        overrides = ["train.lr=.inf", "train.adam_eps=-1e-8", "train.seed=-3", "model.lora.dropout=1"]
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", *overrides, "eval.sample_max_new_tokens=0"])
+    assert e.value.problems == [
+        "model.lora.dropout: must be in [0, 1), got 1.0",
+        "train.lr: must be a finite number, got inf",
+        "train.adam_eps: must be positive, got -1e-08",
+        "train.seed: must be in [0, 4294967295], got -3",
+        "eval.sample_max_new_tokens: must be at least 1, got 0",
+    ]
+
+
+def test_a_key_given_twice_in_yaml_is_an_error_naming_it_and_its_line(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\ndata:\n  train: a.jsonl\ntrain:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m"])
+    assert e.value.problems == [f"{path}:5: 'train' is given twice (first on line 1); give each key once"]
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("output_dir: runs/x\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m", "data.train=d.jsonl"])
+    assert e.value.problems == [f"{path}:2: not UTF-8 text; save the file as UTF-8"]
+
+
+def test_a_chat_template_path_must_exist_and_a_template_must_parse(tmp_path):
+    base = ["model.name_or_path=m", "data.train=d.jsonl"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f"data.chat_template={tmp_path}/chat.jinja"])
+    assert e.value.problems == [
+        f"data.chat_template: no such file: {tmp_path}/chat.jinja; give a Jinja template file, or the template "
+        "text itself"
+    ]
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f"data.chat_template={broken}"])
+    assert e.value.problems[0].startswith(f"data.chat_template: {broken} line 2: Jinja syntax error (")
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_config(None, [*base, f"data.chat_template={good}"]).data.chat_template == str(good)

@@ -103,3 +103,33 @@ def test_compile_blocks_compiles_each_transformer_block_in_place(tiny_model):
     assert compile_blocks(model) == model.config.num_hidden_layers
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys
+
+
+def test_float16_weights_that_would_train_are_refused_before_loading(tiny_model, tmp_path):
+    """AdamW on fp16 weights loses small updates, and no loss scaler can unscale fp16
+    gradients; model.dtype=auto on a checkpoint saved in float16 is the same case. LoRA
+    on a float16 base trains float32 adapters and is allowed."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ModelError, match=r"^model.dtype: float16 weights cannot be fine-tuned with AdamW \(model"):
+        check_model(ModelConfig(name_or_path=str(tiny_model), dtype="float16"), 256)
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.dtype = "float16"
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=r"model.dtype=auto takes the checkpoint's float16"):
+        check_model(ModelConfig(name_or_path=str(tmp_path), dtype="auto"), 256)
+    from llmtrain.config import LoraConfig
+
+    check_model(ModelConfig(name_or_path=str(tiny_model), dtype="float16", lora=LoraConfig(enabled=True)), 256)
+
+
+def test_lora_targets_that_match_nothing_are_refused_naming_the_layers(tiny_model):
+    from llmtrain.config import LoraConfig
+
+    cfg = ModelConfig(name_or_path=str(tiny_model), lora=LoraConfig(enabled=True, target_modules=["qproj"]))
+    with pytest.raises(ModelError) as e:
+        check_model(cfg, 256)  # at start-up, on the meta device: before any data or weights load
+    assert str(e.value).startswith("model.lora.target_modules: ['qproj'] cannot be adapted (")
+    assert "linear layers are named down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in str(
+        e.value
+    )

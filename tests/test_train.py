@@ -328,15 +328,24 @@ def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cach
         assert not torch.allclose(merged(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_model)(ids).logits)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_malformed_data_line_is_one_clear_error(common, cache_env, tmp_path, nproc):
-    data = tmp_path / "bad.jsonl"
-    data.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
+BAD_FILES = {
+    "invalid": ("bad.jsonl", b'{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n', "line 3: invalid JSON"),
+    "latin1": ("latin1.csv", 'prompt,completion\na,b\n"two\nlines",caf\xe9\n'.encode("latin-1"), "line 4: not UTF-8"),
+    "empty": ("empty.jsonl", b"", "has no rows"),
+}
+
+
+@pytest.mark.parametrize("case, nproc", [("invalid", 1), ("invalid", 2), ("latin1", 1), ("empty", 1)])
+def test_bad_data_is_one_clear_error(common, cache_env, tmp_path, case, nproc):
+    name, content, message = BAD_FILES[case]
+    data = tmp_path / name
+    data.write_bytes(content)
     proc = run_recipe(common(data, tmp_path / "out"), cache_env, nproc=nproc, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith(f"error: data.train: {data} line 3: invalid JSON")
+    assert errors[0].startswith(f"error: data.train: {data} {message}"), errors[0]
+    assert "Traceback" not in proc.stderr.split("error:")[0]  # nothing before it but the run's own lines
 
 
 def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp_path):

@@ -1,0 +1,27 @@
+"""User errors: what a user's config, data, model or environment got wrong.
+
+Every problem a user can fix is raised as a `UserError` (ConfigError, DataError,
+ModelError, CheckpointError, TrainingError). Its message has one line per problem, each
+naming the config key, and the file and line or row where there is one, then what is
+wrong and how to fix it; `cli.user_errors` prints each as `error: <line>` and exits 2.
+A library's exception caused by the user's input is caught where that input is used and
+raised again as a UserError (`describe` gives its gist in one line). Any other exception
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A problem in the user's input; one line per problem."""
+
+
+class DataError(UserError):
+    """Bad data: the message names the config key, the file and the line or row."""
+
+
+def describe(e: BaseException) -> str:
+    """'<Type>: <first non-empty line of the message>', or the type alone: the gist of a
+    library exception for a one-line error (some have empty or many-line messages)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

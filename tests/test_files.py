@@ -1,0 +1,147 @@
+"""Local data files read row by row: every row keeps the file line it starts on, comes
+back exactly as written (no type unification across rows), and every unreadable file is
+one error naming the file and line."""
+
+import json
+
+import pytest
+
+from llmtrain.config import DataConfig
+from llmtrain.data import DataError, load_source, prepare_split
+from llmtrain.files import read_rows
+
+
+def rows_of(path, text):
+    path.write_text(text, encoding="utf-8")
+    return list(read_rows(path, "data.train"))
+
+
+def test_jsonl_rows_keep_their_lines_across_blank_lines(tmp_path):
+    got = rows_of(tmp_path / "a.jsonl", '\ufeff{"text": "a"}\n\n{"text": "b"}\n   \n{"text": "c"}\n')
+    assert got == [(1, {"text": "a"}), (3, {"text": "b"}), (5, {"text": "c"})]  # a byte-order mark is no data
+
+
+def test_json_array_objects_keep_the_line_they_start_on(tmp_path):
+    text = '[\n  {"text": "a"},\n  {"text":\n   "b"}, {"text": "c"},\n\n  {"text": "d"}\n]\n'
+    assert rows_of(tmp_path / "a.json", text) == [
+        (2, {"text": "a"}),
+        (3, {"text": "b"}),
+        (4, {"text": "c"}),
+        (6, {"text": "d"}),
+    ]
+
+
+def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path):
+    text = 'prompt,completion\n"two\nlines",ok\n\nplain,\n"x, y","a ""quoted"" b"\n'
+    assert rows_of(tmp_path / "a.csv", text) == [
+        (2, {"prompt": "two\nlines", "completion": "ok"}),
+        (5, {"prompt": "plain", "completion": None}),  # an empty field is a missing value
+        (6, {"prompt": "x, y", "completion": 'a "quoted" b'}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "bad.jsonl",
+            b'{"text": "a"}\n{"text": oops}\n',
+            r"bad.jsonl line 2: invalid JSON \(Expecting value at column 10\)",
+        ),
+        ("list.jsonl", b'{"text": "a"}\n\n[1, 2]\n', r"list.jsonl line 3: expected a JSON object, got list"),
+        ("latin1.jsonl", '{"text": "a"}\n{"text": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl line 2: not UTF-8 "),
+        ("latin1.csv", "prompt,completion\na,b\nx,caf\xe9\n".encode("latin-1"), r"latin1.csv line 3: not UTF-8 text"),
+        ("wide.csv", b"prompt,completion\na,b\nx,y,z\n", r"wide.csv line 3: 3 fields but the header has 2"),
+        ("bad.json", b'[\n {"text": "a"},\n {"text": }\n]', r"bad.json line 3: invalid JSON \(Expecting value\)"),
+        ("object.json", b'{"text": "a"}', r"object.json line 1: the top level is not an array"),
+        ("open.json", b'[\n {"text": "a"},\n', r"open.json line 3: the array is not closed"),
+        ("tail.json", b'[{"text": "a"}]\nextra', r"tail.json line 2: text after the array"),
+    ],
+)
+def test_an_unreadable_file_is_one_error_naming_its_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/{message}"):
+        load_source(str(path), "data.train")
+
+
+@pytest.mark.parametrize("name, content", [("e.jsonl", ""), ("b.jsonl", "\n \n"), ("e.csv", ""), ("h.csv", "a,b\n"),
+                                           ("e.json", "[]")])  # fmt: skip
+def test_a_file_with_no_rows_says_so(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError, match=rf"^data.train: {path} has no rows; give a file with at least one row$"):
+        load_source(str(path), "data.train")
+
+
+def test_rows_come_back_as_written_not_unified_across_the_file(tmp_path):
+    """datasets unifies a column across rows (adding missing keys as None); each row here
+    is exactly what its line holds."""
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}]},
+        {"text": "plain", "weight": 0},
+        {"text": "plain", "weight": 0.5},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = load_source(str(path), "data.train")
+    assert src.columns == ["messages", "text", "weight"]
+    assert [src.parse(r) for r in src.dataset] == rows
+    assert [src.where(r, i) for i, r in enumerate(src.dataset)] == [f"{path} line {n}" for n in (1, 2, 3, 4)]
+
+
+def test_an_edited_file_is_read_again(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "first"}\n')
+    assert [load_source(str(path), "data.train").parse(r) for r in load_source(str(path), "data.train").dataset]
+    path.write_text('{"text": "second version"}\n{"text": "and more"}\n')
+    src = load_source(str(path), "data.train")
+    assert [src.parse(r)["text"] for r in src.dataset] == ["second version", "and more"]
+
+
+def test_a_bad_row_in_a_csv_names_its_file_line(tmp_path, tokenizer):
+    path = tmp_path / "pc.csv"
+    path.write_text('prompt,completion\n"spans\ntwo lines",ok\n"fine",\n')
+    with pytest.raises(DataError, match=rf"^data.train: {path} line 4: no known format fits this row's fields"):
+        prepare_split("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=256))
+
+
+def test_a_conversation_the_chat_template_refuses_is_an_error_naming_its_line(tmp_path, tokenizer):
+    """E.g. Llama-2/Mistral-style templates refuse two user turns in a row."""
+    template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "c"},
+            ]
+        },
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as e:
+        prepare_split("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=256, chat_template=template))
+    assert str(e.value) == (
+        f"data.train: {path} line 2: the chat template failed on this conversation (TemplateError: Conversation "
+        "roles must alternate user/assistant); fix the row or set data.chat_template"
+    )
+
+
+def test_a_streamed_file_names_the_line_of_a_row_it_cannot_read(tmp_path, tokenizer):
+    """The same reader feeds data.streaming: a file that goes bad far into the stream
+    stops the run naming the line (not a byte position)."""
+    from llmtrain.stream import StreamedRows
+
+    path = tmp_path / "late.csv"
+    good = "".join(f'"question {i}\nspans two lines",answer {i}\n' for i in range(150))
+    path.write_bytes(f"prompt,completion\n{good}".encode() + b"bad,caf\xe9\n")
+    stream = StreamedRows("data.train", [str(path)], tokenizer, None, DataConfig(train="x", shuffle=False), 0, 0, 1)
+    with pytest.raises(DataError, match=rf"^data.train: {path} line 302: not UTF-8 text \(byte 0xe9\)"):
+        list(stream)
