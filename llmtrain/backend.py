@@ -25,6 +25,8 @@ class Backend:
         # DeepSpeed and FSDP place the weights themselves (and with offload keep them off the GPU).
         self.places_weights = kind in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.fp16 = accelerator.mixed_precision == "fp16"
+        zero3 = self.deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
+        self.sharded = zero3 or kind == DistributedType.FSDP  # each process holds a shard of the weights
         self.accum_divisor = grad_accum_steps if self.deepspeed else 1
 
     def place(self, model):
@@ -68,7 +70,27 @@ class Backend:
         scaler's overflow, which the scaler skips (`scaler_skipped`) and handles."""
         return not self.fp16
 
+    def nonfinite_weights(self, model) -> int:
+        """Non-finite values in the trainable weights, counted over all processes: under
+        ZeRO-3 and FSDP each process counts the shard it holds, and the counts are summed
+        (one all-reduce); elsewhere every process holds the same whole weights."""
+        import torch
+
+        counts = [(~torch.isfinite(_local(p))).sum() for p in model.parameters() if p.requires_grad]
+        total = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.long)
+        if self.sharded:
+            total = self.accelerator.reduce(total.to(self.accelerator.device), reduction="sum")
+        return int(total)
+
     def scaler_skipped(self) -> bool:
         """After optimizer.step(): the fp16 loss scaler (or DeepSpeed's) found an
         overflow, skipped the update and lowered its scale."""
         return self.accelerator.optimizer_step_was_skipped
+
+
+def _local(p):
+    """The part of a parameter this process holds: ZeRO-3's partition, FSDP2's local shard,
+    or the parameter itself."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor
+    return p.to_local() if hasattr(p, "to_local") else p

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from .config import load_config
 from .data import as_list
 from .errors import UserError
 from .launch import process_group_backend
+from .watchdog import default_store
 
 
 def parse_args(argv: list[str] | None, default_config: Path | None, description: str = ""):
@@ -40,26 +44,48 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
     return cfg, args
 
 
-def warn(message: str) -> None:
-    """'warning: <message>' on stderr, from the main process only."""
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 @contextmanager
-def user_errors(report: bool = True):
-    """Turn a user error (errors.UserError) into one 'error: ...' line per problem on stderr,
-    printed only where `report` (the main process), and exit 2. Anything else is a bug
+def user_errors(state=None):
+    """Turn a user error (errors.UserError) into one 'error: ...' line per problem on
+    stderr, printed once per job (see `report_once`), and exit 2. Anything else is a bug
     and keeps its traceback. The recipes and `llmtrain plan` both report through here."""
     try:
         yield
     except UserError as e:
-        if report:
-            for line in str(e).splitlines():
-                print(f"error: {line}", file=sys.stderr, flush=True)
+        report_once(e, state)
         sys.exit(2)
+
+
+# How long another process waits for the main process to report an error it met too.
+REPORT_WAIT_S = 5.0
+
+
+def report_once(e: UserError, state=None) -> None:
+    """Print the error's lines once for the whole job. Most user errors happen on every
+    process alike; the main process prints them. Another process must not exit first (the
+    launcher would then stop the main process before it printed), so it waits until the
+    main process says, through the process group's store, that it has reported; if that
+    does not come (the error was this process's alone), it prints the error itself."""
+    lines = "".join(f"error: {line}\n" for line in str(e).splitlines())
+    multi = state is not None and state.num_processes > 1
+    store = default_store() if multi else None
+    key = f"llmtrain/error-reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if not multi or state.is_main_process or store is None:
+        if not multi or state.is_main_process:
+            sys.stderr.write(lines)
+            sys.stderr.flush()
+        if store is not None:
+            with contextlib.suppress(Exception):  # the store is gone: nothing waits on it then
+                store.set(key, "1")
+        return
+    deadline = time.monotonic() + REPORT_WAIT_S
+    with contextlib.suppress(Exception):
+        while time.monotonic() < deadline:
+            if store.check([key]):
+                return
+            time.sleep(0.05)
+    sys.stderr.write(lines)
+    sys.stderr.flush()
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:
@@ -72,5 +98,5 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     # --num_processes 2 would silently become two unrelated single-process runs.
     backend = process_group_backend()
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **({"backend": backend} if backend else {}))
-    with user_errors(state.is_main_process):
+    with user_errors(state):
         main(argv)

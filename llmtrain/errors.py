@@ -25,3 +25,14 @@ def describe(e: BaseException) -> str:
     library exception for a one-line error (some have empty or many-line messages)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def warn(message: str) -> None:
+    """'warning: <message>' on stderr, from the main process only: something the user
+    should know that does not stop the run."""
+    import sys
+
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(f"warning: {message}", file=sys.stderr, flush=True)

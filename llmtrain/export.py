@@ -2,43 +2,62 @@
 
 from __future__ import annotations
 
-import contextlib
+import json
 import shutil
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 
-from .checkpoint import publish
+from .checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, publish, write_failed
+from .model import whole_models
 
 
-def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str, merge_lora: bool) -> Path:
-    """final/: safetensors weights, config and tokenizer (with its chat template).
+def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str, merge_lora: bool, state: dict) -> Path:
+    """final/: safetensors weights, config and tokenizer (with its chat template), the
+    run's config (llmtrain_config.yaml) and the TrainState it was exported at
+    (train_state.json, which marks the run finished).
 
     LoRA runs write the adapter to final/, or with merge_lora the merged model to final/
     and the adapter to final/adapter/. Written beside and renamed into place."""
     final, tmp = Path(output_dir) / "final", Path(output_dir) / ".tmp-final"
     state_dict = accelerator.get_state_dict(model)  # gathers sharded weights; all ranks take part
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        drop_tied_copies(unwrapped, state_dict)
-        is_lora = hasattr(unwrapped, "peft_config")
-        if is_lora and merge_lora:
-            unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
-            merged = (
-                _merged_from_adapter(accelerator, unwrapped, tmp / "adapter")
-                if is_sharded(accelerator)
-                else _merged_copy(unwrapped)
-            )
-            merged.save_pretrained(tmp, safe_serialization=True)
-        else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "llmtrain_config.yaml").write_text(config_yaml)
+        try:
+            _write(accelerator, model, tokenizer, state_dict, tmp, config_yaml, merge_lora, state)
+        except Exception as e:
+            if not write_failed(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            found = complete_checkpoints(output_dir)
+            kept = "no checkpoint was written (checkpoint.every_steps=0)"
+            if found:
+                kept = f"the newest checkpoint, {found[-1][1]}, is intact: free space and run the same command again"
+            raise CheckpointError(f"export: writing {tmp} failed ({write_failed(e)}); {kept}") from None
         publish(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _write(accelerator, model, tokenizer, state_dict, tmp: Path, config_yaml: str, merge_lora: bool, state: dict):
+    """Everything final/ holds, into `tmp` (main process)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrapped = accelerator.unwrap_model(model)
+    drop_tied_copies(unwrapped, state_dict)
+    is_lora = hasattr(unwrapped, "peft_config")
+    if is_lora and merge_lora:
+        unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
+        merged = (
+            _merged_from_adapter(accelerator, unwrapped, tmp / "adapter")
+            if is_sharded(accelerator)
+            else _merged_copy(unwrapped)
+        )
+        merged.save_pretrained(tmp, safe_serialization=True)
+    else:
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "llmtrain_config.yaml").write_text(config_yaml)
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
 
 
 def drop_tied_copies(model, state_dict: dict) -> None:
@@ -69,26 +88,8 @@ def model_for_sampling(accelerator, model, final: Path):
         return accelerator.unwrap_model(model)
     from transformers import AutoModelForCausalLM
 
-    with _whole_model_loads(accelerator):
+    with whole_models():
         return AutoModelForCausalLM.from_pretrained(final).to(accelerator.device)
-
-
-@contextlib.contextmanager
-def _whole_model_loads(accelerator):
-    """A context in which from_pretrained builds an ordinary, whole model on this process.
-    Under ZeRO-3, transformers would otherwise partition it across processes as it loads
-    (zero.Init), a collective the other ranks never join."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
 
 
 def _merged_from_adapter(accelerator, peft_model, adapter_dir: Path):
@@ -97,7 +98,7 @@ def _merged_from_adapter(accelerator, peft_model, adapter_dir: Path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    with _whole_model_loads(accelerator):
+    with whole_models():
         base = AutoModelForCausalLM.from_pretrained(peft_model.peft_config["default"].base_model_name_or_path)
         return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
 

@@ -6,8 +6,11 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import platform
 from pathlib import Path
+
+from .errors import warn
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -55,22 +58,33 @@ class MetricsLog:
     def __init__(self, accelerator, output_dir: str, resume_step: int | None):
         self.accelerator = accelerator
         self.path = Path(output_dir) / METRICS_FILE
+        self.write_failed = False
         if accelerator.is_main_process:
             kept = []
             if resume_step is not None and self.path.exists():
-                kept = [
-                    line
-                    for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step
-                ]
+                kept = [line for line in self.path.read_text().splitlines() if _step(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:
         if self.accelerator.is_main_process:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:  # a full disk: training goes on to its next checkpoint, which says so
+                if not self.write_failed:
+                    warn(f"{self.path}: cannot write ({e.strerror}); training goes on, rows are lost until it can")
+                self.write_failed = True
         scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         self.accelerator.log(scalars, step=row["step"])
+
+
+def _step(line: str) -> float:
+    """A row's step; a line cut short by a kill mid-write (or empty) counts as past any
+    step, so a resume drops it."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -4,6 +4,7 @@ through the same functions."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
     it: a bad model.name_or_path, or sequences longer than the model's positions without
     rope scaling (they would train on positions the model never learned), stop the run
     here."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     name = cfg.name_or_path
     if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
@@ -48,9 +49,8 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
     except Exception as e:
         raise _load_error("a model config", name, e) from None
     _check_dtype(cfg, mcfg)
-    if cfg.lora.enabled:  # on the meta device: no weights
-        with torch.device("meta"):
-            add_lora(AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.trust_remote_code), cfg)
+    if cfg.lora.enabled:
+        meta_model(cfg, mcfg)  # adds the adapters as training will, or says why it cannot
     limit = getattr(mcfg, "max_position_embeddings", None)
     if not isinstance(limit, int) or max_seq_len <= limit or _rope_scaled(mcfg):
         return mcfg
@@ -61,12 +61,51 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
     )
 
 
+def meta_model(cfg: ModelConfig, mcfg):
+    """The model as training will have it (dtype, LoRA adapters), built on the meta device
+    from its config: no weights, so its parameter counts and sizes cost nothing to read
+    (`llmtrain plan`, and the free-space check before anything loads)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else _saved_dtype(mcfg) or torch.float32
+    with whole_models(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    return add_lora(model, cfg) if cfg.lora.enabled else model
+
+
+@contextlib.contextmanager
+def whole_models():
+    """A context in which transformers builds or loads an ordinary, whole model on this
+    process. Under a ZeRO-3 launch it would otherwise partition the model across processes
+    as it builds it (zero.Init), a collective the other ranks may never join, and which
+    fails on the meta device."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    from accelerate.state import AcceleratorState
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()
+
+
+def _saved_dtype(mcfg) -> torch.dtype | None:
+    saved = getattr(mcfg, "dtype", None) or getattr(mcfg, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved.replace("torch.", ""), None)
+    return saved if isinstance(saved, torch.dtype) else None
+
+
 def _check_dtype(cfg: ModelConfig, mcfg) -> None:
     """Refuse float16 weights that would be trained (not frozen under LoRA): AdamW's small
     updates vanish in fp16, and no loss scaler works on fp16 weights (torch's GradScaler
     refuses to unscale fp16 gradients)."""
-    saved = str(getattr(mcfg, "dtype", None) or getattr(mcfg, "torch_dtype", None) or "").replace("torch.", "")
-    fp16 = cfg.dtype == "float16" or (cfg.dtype == "auto" and saved == "float16")
+    fp16 = cfg.dtype == "float16" or (cfg.dtype == "auto" and _saved_dtype(mcfg) == torch.float16)
     if fp16 and not cfg.lora.enabled:
         how = "model.dtype=auto takes the checkpoint's float16" if cfg.dtype == "auto" else "model.dtype=float16"
         raise ModelError(

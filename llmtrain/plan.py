@@ -21,7 +21,7 @@ from . import demo
 from .cli import user_errors
 from .config import ConfigError, load_config, to_yaml
 from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
-from .model import add_lora, check_model, chunkable_head, hub_kwargs, load_tokenizer
+from .model import check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -95,15 +95,11 @@ def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool]:
     """(total, trainable, model config, whether the chunked loss can stand in for its
     output layer) from the model built on the meta device (no weights), LoRA adapters
     added as the recipe adds them. `mcfg`: the model's config if already read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if mcfg is None:
         mcfg = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(mcfg, trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.lora.enabled:
-        model = add_lora(model, cfg.model)
+    model = meta_model(cfg.model, mcfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable, mcfg, chunkable_head(model) is not None

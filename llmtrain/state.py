@@ -26,6 +26,10 @@ class TrainState:
     at train.max_consecutive_skips."""
     spikes: SpikeGuard = field(default_factory=lambda: SpikeGuard(0.0, 1))
     """The spike guard and its window of recent losses."""
+    nonfinite_weights: int = 0
+    """Non-finite values the trainable weights started with (a model may carry some, say
+    in an embedding row no data uses). An update that adds any stops the run, so no
+    checkpoint ever holds more; a resume checks the weights it loads against it."""
 
     # What train_state.json must hold to say where a run stands.
     POSITION = ("step", "epoch", "batches_in_epoch")
@@ -54,11 +58,12 @@ class TrainState:
             "batches_in_epoch": self.batches_in_epoch,
             "skips_in_a_row": self.skips_in_a_row,
             "recent_losses": self.spikes.recent,
+            "nonfinite_weights": self.nonfinite_weights,
         }
 
     def load_state_dict(self, saved: dict) -> None:
-        """From train_state.json; checkpoints written before skips_in_a_row was saved
-        count from 0."""
+        """From train_state.json; fields added since a checkpoint was written count from 0."""
         self.step, self.epoch, self.batches_in_epoch = (saved[k] for k in self.POSITION)
         self.skips_in_a_row = saved.get("skips_in_a_row", 0)
+        self.nonfinite_weights = saved.get("nonfinite_weights", 0)
         self.spikes = SpikeGuard(self.spikes.factor, self.spikes.window, saved.get("recent_losses"))

@@ -29,6 +29,7 @@ class Skip(Enum):
     NONFINITE = "the loss or gradient norm was not finite"
     SPIKE = "the loss spiked (train.spike_factor)"
     OVERFLOW = "fp16 gradient overflow"
+    POISONED = "the update made weights non-finite"
 
 
 @dataclass
@@ -59,7 +60,8 @@ def train_step(
 ) -> StepResult:
     """Run the window's micro-batches (this process's, then `empty` ones up to the count
     every process runs), then step, or skip when the loss or gradient norm is not finite
-    or the loss spikes (state.spikes), leaving weights and optimizer as they were. Reads
+    or the loss spikes (state.spikes), leaving weights and optimizer as they were; then
+    check that the update left no more non-finite weights than the run started with. Reads
     `state` (the step number, the spike window); the caller records the result in it."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -106,4 +108,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if backend.scaler_skipped():
         return result(Skip.OVERFLOW, "fp16 gradient overflow; loss scale lowered")
+    # The loss and gradients were finite, yet an update can still make weights non-finite
+    # (an infinite rate, an optimizer fault). It cannot be undone: the loop stops the run
+    # before anything is saved.
+    if (count := backend.nonfinite_weights(model)) > state.nonfinite_weights:
+        return result(Skip.POISONED, f"the update made {count - state.nonfinite_weights} weight values non-finite")
     return result()

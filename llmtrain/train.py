@@ -20,9 +20,10 @@ from accelerate.utils import gather_object, send_to_device
 from . import checkpoint
 from .backend import Backend
 from .batches import Collator, TrainBatches, make_loader
+from .checkpoint import CheckpointError
 from .config import Config, flat_dict, to_yaml
 from .data import DataError, as_list, prepare_split, resolve_chat_template
-from .errors import UserError
+from .errors import UserError, warn
 from .evaluate import evaluate
 from .metrics import MetricsLog, tracker_name
 from .model import compile_blocks, pad_id
@@ -159,10 +160,24 @@ def setup(
         eval_loader = accelerator.prepare(eval_loader)
 
     state = TrainState(spikes=SpikeGuard(t.spike_factor, t.spike_window))
+    watchdog.beat("checking that the weights are finite")
+    nonfinite = backend.nonfinite_weights(model)
     if resume_from is not None:
         watchdog.beat(f"loading {resume_from}")
         checkpoint.load(accelerator, resume_from, cfg, state)
+        nonfinite = backend.nonfinite_weights(model)
+        if nonfinite > state.nonfinite_weights:
+            raise CheckpointError(
+                f"checkpoint.resume: {resume_from} holds {nonfinite} non-finite weight values, more than the "
+                f"{state.nonfinite_weights} its run started with; resume from an earlier checkpoint"
+            )
         accelerator.print(f"resumed from {resume_from} at step {state.step} (epoch {state.epoch})")
+    elif nonfinite:
+        warn(
+            f"model.name_or_path: {nonfinite} of the trainable weight values are not finite; steps whose "
+            "loss or gradients they reach are skipped, and no update may add more"
+        )
+    state.nonfinite_weights = nonfinite
     log = MetricsLog(accelerator, cfg.output_dir, state.step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
@@ -284,6 +299,13 @@ def check_skips(run: Run, result: StepResult) -> None:
     t, state = run.cfg.train, run.state
     if result.skip is Skip.OVERFLOW:
         return
+    if result.skip is Skip.POISONED:
+        found = checkpoint.complete_checkpoints(run.cfg.output_dir)
+        raise TrainingError(
+            f"train: {result.reason} at step {state.step + 1} (the loss and gradient norm were finite: "
+            f"train.lr={t.lr:g}, or an optimizer fault). An update cannot be undone, so the run stops; nothing "
+            f"after step {state.step} was saved; newest complete checkpoint: {found[-1][1] if found else 'none'}"
+        )
     if (result.skip is Skip.NONFINITE and t.on_nonfinite == "abort") or state.skips_in_a_row >= t.max_consecutive_skips:
         found = checkpoint.complete_checkpoints(run.cfg.output_dir)
         newest = f"{found[-1][1]} (untouched)" if found else "none"

@@ -11,7 +11,7 @@ from accelerate.utils import DistributedType
 from llmtrain.backend import Backend
 
 
-def fake(kind=DistributedType.MULTI_CPU, precision="no", world=2, skipped=False):
+def fake(kind=DistributedType.MULTI_CPU, precision="no", world=2, skipped=False, zero_stage=2):
     calls = []
 
     @contextmanager
@@ -27,6 +27,7 @@ def fake(kind=DistributedType.MULTI_CPU, precision="no", world=2, skipped=False)
         sync_gradients=None,
         no_sync=no_sync,
         optimizer_step_was_skipped=skipped,
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage)),
     )
     return acc, calls
 
@@ -69,3 +70,21 @@ def test_who_owns_a_non_finite_step():
     assert not Backend(fake(DistributedType.DEEPSPEED, "fp16", skipped=True)[0], 1).engine_skipped()
     assert not Backend(fake(skipped=True)[0], 1).engine_skipped()
     assert Backend(fake()[0], 1).grad_norm_is_ours() and not Backend(fake(precision="fp16")[0], 1).grad_norm_is_ours()
+
+
+def test_non_finite_weights_are_counted_over_the_shards_each_process_holds():
+    """ZeRO-3 and FSDP: each process counts its own shard and the counts are summed; DDP:
+    every process holds the same whole weights and counts them alone."""
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+        model.bias[1] = float("inf")
+    model.bias.requires_grad_(False)  # frozen weights do not change: not counted
+    acc, _ = fake()
+    assert Backend(acc, 1).nonfinite_weights(model) == 1
+
+    sums = []
+    acc, _ = fake(DistributedType.DEEPSPEED, zero_stage=3)
+    acc.reduce = lambda t, reduction: sums.append(int(t)) or t * 2  # two processes, the same shard count
+    model.weight.ds_tensor = torch.tensor([float("nan"), 1.0, float("-inf")])  # this process's partition
+    assert Backend(acc, 1).nonfinite_weights(model) == 4 and sums == [2]

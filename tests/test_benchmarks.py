@@ -30,3 +30,20 @@ def test_row_lengths_spread_like_instruction_data():
     lengths = sorted(sum(len(m["content"]) for m in r["messages"]) for r in bench.make_rows(500, seed=0, seq=512))
     median, p95 = lengths[250], lengths[475]
     assert 50 < median < 250 and p95 > 2 * median  # a long tail
+
+
+def test_the_checksum_measurement_runs():
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint_checksums.py", "--gib", "0.01"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "checksums after writing" in proc.stdout and "verifying before a resume" in proc.stdout

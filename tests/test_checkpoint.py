@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -7,8 +8,8 @@ from llmtrain.checkpoint import (
     STATE_FILE,
     CheckpointError,
     complete_checkpoints,
-    file_list,
     find_resume,
+    manifest,
 )
 
 
@@ -19,7 +20,7 @@ def fake_checkpoint(root, name, complete=True):
     (path / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shard")
     torch.save({"torch_manual_seed": torch.get_rng_state()}, path / "random_states_0.pkl")
     if complete:
-        (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": file_list(path)}))
+        (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": manifest(path)}))
     return path
 
 
@@ -27,20 +28,22 @@ POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
 
 
 @pytest.mark.parametrize(
-    "fault", ["truncated", "missing_rng", "garbled_rng", "no_position", "no_file_list", "bad_json"]
+    "fault", ["truncated", "flipped", "missing_rng", "garbled_rng", "no_position", "no_file_list", "bad_json"]
 )
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
     fake_checkpoint(tmp_path, "step-2")
     newest = fake_checkpoint(tmp_path, "step-4")
     if fault == "truncated":
         (newest / "pytorch_model" / "shard_0.pt").write_bytes(b"opt")
+    elif fault == "flipped":  # same size, other content: only the checksum sees it
+        (newest / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shart")
     elif fault == "missing_rng":
         (newest / "random_states_0.pkl").unlink()
     elif fault == "garbled_rng":  # same size, not a pickle Accelerate can read
         rng = newest / "random_states_0.pkl"
         rng.write_bytes(bytes(rng.stat().st_size))
     elif fault == "no_position":
-        (newest / STATE_FILE).write_text(json.dumps({"files": file_list(newest)}))
+        (newest / STATE_FILE).write_text(json.dumps({"files": manifest(newest)}))
     elif fault == "no_file_list":
         (newest / STATE_FILE).write_text(json.dumps(POSITION))
     else:
@@ -72,7 +75,7 @@ def test_a_pickle_that_is_not_plain_data_is_never_executed(tmp_path):
     path = fake_checkpoint(tmp_path, "step-4")
     marker = tmp_path / "ran"
     torch.save({"torch_manual_seed": Boom(str(marker))}, path / "random_states_0.pkl")
-    (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": file_list(path)}))
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": manifest(path)}))
     with pytest.raises(CheckpointError, match="random_states_0.pkl cannot be read"):
         find_resume(str(tmp_path), "auto")
     assert not marker.exists()
@@ -123,7 +126,7 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     cfg = Config()
     path = fake_checkpoint(tmp_path, "step-4")
     (path / STATE_FILE).write_text(
-        json.dumps({"step": 4, "settings": position_settings(cfg, 2), "files": file_list(path)})
+        json.dumps({"step": 4, "settings": position_settings(cfg, 2), "files": manifest(path)})
     )
     cfg.train.micro_batch_size = 8
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
@@ -152,6 +155,7 @@ def test_recipe_falls_back_past_a_truncated_checkpoint(base_config, tiny_model, 
     before = [(r["step"], r["loss"]) for r in train_rows(out)]
     weights = out / "checkpoints" / "step-4" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.rmtree(out / "final")  # the run died writing step-4: it never exported
     proc = run_recipe(args, cache_env)
     assert "warning: checkpoint" in proc.stderr and "step-4 is damaged (model.safetensors is" in proc.stderr
     assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
@@ -299,3 +303,176 @@ def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
         "refusing to unpickle" in message and "zero_pp_rank_1_mp_rank_00_optim_states.pt: it holds io.open" in message
     )
     assert "\n" not in message and "weights_only" not in message  # one line, and no advice to lower the guard
+
+
+def test_a_same_size_corruption_is_named_by_its_file(tmp_path):
+    fake_checkpoint(tmp_path, "step-2")
+    newest = fake_checkpoint(tmp_path, "step-4")
+    weights = newest / "model.safetensors"
+    weights.write_bytes(b"wEights")  # one byte changed
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-2"
+    assert warnings == [
+        f"checkpoint {newest} is damaged (model.safetensors does not match the checksum it was written with); "
+        "skipping it and trying the one before"
+    ]
+
+
+def test_a_checkpoint_listing_sizes_only_still_resumes(tmp_path):
+    """Checkpoints written before checksums were kept list sizes: checked by size."""
+    path = fake_checkpoint(tmp_path, "step-4")
+    sizes = {rel: entry["size"] for rel, entry in manifest(path).items()}
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": sizes}))
+    assert find_resume(str(tmp_path), "auto") == path
+
+
+def test_checksums_are_shared_out_across_processes(tmp_path):
+    """Each process hashes every N-th file and all get every result."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from llmtrain.checkpoint import checksum, checksums
+
+    for i in range(5):
+        (tmp_path / f"f{i}").write_bytes(bytes([i]) * 100)
+    rels = [f"f{i}" for i in range(5)]
+    hashed = []
+    real = checksum
+
+    def counting(path):
+        hashed.append(path.name)
+        return real(path)
+
+    theirs = [("f0", real(tmp_path / "f0")), ("f2", real(tmp_path / "f2")), ("f4", real(tmp_path / "f4"))]
+    with (
+        mock.patch("llmtrain.checkpoint.checksum", counting),
+        mock.patch("accelerate.utils.gather_object", lambda mine: theirs + mine),
+    ):
+        got = checksums(tmp_path, rels, SimpleNamespace(num_processes=2, process_index=1))
+    assert hashed == ["f1", "f3"]  # this process's share only
+    assert got == {rel: real(tmp_path / rel) for rel in rels}
+
+
+def test_a_kill_while_pruning_never_leaves_a_half_deleted_step(tmp_path, monkeypatch):
+    import shutil
+
+    from llmtrain.checkpoint import clean_leftovers, remove
+
+    old = fake_checkpoint(tmp_path, "step-2")
+    fake_checkpoint(tmp_path, "step-4")
+
+    def killed(path, ignore_errors=False):
+        if ".deleting-" in str(path) and (path / "model.safetensors").exists():
+            (path / "model.safetensors").unlink()  # part of it is gone...
+            raise KeyboardInterrupt  # ...when the process dies
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove(old)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert [p.name for _, p in complete_checkpoints(tmp_path)] == ["step-4"]
+    assert (tmp_path / "checkpoints" / ".deleting-step-2").exists()
+    clean_leftovers(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-4"]
+
+
+def test_leftovers_of_a_killed_run_are_cleaned_or_put_back(tmp_path):
+    from llmtrain.checkpoint import clean_leftovers
+
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(tmp_path, ".tmp-step-6")  # being written
+    fake_checkpoint(tmp_path, ".deleting-step-2")  # being deleted
+    fake_checkpoint(tmp_path, ".old-step-4")  # set aside while step-4 was saved again, and step-4 not yet back
+    fake_checkpoint(tmp_path, ".old-step-5")
+    fake_checkpoint(tmp_path, "step-5")  # ...here the new one is in place
+    (tmp_path / ".old-final").mkdir()
+    (tmp_path / "final").mkdir()
+    (root / ".tmp-notes").mkdir()  # not ours: left alone
+    clean_leftovers(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-notes", "step-4", "step-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "final"]
+    assert find_resume(str(tmp_path), "auto").name == "step-5"
+
+
+class FailingAccelerator(FakeAccelerator):
+    def __init__(self, error):
+        self.error = error
+
+    def save_state(self, path):
+        from pathlib import Path
+
+        (Path(path) / "optimizer.bin").write_bytes(b"half")
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error, reported",
+    [
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "unexpected pos"),
+        (Exception("Error while serializing: I/O error: No space left on device (os error 28)"), "No space left"),
+    ],
+    ids=["torch", "safetensors"],
+)
+def test_a_full_disk_is_reported_whatever_layer_raises_it(tmp_path, error, reported):
+    from llmtrain.checkpoint import save
+    from llmtrain.state import TrainState
+
+    with pytest.raises(CheckpointError, match=rf"checkpoint: writing .*\.tmp-step-4 failed \({reported}: "):
+        save(FailingAccelerator(error), str(tmp_path), TrainState(step=4), {}, "", keep_last=1)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-4").exists()
+
+
+def test_a_failure_that_is_not_a_write_fault_stays_a_bug(tmp_path):
+    from llmtrain.checkpoint import save
+    from llmtrain.state import TrainState
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        save(FailingAccelerator(RuntimeError("a bug")), str(tmp_path), TrainState(step=4), {}, "", keep_last=1)
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_in_torchs_writer_is_the_documented_error(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    """For real: the recipe with a limit on file size (as a full disk does, writes fail
+    part way), so torch's zip writer fails on optimizer.bin with a RuntimeError, not an
+    OSError. One error line, exit 2, and no partial directory left behind."""
+    import resource
+    import signal
+    import subprocess
+
+    from .conftest import ROOT, recipe_command
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (700_000, 700_000))  # the weights fit, the optimizer does not
+
+    out = tmp_path / "run"
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        f"output_dir={out}",
+        "train.micro_batch_size=2",
+        "train.max_steps=2",
+        "checkpoint.every_steps=1",
+    ]
+    proc = subprocess.run(
+        recipe_command(args),
+        env=cache_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint: writing {out}/checkpoints/.tmp-step-1 failed (unexpected pos: RuntimeError: "
+    ), errors
+    assert "there is no earlier checkpoint" in errors[0] and "Traceback" not in proc.stderr
+    assert list((out / "checkpoints").iterdir()) == []

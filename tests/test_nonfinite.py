@@ -290,3 +290,66 @@ def test_fp16_overflow_skips_the_step_through_accelerate_on_a_gpu(
     proc = subprocess.run(cmd, env=cache_env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert_overflows_took_no_step(metrics(out))
+
+
+def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
+    base_config, tiny_model, chat_file, tmp_path, monkeypatch
+):
+    """The loop itself, in-process: step 3 is taken at an infinite rate (as a broken
+    optimizer would), which the loss and gradient checks cannot see. The run stops with an
+    error naming the step; the checkpoints of steps 1 and 2 are complete and finite, and
+    nothing later (no checkpoint, no final/) exists."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_file
+
+    import llmtrain.train as loop
+    from llmtrain.config import load_config
+    from llmtrain.model import attention_backend, load_model, load_tokenizer
+    from llmtrain.objective import TokenLoss
+    from llmtrain.stop import StopRequest
+    from llmtrain.watchdog import Watchdog
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = load_config(
+        base_config,
+        args(
+            base_config,
+            tiny_model,
+            chat_file,
+            out,
+            "train.max_steps=6",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=0",
+        )[2:],
+    )
+    real = loop.learning_rate
+    monkeypatch.setattr(
+        loop, "learning_rate", lambda step, total, t: float("inf") if step == 2 else real(step, total, t)
+    )
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
+        tokenizer = load_tokenizer(cfg.model)
+        train_set, eval_set = loop.build_datasets(cfg, accelerator, tokenizer)
+        model = load_model(cfg.model)
+        objective = TokenLoss.for_model(model, cfg.model.attn_implementation, cfg.train.loss_chunk_tokens)
+        with Watchdog(0, 0) as watchdog:
+            run = loop.setup(
+                cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog
+            )
+            with pytest.raises(loop.TrainingError) as stopped:
+                loop.train(run)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert str(stopped.value).startswith("train: the update made ")
+    assert " weight values non-finite at step 3 (the loss and gradient norm were finite" in str(stopped.value)
+    assert f"nothing after step 2 was saved; newest complete checkpoint: {out}/checkpoints/step-2" in str(stopped.value)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    for step in ("step-1", "step-2"):
+        assert all(
+            torch.isfinite(w).all() for w in load_file(out / "checkpoints" / step / "model.safetensors").values()
+        )
+    assert [r["step"] for r in train_rows(out)] == [1, 2] and not (out / "final").exists()

@@ -207,3 +207,14 @@ def test_skips_in_a_row_count_only_our_skips_and_an_overflow_ends_them():
     state.record(result(Skip.NONFINITE))
     state.record(result())
     assert (state.step, state.skips_in_a_row, state.spikes.recent) == (1, 0, [1.0])
+
+
+def test_an_update_that_makes_weights_non_finite_is_reported(model, tokenizer, accelerator):
+    """Finite loss and gradients, but an infinite rate: the update cannot be undone, and
+    the result says so (the loop then stops before anything is saved)."""
+    result, after, _ = step(model, accelerator, micro_batches(tokenizer, 2, 2), lr=float("inf"))
+    assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+    assert result.skip is Skip.POISONED and result.reason.startswith("the update made ")
+    assert not all(torch.isfinite(p).all() for p in after.parameters())
+    clean, _, _ = step(model, accelerator, micro_batches(tokenizer, 2, 2))
+    assert clean.skip is None  # the count it starts from is the model's own (here 0)

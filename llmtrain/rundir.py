@@ -1,0 +1,157 @@
+"""One run per output directory, and what a rerun finds there.
+
+A run holds an exclusive lock on output_dir for its lifetime (`lock`): an flock on
+output_dir/.llmtrain.lock, taken by the main process. The kernel releases it however the
+process ends (a crash, SIGKILL), so a lock is never stale on one machine; on a shared
+filesystem that supports locks (NFSv4, Lustre mounted with flock) it also holds across
+nodes, and the server releases the lock of a crashed node when its lease runs out. The
+lock file says who holds it, so a second run stops at once naming the first.
+
+A finished run leaves final/train_state.json, the state it was exported at. A rerun of a
+finished run says so and exits instead of exporting again; a fresh start in a directory
+that holds a finished run (and no checkpoint to continue it) is refused rather than
+overwriting it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .checkpoint import STATE_FILE, CheckpointError
+from .errors import warn
+
+LOCK_FILE = ".llmtrain.lock"
+
+
+_HELD: dict[str, object] = {}  # output_dir -> the open lock file, for the life of the process
+
+
+def lock(output_dir: str, accelerator) -> None:
+    """Hold output_dir for this run, from the main process until it ends (the kernel
+    releases the lock then, however it ends). Every process raises the same
+    CheckpointError if another run holds it."""
+    import fcntl
+
+    from accelerate.utils import broadcast_object_list
+
+    refused = [""]
+    if accelerator.is_main_process and output_dir not in _HELD:
+        path = Path(output_dir) / LOCK_FILE
+        handle = open(path, "a+")  # noqa: SIM115 (held open for the whole run)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            refused[0] = (
+                f"output_dir: {output_dir} is in use by another run ({handle.read().strip() or 'its holder'}); "
+                "wait for it to end, or choose another output_dir"
+            )
+            handle.close()
+        except OSError as e:  # a filesystem without locks: go on, unguarded
+            warn(f"output_dir: cannot lock {path} ({e.strerror}); a second run into it would not be stopped")
+            handle.close()
+        else:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            handle.flush()
+            _HELD[output_dir] = handle
+    if accelerator.num_processes > 1:
+        broadcast_object_list(refused)
+    if refused[0]:
+        raise CheckpointError(refused[0])
+
+
+def finished_state(output_dir: str) -> dict | None:
+    """The TrainState a finished run exported final/ at, or None."""
+    path = Path(output_dir) / "final" / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# Settings that do not change what a run computes: where and how it reports, how it
+# checkpoints, how fast it reads. A rerun that changes only these is the same run.
+SAME_RUN = (
+    "output_dir",
+    "log.",
+    "checkpoint.",
+    "data.num_workers",
+    "train.hang_timeout_s",
+    "train.profile_steps",
+    "eval.sample_prompts",
+    "eval.sample_max_new_tokens",
+)
+
+
+def changed_settings(saved_yaml: str, cfg) -> list[str]:
+    """'key: old -> new' for each setting that alters the run and differs from the
+    config a checkpoint or export was written with."""
+    import yaml
+
+    from .config import as_dict
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    old, new = flat(yaml.safe_load(saved_yaml) or {}), flat(as_dict(cfg))
+    return [
+        f"{key}: {old.get(key)!r} -> {value!r}"
+        for key, value in new.items()
+        if not key.startswith(SAME_RUN) and key in old and old[key] != value
+    ]
+
+
+def already_finished(cfg) -> int | None:
+    """The step of final/ when output_dir holds this very run, finished (its export was
+    written with the same settings, but for how it reports and checkpoints); else None."""
+    done, config = finished_state(cfg.output_dir), Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"
+    if done is None or not config.is_file() or changed_settings(config.read_text(), cfg):
+        return None
+    return done["step"]
+
+
+def up_to_date(output_dir: str, step: int, total_steps: int) -> bool:
+    """Whether a resumed run has no step left and final/ was exported at that step (the
+    settings changed, say the rate, but not the length: exporting again would change
+    nothing)."""
+    done = finished_state(output_dir)
+    return step >= total_steps and done is not None and done["step"] == step
+
+
+def check_rerun(cfg, resume_from: Path | None) -> None:
+    """Refuse a fresh start over a finished run: with no checkpoint to continue from, the
+    run would train again from scratch and replace the finished run's metrics and final/."""
+    done = finished_state(cfg.output_dir)
+    if done is not None and resume_from is None:
+        raise CheckpointError(
+            f"output_dir: {cfg.output_dir} holds a finished run (final/ exported at step {done['step']}) with "
+            "other settings, and no checkpoint to continue it from; choose another output_dir, or delete its "
+            "final/ to train again from scratch"
+        )
+
+
+def warn_changes(resume_from: Path, cfg) -> None:
+    """Warn, naming each, about settings that alter the run and differ from those the
+    checkpoint was written with (those that fix what its data position means are refused
+    by checkpoint.load instead)."""
+    from .checkpoint import POSITION_KEYS
+
+    changes = [
+        c
+        for c in changed_settings((resume_from / "config.yaml").read_text(), cfg)
+        if c.split(":")[0] not in POSITION_KEYS
+    ]
+    if changes:
+        warn(
+            f"checkpoint.resume: {resume_from} was written with other settings; the run goes on with the new "
+            f"ones: {'; '.join(changes)}"
+        )

@@ -1,0 +1,201 @@
+"""One run per output directory, and no finished work lost on a rerun: the lock, a rerun
+of a finished run, a fresh start over one, a rerun that fails on bad input, changed
+settings at a resume, a torn metrics line, and the free-space check before anything
+loads."""
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmtrain.config import load_config
+from llmtrain.metrics import MetricsLog
+from llmtrain.rundir import changed_settings
+
+from .conftest import ROOT, metrics, recipe_command, run_recipe, train_rows
+
+
+def snapshot(out: Path) -> dict:
+    """Content hash of every file of a run directory but the lock file."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != ".llmtrain.lock"
+    }
+
+
+def test_changed_settings_name_what_alters_the_run():
+    before = load_config(None, ["model.name_or_path=m", "data.train=[a.jsonl]"])
+    after = load_config(
+        None,
+        [
+            "model.name_or_path=m",
+            "data.train=[a.jsonl,b.jsonl]",
+            "train.lr=1e-4",
+            "log.progress_bar=false",
+            "checkpoint.keep_last=5",
+            "output_dir=elsewhere",
+        ],
+    )
+    from llmtrain.config import to_yaml
+
+    assert changed_settings(to_yaml(before), after) == [
+        "data.train: ['a.jsonl'] -> ['a.jsonl', 'b.jsonl']",
+        "train.lr: 2e-05 -> 0.0001",
+    ]  # how it reports, checkpoints or where it writes do not change the run
+
+
+def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    MetricsLog(accelerator, str(tmp_path), resume_step=3)
+    assert metrics(tmp_path) == rows
+
+
+@pytest.fixture(scope="module")
+def finished(base_config, tiny_model, chat_file, cache_env, tmp_path_factory):
+    """A finished run, with checkpoints, and the arguments that made it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        f"output_dir={out}",
+        "train.micro_batch_size=2",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+    ]
+    run_recipe(args, cache_env)
+    return out, args
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_finished_run_says_so_and_changes_nothing(finished, cache_env):
+    out, args = finished
+    before = snapshot(out)
+    proc = run_recipe(args + ["log.progress_bar=true"], cache_env)  # a setting that does not alter the run
+    assert f"{out} already finished at step 4 with these settings; final/ is up to date" in proc.stdout
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_rerun_that_fails_on_bad_input_overwrites_nothing(finished, cache_env, tmp_path):
+    out, args = finished
+    before = snapshot(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": oops}\n')
+    proc = run_recipe(
+        [a for a in args if not a.startswith("data.train=")] + [f"data.train={bad}"], cache_env, check=False
+    )
+    assert proc.returncode == 2 and f"error: data.train: {bad} line 1: invalid JSON" in proc.stderr
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_settings_names_them(finished, cache_env, tmp_path):
+    """The learning rate changed, the length did not: the checkpoint at step 4 is the end,
+    so nothing is trained or exported again."""
+    out, args = finished
+    copy = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    args = [a if not a.startswith("output_dir=") else f"output_dir={copy}" for a in args]
+    before = snapshot(copy)
+    proc = run_recipe(args + ["train.lr=5e-4"], cache_env)
+    assert (
+        f"warning: checkpoint.resume: {copy}/checkpoints/step-4 was written with other settings; the run goes "
+        "on with the new ones: train.lr: 0.001 -> 0.0005" in proc.stderr
+    )
+    assert "nothing left to train at step 4; final/ is up to date" in proc.stdout
+    assert snapshot(copy) == before
+
+
+@pytest.mark.slow
+def test_a_fresh_start_over_a_finished_run_is_refused(finished, cache_env, tmp_path):
+    """No checkpoint to continue from (say checkpoints were removed): training again from
+    scratch would replace the finished run."""
+    out, args = finished
+    copy = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    subprocess.run(["rm", "-r", str(copy / "checkpoints")], check=True)
+    args = [a if not a.startswith("output_dir=") else f"output_dir={copy}" for a in args]
+    before = snapshot(copy)
+    proc = run_recipe(args + ["train.max_steps=6"], cache_env, check=False)
+    assert proc.returncode == 2
+    assert (
+        f"error: output_dir: {copy} holds a finished run (final/ exported at step 4) with other settings" in proc.stderr
+    )
+    assert snapshot(copy) == before
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_output_dir_stops_at_once_naming_the_first(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    from .test_train import kill_tree, start_run, wait_for
+
+    out = tmp_path / "run"
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        f"output_dir={out}",
+        "train.micro_batch_size=1",
+        "train.epochs=1000",
+        "checkpoint.every_steps=5",
+    ]
+    first = start_run(args, cache_env, nproc=2)
+    try:
+        assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 2, first)
+        rows = len(train_rows(out))
+        second = run_recipe(args, cache_env, nproc=2, check=False, timeout=120)
+        assert second.returncode != 0
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: output_dir: {out} is in use by another run (pid ")
+        assert "started 20" in errors[0] and first.poll() is None  # the first run goes on
+        assert wait_for(lambda: len(train_rows(out)) > rows + 2, first)
+    finally:
+        kill_tree(first)  # SIGKILL: the kernel releases its lock
+        first.wait()
+    assert first.returncode == -signal.SIGKILL
+    proc = run_recipe(args[:-2] + ["train.epochs=1", "checkpoint.every_steps=5"], cache_env, check=False)
+    assert "is in use by another run" not in proc.stderr  # no stale lock after a crash
+
+
+@pytest.mark.slow
+def test_free_space_is_checked_before_data_or_weights_load(base_config, tiny_model, cache_env, tmp_path):
+    """A full disk and a malformed data file: the disk is what the run reports, at once."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": oops}\n')
+    script = (
+        "import shutil, sys, runpy\n"
+        "from types import SimpleNamespace\n"
+        "shutil.disk_usage = lambda path: SimpleNamespace(total=10**12, used=10**12, free=1000)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={bad}",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *recipe_command(args)[1:]],
+        env=cache_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: output_dir: {tmp_path / 'run'} has 0.00 GiB free")
