@@ -88,6 +88,12 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"checkpoint.resume: {resume} is not a complete llmtrain checkpoint (no {STATE_FILE})")
+    if (path / "llmtrain_config.yaml").is_file() and not (path / "config.yaml").is_file():
+        raise CheckpointError(
+            f"checkpoint.resume: {resume} is an export (final/), not a checkpoint: it has no optimizer state or "
+            f"data position to resume; give a checkpoints/step-N directory, or start a new run from its weights "
+            f"with model.name_or_path={resume}"
+        )
     why = usable(path, rng_required, warn, accelerator)
     if why is not None:
         raise CheckpointError(f"checkpoint.resume: {resume} is damaged ({why}); resume from an earlier checkpoint")
@@ -158,11 +164,12 @@ def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
         state = json.loads((Path(path) / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         return f"{STATE_FILE} is unreadable ({type(e).__name__})", []
-    if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in TrainState.POSITION):
-        return f"{STATE_FILE} has no training position ({', '.join(TrainState.POSITION)})", []
-    files = state.get("files")
-    if not isinstance(files, dict):
-        return f"{STATE_FILE} has no file list", []
+    if (why := state_problem(state)) is not None:
+        return f"{STATE_FILE} {why}", []
+    files = state["files"]
+    listed = {str(f.relative_to(path)) for f in Path(path).rglob("*") if f.is_file() and f.name != STATE_FILE}
+    if unlisted := sorted(listed - set(files)):
+        return f"{unlisted[0]} is not in the file list of {STATE_FILE}", []
     why, rng_faults = None, []
     for rel, entry in files.items():
         size = entry["size"] if isinstance(entry, dict) else entry  # checkpoints of 0.1 listed sizes only
@@ -180,6 +187,35 @@ def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
         elif why is None:
             why = fault
     return why, rng_faults
+
+
+def state_problem(state) -> str | None:
+    """What makes a train_state.json unfit to resume from (edited by hand, or written by
+    something else), or None: its position, counters and recent losses, the settings and
+    the file list must all have their types."""
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(state, dict):
+        return "is not a JSON object"
+    if not all(count(state.get(k)) for k in TrainState.POSITION):
+        return f"has no training position ({', '.join(TrainState.POSITION)} as counts)"
+    if not all(count(state.get(k, 0)) for k in ("skips_in_a_row", "nonfinite_weights")):
+        return "has a counter that is not a count (skips_in_a_row, nonfinite_weights)"
+    losses = state.get("recent_losses") or []
+    if not isinstance(losses, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in losses):
+        return "has recent_losses that are not a list of numbers"
+    if not isinstance(state.get("settings"), dict):
+        return "has no settings"
+    files = state.get("files")
+    if not isinstance(files, dict) or not files:
+        return "has no file list"
+    for rel, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else entry
+        if not count(size) or (isinstance(entry, dict) and not isinstance(entry.get("crc32", ""), str)):
+            return f"lists {rel} without its size and checksum"
+    return None
 
 
 def content_damage(path: Path, accelerator=None) -> list[tuple[str, str]]:
@@ -431,5 +467,11 @@ def load(accelerator, path: Path, cfg, state: TrainState) -> None:
             "resume with the same settings or start a new output_dir"
         )
     check_pickles(path)
-    accelerator.load_state(str(path))  # Accelerate's own files load with weights_only
+    try:
+        accelerator.load_state(str(path))  # Accelerate's own files load with weights_only
+    except Exception as e:  # files that passed the checks but do not fit this model or run
+        raise CheckpointError(
+            f"checkpoint.resume: cannot load {path} ({describe(e)}); was it written by this run with the same "
+            "model settings (model.*, LoRA)? Resume from a checkpoint of this run, or start a new output_dir"
+        ) from None
     state.load_state_dict(saved)

@@ -43,6 +43,8 @@ class Bounds:
     high_open: bool = False  # high itself is not allowed
 
     def problem(self, value) -> str | None:
+        if isinstance(value, int) and abs(value) >= 2**63:  # beyond what torch or the OS take
+            return f"must be below 2**63, got a number of {len(str(abs(value)))} digits"
         if not math.isfinite(value):
             return f"must be a finite number, got {value}"
         too_low = value <= self.low if self.low_open else value < self.low
@@ -129,8 +131,8 @@ class DataConfig:
     """With data.streaming and data.shuffle, rows held in the shuffle buffer: each row
     read is drawn at random from a buffer of this many. Larger mixes better, at the cost
     of memory and a slower first step."""
-    num_workers: int = 0
-    """DataLoader worker processes."""
+    num_workers: Annotated[int, Bounds(0, 64)] = 0
+    """DataLoader worker processes (per training process)."""
     shuffle: bool = True
     """Shuffle the training rows (or packed sequences) every epoch, seeded by train.seed;
     false keeps the order of the files (a curriculum)."""
@@ -336,13 +338,13 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value
         raise TypeError
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
                 return float(value)
             except ValueError:
                 raise TypeError from None
+            except OverflowError:  # an integer beyond any float: Bounds refuses it as not finite
+                return math.inf
         raise TypeError
     if tp is str:
         if isinstance(value, str):
@@ -392,14 +394,27 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set tree[a][b][c] = value for 'a.b.c'. A mapping given for a section is merged
+    into it key by key (train={lr: 1e-4} changes only train.lr); a value that is not a
+    mapping never replaces a section, nor is a section made inside one."""
     parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError([f"{dotted or '(empty)'}={value!r}: the key has an empty part; write key.sub=value"])
     node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            child = node[part] = {}
+            above = ".".join(parts[: i + 1])
+            raise ConfigError([f"{dotted}: {above} is set to {child!r}, not a section; set {above} as a section"])
         node = child
-    node[parts[-1]] = value
+    last, old = parts[-1], node.get(parts[-1])
+    if isinstance(old, dict) and isinstance(value, dict):
+        for key, sub in value.items():
+            _set_dotted(old, str(key), sub)
+    elif isinstance(old, dict) and value != old:
+        raise ConfigError([f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {value!r}"])
+    else:
+        node[last] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -421,19 +436,30 @@ class DuplicateKey(yaml.YAMLError):
         super().__init__(f"'{key}' is given twice (first on line {first}); give each key once")
 
 
+class BadKey(yaml.YAMLError):
+    def __init__(self, key, line: int):
+        self.line = line
+        kind = {list: "a list", dict: "a mapping"}.get(type(key), type(key).__name__)
+        super().__init__(f"a key here is {kind}, not a name; keys are plain names such as lr")
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error: the
-    plain loader keeps the last, so a second `train:` block would silently replace the first."""
+    plain loader keeps the last, so a second `train:` block would silently replace the
+    first. Keys merged in with `<<: *anchor` may be overridden, as YAML intends."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key == "<<":  # a merge key, resolved by the loader
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`, resolved by the loader
                 continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise BadKey(key, line)
             if key in seen:
-                raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
-            seen[key] = key_node.start_mark.line + 1
+                raise DuplicateKey(key, line, seen[key])
+            seen[key] = line
         return super().construct_mapping(node, deep)
 
 
@@ -443,9 +469,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     problems: list[str] = []
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError([f"--config: no such file: {path}"])
-        data = path.read_bytes()
+        if not path.is_file():
+            raise ConfigError([f"--config: {path} is not a regular file; give a YAML file"])
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError([f"--config: cannot read {path} ({e.strerror}); check its permissions"]) from None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -453,7 +484,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             raise ConfigError([f"{path}:{line}: not UTF-8 text; save the file as UTF-8"]) from None
         try:
             loaded = yaml.load(text, Loader=UniqueKeyLoader)
-        except DuplicateKey as e:
+        except (DuplicateKey, BadKey) as e:
             raise ConfigError([f"{path}:{e.line}: {e}"]) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
@@ -484,6 +515,9 @@ def validate(cfg: Config) -> list[str]:
         p.append("data.train: required; a path, a list of paths, or a hub data set name")
     if not cfg.output_dir:
         p.append("output_dir: required")
+    for key, names in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if isinstance(names, list):
+            p += [f"{key}[{i}]: empty; give a file path or a hub data set name" for i, n in enumerate(names) if not n]
     if cfg.data.streaming and t.max_steps == 0:
         p.append("data.streaming: a stream's length is not known ahead; set train.max_steps")
     if t.max_steps == 0 and t.epochs == 0:

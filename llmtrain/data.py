@@ -90,19 +90,20 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     import datasets
 
     path = Path(name)
-    if path.suffix in FILE_BUILDERS:
-        if not path.is_file():
+    suffix = path.suffix.lower()
+    if suffix in FILE_BUILDERS:
+        if not path.exists():
             raise DataError(f"{key}: no such file: {name}")
-        if path.suffix in TEXT_FILES:
+        if not path.is_file():
+            raise DataError(f"{key}: {name} is not a regular file; give a data file")
+        if suffix in TEXT_FILES:
             first = first_rows(path, key)  # a file that cannot be read fails here, with its line
             if not first:
                 raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
             ds = row_dataset(path, key, streaming)
             return Source(key, name, ds, sorted({k for row in first for k in row}), raw=True)
         try:
-            ds = datasets.load_dataset(
-                FILE_BUILDERS[path.suffix], data_files=str(path), split="train", streaming=streaming
-            )
+            ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train", streaming=streaming)
         except Exception as e:  # Arrow schema errors and the like
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))

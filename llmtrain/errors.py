@@ -21,10 +21,17 @@ class DataError(UserError):
 
 
 def describe(e: BaseException) -> str:
-    """'<Type>: <first non-empty line of the message>', or the type alone: the gist of a
-    library exception for a one-line error (some have empty or many-line messages)."""
+    """'<Type>: <first non-empty line of the message>' (with the lines after it if it ends
+    in ':'), or the type alone: the gist of a library exception for a one-line error (some
+    have empty or many-line messages)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    if not lines:
+        return type(e).__name__
+    gist = lines[0]
+    if gist.endswith(":"):  # it says nothing without what follows
+        gist = " ".join(lines)
+        gist = gist if len(gist) <= 300 else gist[:297] + "..."
+    return f"{type(e).__name__}: {gist}"
 
 
 def warn(message: str) -> None:

@@ -17,9 +17,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import DataError, UserError
+from .errors import DataError, UserError, describe
 
 TEXT_FILES = (".jsonl", ".json", ".csv")
+TOO_DEEP = "JSON nested too deeply to read; flatten the row"
 RAW, LINE = "__raw", "__line"
 
 
@@ -27,12 +28,34 @@ def read_rows(path: Path, key: str) -> Iterator[tuple[int, dict]]:
     """(line the row starts on, row) for every row of a .jsonl, .json or .csv file. JSON
     Lines and CSV are read a line at a time (a stream of any size); a .json array is one
     document and is read whole."""
-    if path.suffix == ".json":
-        yield from _json_array(_decode(path.read_bytes(), path, key), path, key)
-    elif path.suffix == ".jsonl":
-        yield from _jsonl(_lines(path, key), path, key)
-    else:
-        yield from _csv(_lines(path, key), path, key)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            rows = _json_array(_decode(path.read_bytes(), path, key), path, key)
+        elif suffix == ".jsonl":
+            rows = _jsonl(_lines(path, key), path, key)
+        else:
+            rows = _csv(_lines(path, key), path, key)
+        yield from rows
+    except OSError as e:
+        raise DataError(
+            f"{key}: cannot read {path} ({e.strerror or describe(e)}); check the file and its permissions"
+        ) from None
+
+
+def _as_text(row: dict, path: Path, key: str, line: int) -> str:
+    """The row as JSON text, if all its text can be written as UTF-8: JSON's \\uXXXX
+    escapes can spell a lone UTF-16 surrogate, which no tokenizer or Arrow table takes."""
+    text = json.dumps(row, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{key}: {path} line {line}: text with a lone UTF-16 surrogate ({ascii(e.object[e.start : e.end])}), "
+            "which is not a character; "
+            "fix the \\u escape (a surrogate pair needs both halves)"
+        ) from None
+    return text
 
 
 def _lines(path: Path, key: str) -> Iterator[str]:
@@ -69,6 +92,8 @@ def _jsonl(lines: Iterator[str], path: Path, key: str):
                 f"{key}: {path} line {number}: invalid JSON ({e.msg} at column {e.colno}); "
                 "each line must be one JSON object"
             ) from None
+        except RecursionError:
+            raise DataError(f"{key}: {path} line {number}: {TOO_DEEP}") from None
         if not isinstance(row, dict):
             raise DataError(f"{key}: {path} line {number}: expected a JSON object, got {type(row).__name__}")
         yield number, row
@@ -76,7 +101,7 @@ def _jsonl(lines: Iterator[str], path: Path, key: str):
 
 def _json_array(text: str, path: Path, key: str):
     """The objects of a JSON array, each with the line it starts on."""
-    decoder, at, line = json.JSONDecoder(), 0, 1
+    decoder, at, line, seen = json.JSONDecoder(), 0, 1, 0
 
     def skip(at: int) -> int:
         while at < len(text) and text[at] in " \t\r\n":
@@ -92,13 +117,15 @@ def _json_array(text: str, path: Path, key: str):
     at = skip(at)
     if at == len(text) or text[at] != "[":
         fail("the top level is not an array", at)
-    at, seen = skip(at + 1), at
+    at = skip(at + 1)
     while at < len(text) and text[at] != "]":
         line += text.count("\n", seen, at)
         try:
             row, end = decoder.raw_decode(text, at)
         except json.JSONDecodeError as e:
             fail(f"invalid JSON ({e.msg})", e.pos)
+        except RecursionError:
+            fail(TOO_DEEP, at)
         if not isinstance(row, dict):
             fail(f"expected a JSON object, got {type(row).__name__}", at)
         yield line, row
@@ -115,7 +142,10 @@ def _json_array(text: str, path: Path, key: str):
 
 def _csv(lines: Iterator[str], path: Path, key: str):
     """Rows as {header: value}; an empty field is None (a missing value, as pandas reads it)."""
-    reader = csv.reader(lines)
+    # Python's csv module refuses fields over 128 KiB by default; a long document is data.
+    csv.field_size_limit(2**31 - 1)
+    # strict: an unclosed quote is an error, not a field that swallows the rest of the file.
+    reader = csv.reader(lines, strict=True)
     header, ended = None, 0
     try:
         for values in reader:
@@ -132,7 +162,8 @@ def _csv(lines: Iterator[str], path: Path, key: str):
                 )
             yield start, {name: (value if value != "" else None) for name, value in zip(header, values)}
     except csv.Error as e:
-        raise DataError(f"{key}: {path} line {ended + 1}: not valid CSV ({e}); check the quoting") from None
+        why = "a quoted field is not closed" if "unexpected end of data" in str(e) else str(e)
+        raise DataError(f"{key}: {path} line {ended + 1}: not valid CSV ({why}); check the quoting") from None
 
 
 def first_rows(path: Path, key: str, n: int = 100) -> list[dict]:
@@ -146,7 +177,7 @@ def first_rows(path: Path, key: str, n: int = 100) -> list[dict]:
 
 def _generate(path: str, key: str, stamp: str):
     for line, row in read_rows(Path(path), key):
-        yield {LINE: line, RAW: json.dumps(row, ensure_ascii=False)}
+        yield {LINE: line, RAW: _as_text(row, Path(path), key, line)}
 
 
 def row_dataset(path: Path, key: str, streaming: bool = False):

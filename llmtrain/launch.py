@@ -4,13 +4,16 @@ anything loads, and the recipe's batch settings made DeepSpeed's."""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, parse_flag_from_env
 
 from .config import Config, ConfigError
+from .errors import UserError
 from .metrics import tracker_name
 
 
@@ -148,3 +151,38 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
     # Accelerate compares its own count with DeepSpeed's; it does not scale the loss
     # under DeepSpeed, so matching it only silences a mismatch warning.
     accelerator.gradient_accumulation_steps = t.grad_accum_steps
+
+
+@contextmanager
+def main_first(accelerator):
+    """Like `accelerator.main_process_first()`: the main process runs the body first (it
+    builds the demo files and the data cache), then the others. Unlike it, a user error
+    the main process meets there reaches every process: the others wait for the main
+    process's outcome rather than in a barrier it never joins, and raise the same error
+    (printed once, `cli.report_once`) instead of dying in a broken collective."""
+    if accelerator.num_processes == 1:
+        yield
+        return
+    from accelerate.utils import broadcast_object_list
+
+    outcome: list = [None]
+    if not accelerator.is_main_process:
+        broadcast_object_list(outcome)
+        if outcome[0] == FAILED:
+            sys.exit(1)  # the main process shows the traceback
+        if outcome[0] is not None:
+            raise UserError(outcome[0])
+        yield
+        return
+    try:
+        yield
+    except UserError as e:
+        broadcast_object_list([str(e)])
+        raise
+    except Exception:
+        broadcast_object_list([FAILED])
+        raise
+    broadcast_object_list(outcome)
+
+
+FAILED = "\0failed"  # what main_first sends when the main process met a bug

@@ -31,11 +31,11 @@ def _load_error(what: str, name: str, e: Exception) -> ModelError:
     return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)})")
 
 
-def check_model(cfg: ModelConfig, max_seq_len: int):
+def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
     """Read the model's config (no weights) before any data or weights load, and return
     it: a bad model.name_or_path, or sequences longer than the model's positions without
-    rope scaling (they would train on positions the model never learned), stop the run
-    here."""
+    rope scaling (they would train on positions the model never learned; `sample_tokens`
+    are generated after training), stop the run here."""
     from transformers import AutoConfig
 
     name = cfg.name_or_path
@@ -44,6 +44,7 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
             f"model.name_or_path: no such directory: {name}; give a local model directory "
             "(with config.json) or a hub name like 'owner/model'"
         )
+    _check_readable(Path(name).expanduser())
     try:
         mcfg = AutoConfig.from_pretrained(name, **hub_kwargs(cfg))
     except Exception as e:
@@ -52,13 +53,33 @@ def check_model(cfg: ModelConfig, max_seq_len: int):
     if cfg.lora.enabled:
         meta_model(cfg, mcfg)  # adds the adapters as training will, or says why it cannot
     limit = getattr(mcfg, "max_position_embeddings", None)
-    if not isinstance(limit, int) or max_seq_len <= limit or _rope_scaled(mcfg):
+    if not isinstance(limit, int) or _rope_scaled(mcfg):
+        return mcfg
+    if sample_tokens > limit:
+        raise ModelError(
+            f"eval.sample_max_new_tokens: {sample_tokens} is above the {limit} positions of '{cfg.name_or_path}' "
+            f"(max_position_embeddings); set eval.sample_max_new_tokens below {limit}"
+        )
+    if max_seq_len <= limit:
         return mcfg
     raise ModelError(
         f"data.max_seq_len: {max_seq_len} is above the {limit} positions of '{cfg.name_or_path}' "
         f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
         "a model configured for longer context"
     )
+
+
+def _check_readable(path: Path) -> None:
+    """Every file of a local model directory opens for reading (transformers reports an
+    unreadable weights file as missing)."""
+    if not path.is_dir():
+        return
+    for f in sorted(path.rglob("*")):
+        try:
+            if f.is_file():
+                f.open("rb").close()
+        except OSError as e:
+            raise ModelError(f"model.name_or_path: cannot read {f} ({e.strerror}); check its permissions") from None
 
 
 def meta_model(cfg: ModelConfig, mcfg):
@@ -68,8 +89,14 @@ def meta_model(cfg: ModelConfig, mcfg):
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else _saved_dtype(mcfg) or torch.float32
-    with whole_models(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    try:
+        with whole_models(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # the user's config.json describes no model that can be built
+        raise ModelError(
+            f"model.name_or_path: cannot build a model from the config of '{cfg.name_or_path}' ({describe(e)}); "
+            "check its config.json"
+        ) from None
     return add_lora(model, cfg) if cfg.lora.enabled else model
 
 
@@ -126,7 +153,15 @@ def _rope_scaled(mcfg) -> bool:
 def attention_backend(cfg: ModelConfig, packing: bool, device: torch.device) -> str:
     """model.attn_implementation with 'auto' resolved: FlexAttention for packed batches
     on a GPU (a block-sparse document mask), SDPA otherwise."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     name = cfg.attn_implementation
+    known = ["auto", "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name not in known and "/" not in name:  # 'owner/repo' names a kernel on the hub
+        raise ModelError(
+            f"model.attn_implementation: unknown backend {name!r}; use one of {', '.join(known)} "
+            "(or a hub kernel as 'owner/repo')"
+        )
     if name == "auto":
         name = "flex_attention" if packing and device.type == "cuda" else "sdpa"
     if name == "flex_attention" and device.type == "cpu":

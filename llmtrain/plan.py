@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
+import yaml
+
 from . import demo
 from .cli import user_errors
 from .config import ConfigError, load_config, to_yaml
 from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
+from .errors import describe
 from .model import check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .stream import StreamedRows
 
@@ -57,7 +60,17 @@ def read_launch(path: str | None, cfg) -> Launch:
         return Launch()
     if not Path(path).is_file():
         raise ConfigError([f"--accelerate-config: no such file: {path}"])
-    ac = load_config_from_file(path)
+    try:
+        ac = load_config_from_file(path)
+        return _launch(ac, path, cfg)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, yaml.YAMLError) as e:
+        # Accelerate's reader and the values in the file are the user's to fix.
+        raise ConfigError(
+            [f"--accelerate-config: cannot read {path} ({describe(e)}); write it with `accelerate config`"]
+        ) from None
+
+
+def _launch(ac, path: str, cfg) -> Launch:
     launch = Launch(
         source=str(path),
         distributed_type=str(getattr(ac.distributed_type, "value", ac.distributed_type)),
@@ -240,8 +253,12 @@ def plan(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: llmtrain plan [--config F] [--accelerate-config F] [key.sub=value ...]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\nplan: what a run would do (data, model, memory, launch), without training")
+        return
     if not argv or argv[0] != "plan":
-        print("usage: llmtrain plan [--config F] [--accelerate-config F] [key.sub=value ...]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         sys.exit(2)
     with user_errors():
         plan(argv[1:])

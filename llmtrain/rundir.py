@@ -21,7 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-from .checkpoint import STATE_FILE, CheckpointError
+from .checkpoint import STATE_FILE, CheckpointError, checkpoint_root, complete_checkpoints
 from .errors import warn
 
 LOCK_FILE = ".llmtrain.lock"
@@ -67,12 +67,24 @@ def lock(output_dir: str, accelerator) -> None:
 
 
 def finished_state(output_dir: str) -> dict | None:
-    """The TrainState a finished run exported final/ at, or None."""
-    path = Path(output_dir) / "final" / STATE_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+    """The TrainState a finished run exported final/ at, or None when there is no final/.
+    A final/ whose state cannot be read (written by hand, by an older version, or
+    damaged) still holds a finished run: its step is None then."""
+    final = Path(output_dir) / "final"
+    if not final.is_dir():
         return None
+    try:
+        state = json.loads((final / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        state = None
+    step = state.get("step") if isinstance(state, dict) else None
+    return state if isinstance(step, int) and not isinstance(step, bool) else {"step": None}
+
+
+def holds_run(output_dir: str) -> bool:
+    """Whether output_dir holds what a run writes: metrics, checkpoints or an export."""
+    out = Path(output_dir)
+    return (out / "metrics.jsonl").is_file() or (out / "final").is_dir() or bool(complete_checkpoints(out))
 
 
 # Settings that do not change what a run computes: where and how it reports, how it
@@ -102,7 +114,13 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
             out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
         return out
 
-    old, new = flat(yaml.safe_load(saved_yaml) or {}), flat(as_dict(cfg))
+    try:
+        saved = yaml.safe_load(saved_yaml)
+    except yaml.YAMLError:
+        saved = None
+    if not isinstance(saved, dict):
+        return ["(the saved config cannot be read, so changes are not known)"]
+    old, new = flat(saved), flat(as_dict(cfg))
     return [
         f"{key}: {old.get(key)!r} -> {value!r}"
         for key, value in new.items()
@@ -114,7 +132,12 @@ def already_finished(cfg) -> int | None:
     """The step of final/ when output_dir holds this very run, finished (its export was
     written with the same settings, but for how it reports and checkpoints); else None."""
     done, config = finished_state(cfg.output_dir), Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"
-    if done is None or not config.is_file() or changed_settings(config.read_text(), cfg):
+    if done is None or done["step"] is None or not config.is_file():
+        return None
+    try:
+        if changed_settings(config.read_text(), cfg):
+            return None
+    except (OSError, UnicodeDecodeError):
         return None
     return done["step"]
 
@@ -128,14 +151,23 @@ def up_to_date(output_dir: str, step: int, total_steps: int) -> bool:
 
 
 def check_rerun(cfg, resume_from: Path | None) -> None:
-    """Refuse a fresh start over a finished run: with no checkpoint to continue from, the
-    run would train again from scratch and replace the finished run's metrics and final/."""
-    done = finished_state(cfg.output_dir)
-    if done is not None and resume_from is None:
+    """Refuse a run that would overwrite another's results: a fresh start over a finished
+    run (it would train again from scratch and replace its metrics and final/), and a
+    resume from another directory's checkpoint into one that holds a run (the two runs'
+    metrics and checkpoints would mix)."""
+    out = cfg.output_dir
+    foreign = resume_from is not None and resume_from.resolve().parent != checkpoint_root(out).resolve()
+    if foreign and holds_run(out):
         raise CheckpointError(
-            f"output_dir: {cfg.output_dir} holds a finished run (final/ exported at step {done['step']}) with "
-            "other settings, and no checkpoint to continue it from; choose another output_dir, or delete its "
-            "final/ to train again from scratch"
+            f"output_dir: {out} holds another run, and resuming {resume_from} into it would mix the two runs' "
+            "metrics, checkpoints and final/; resume it into a new output_dir"
+        )
+    done = finished_state(out)
+    if done is not None and resume_from is None:
+        at = f"exported at step {done['step']}" if done["step"] is not None else "whose train_state.json cannot be read"
+        raise CheckpointError(
+            f"output_dir: {out} holds a finished run (final/ {at}) with other settings, and no checkpoint to "
+            "continue it from; choose another output_dir, or delete its final/ to train again from scratch"
         )
 
 
@@ -145,11 +177,11 @@ def warn_changes(resume_from: Path, cfg) -> None:
     by checkpoint.load instead)."""
     from .checkpoint import POSITION_KEYS
 
-    changes = [
-        c
-        for c in changed_settings((resume_from / "config.yaml").read_text(), cfg)
-        if c.split(":")[0] not in POSITION_KEYS
-    ]
+    try:
+        saved = (resume_from / "config.yaml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        saved = ""
+    changes = [c for c in changed_settings(saved, cfg) if c.split(":")[0] not in POSITION_KEYS]
     if changes:
         warn(
             f"checkpoint.resume: {resume_from} was written with other settings; the run goes on with the new "

@@ -25,6 +25,7 @@ from .config import Config, flat_dict, to_yaml
 from .data import DataError, as_list, prepare_split, resolve_chat_template
 from .errors import UserError, warn
 from .evaluate import evaluate
+from .launch import main_first
 from .metrics import MetricsLog, tracker_name
 from .model import compile_blocks, pad_id
 from .objective import Objective
@@ -53,7 +54,7 @@ def build_datasets(cfg: Config, accelerator, tokenizer):
     them if asked; with data.streaming, data.train is a StreamedRows read during training.
     Returns (train_set, eval_set or None)."""
     sets: list = []
-    with accelerator.main_process_first():
+    with main_first(accelerator):
         for key, names in (("data.train", as_list(cfg.data.train)), ("data.eval", as_list(cfg.data.eval))):
             if not names:
                 sets.append(None)
@@ -94,6 +95,22 @@ def check_metric_names(objective: Objective) -> None:
     clash = sorted(set(objective.metric_names) & (ROW_KEYS | {objective.unit, f"{objective.unit}_per_s"}))
     if clash:
         raise ValueError(f"{type(objective).__name__}.metric_names: {clash} are the metrics row's own fields")
+
+
+def check_lengths(t, total_steps: int) -> None:
+    """Warn about step counts that make no sense for a run of total_steps (known only once
+    the data is): a warm-up that never ends, a profile of steps the run never takes."""
+    if t.warmup_steps >= total_steps:
+        warn(
+            f"train.warmup_steps: {t.warmup_steps} is not below the run's {total_steps} steps, so the learning rate "
+            f"never reaches train.lr={t.lr}; lower train.warmup_steps"
+        )
+    profile = t.profile_range()
+    if profile is not None and profile[0] > total_steps:
+        warn(
+            f"train.profile_steps: steps {t.profile_steps} are beyond the run's {total_steps} steps; nothing is "
+            "profiled"
+        )
 
 
 @dataclass
@@ -182,6 +199,7 @@ def setup(
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
     total_steps = t.total_steps(per_epoch)
+    check_lengths(t, total_steps)
     accelerator.print(
         f"training {total_steps} steps ("
         + ("a pass over the stream ends when every process has run out" if streaming else f"{per_epoch} per epoch")

@@ -20,7 +20,7 @@ from llmtrain.config import to_yaml
 from llmtrain.data import resolve_chat_template
 from llmtrain.errors import warn
 from llmtrain.export import model_for_sampling, sample, save_final
-from llmtrain.launch import setup_accelerator
+from llmtrain.launch import main_first, setup_accelerator
 from llmtrain.metrics import describe_run, plot_losses
 from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer, meta_model
 from llmtrain.objective import TokenLoss
@@ -33,12 +33,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 def main(argv=None):
-    stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: checkpoint at the next step, then exit
+    stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
     cfg, args = parse_args(argv, DEFAULT_CONFIG, description=__doc__.splitlines()[0])
     accelerator = setup_accelerator(cfg)
-    with accelerator.main_process_first():
+    with main_first(accelerator):
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
-    mcfg = check_model(cfg.model, cfg.data.max_seq_len)
+    sample_tokens = cfg.eval.sample_max_new_tokens if cfg.eval.sample_prompts else 0
+    mcfg = check_model(cfg.model, cfg.data.max_seq_len, sample_tokens)
     cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
     checkpoint.check_writable(cfg.output_dir)
     rundir.lock(cfg.output_dir, accelerator)  # one run per output_dir, until this process ends
@@ -71,11 +72,14 @@ def main(argv=None):
             accelerator.end_training()
             return
         describe_run(cfg, accelerator, resume_from)  # config.yaml, run.json: only now that the run trains
-        outcome = train(run)
-        if outcome is Outcome.FINISHED:
-            watchdog.beat("writing final/")
-            config, state = to_yaml(cfg), run.state.state_dict()
-            final = save_final(accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export.merge_lora, state)
+        with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
+            outcome = train(run)
+            if outcome is Outcome.FINISHED:
+                watchdog.beat("writing final/")
+                config, state = to_yaml(cfg), run.state.state_dict()
+                final = save_final(
+                    accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export.merge_lora, state
+                )
     if outcome is Outcome.STOPPED:
         accelerator.end_training()
         sys.exit(stop.exit_code())

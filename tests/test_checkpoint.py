@@ -20,7 +20,7 @@ def fake_checkpoint(root, name, complete=True):
     (path / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shard")
     torch.save({"torch_manual_seed": torch.get_rng_state()}, path / "random_states_0.pkl")
     if complete:
-        (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": manifest(path)}))
+        (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": manifest(path)}))
     return path
 
 
@@ -28,7 +28,25 @@ POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
 
 
 @pytest.mark.parametrize(
-    "fault", ["truncated", "flipped", "missing_rng", "garbled_rng", "no_position", "no_file_list", "bad_json"]
+    "fault",
+    [
+        "truncated",
+        "flipped",
+        "missing_rng",
+        "garbled_rng",
+        "no_position",
+        "no_file_list",
+        "bad_json",
+        "no_settings",
+        "settings_a_list",
+        "negative_step",
+        "epoch_a_bool",
+        "losses_garbled",
+        "skips_a_string",
+        "an_entry_without_size",
+        "empty_file_list",
+        "a_file_left_out",
+    ],
 )
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
     fake_checkpoint(tmp_path, "step-2")
@@ -46,8 +64,24 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
         (newest / STATE_FILE).write_text(json.dumps({"files": manifest(newest)}))
     elif fault == "no_file_list":
         (newest / STATE_FILE).write_text(json.dumps(POSITION))
-    else:
+    elif fault == "bad_json":
         (newest / STATE_FILE).write_text('{"step": 4, "fi')
+    else:  # train_state.json edited by hand: every field is checked for its type
+        state = json.loads((newest / STATE_FILE).read_text())
+        rel = "pytorch_model/shard_0.pt"
+        edits = {
+            "no_settings": lambda s: s.pop("settings"),
+            "settings_a_list": lambda s: s.update(settings=[]),
+            "negative_step": lambda s: s.update(step=-5),
+            "epoch_a_bool": lambda s: s.update(epoch=True),
+            "losses_garbled": lambda s: s.update(recent_losses="garbage"),
+            "skips_a_string": lambda s: s.update(skips_in_a_row="x"),
+            "an_entry_without_size": lambda s: s["files"][rel].pop("size"),
+            "empty_file_list": lambda s: s.update(files={}),
+            "a_file_left_out": lambda s: s["files"].pop(rel),
+        }
+        edits[fault](state)
+        (newest / STATE_FILE).write_text(json.dumps(state))
     warnings = []
     assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-2"
     assert len(warnings) == 1 and "step-4 is damaged" in warnings[0]
@@ -75,7 +109,7 @@ def test_a_pickle_that_is_not_plain_data_is_never_executed(tmp_path):
     path = fake_checkpoint(tmp_path, "step-4")
     marker = tmp_path / "ran"
     torch.save({"torch_manual_seed": Boom(str(marker))}, path / "random_states_0.pkl")
-    (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": manifest(path)}))
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": manifest(path)}))
     with pytest.raises(CheckpointError, match="random_states_0.pkl cannot be read"):
         find_resume(str(tmp_path), "auto")
     assert not marker.exists()
@@ -322,7 +356,7 @@ def test_a_checkpoint_listing_sizes_only_still_resumes(tmp_path):
     """Checkpoints written before checksums were kept list sizes: checked by size."""
     path = fake_checkpoint(tmp_path, "step-4")
     sizes = {rel: entry["size"] for rel, entry in manifest(path).items()}
-    (path / STATE_FILE).write_text(json.dumps(POSITION | {"files": sizes}))
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": sizes}))
     assert find_resume(str(tmp_path), "auto") == path
 
 
@@ -476,3 +510,36 @@ def test_a_write_that_fails_in_torchs_writer_is_the_documented_error(
     ), errors
     assert "there is no earlier checkpoint" in errors[0] and "Traceback" not in proc.stderr
     assert list((out / "checkpoints").iterdir()) == []
+
+
+def test_an_export_is_not_taken_for_a_checkpoint(tmp_path):
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "llmtrain_config.yaml").write_text("train: {}\n")
+    (final / STATE_FILE).write_text(json.dumps(POSITION))
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint.resume: {final} is an export \(final/\), not a checkpoint"
+    ):
+        find_resume(str(tmp_path), str(final))
+
+
+def test_a_checkpoint_that_passes_the_checks_but_does_not_load_is_an_error_naming_it(tmp_path):
+    """Say a file was deleted and taken out of the list, or the model settings changed."""
+    from types import SimpleNamespace
+
+    from llmtrain.checkpoint import load, position_settings
+    from llmtrain.config import load_config
+    from llmtrain.state import TrainState
+
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=d.jsonl"])
+    path = fake_checkpoint(tmp_path, "step-4")
+    torch.save({"exp_avg": torch.zeros(2)}, path / "pytorch_model" / "shard_0.pt")
+    state = json.loads((path / STATE_FILE).read_text())
+    (path / STATE_FILE).write_text(json.dumps(state | {"settings": position_settings(cfg, 1), "files": manifest(path)}))
+
+    def load_state(where):
+        raise FileNotFoundError(f"No such file or directory: {where}/model.safetensors")
+
+    accelerator = SimpleNamespace(num_processes=1, load_state=load_state)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: cannot load {path} \(FileNotFoundError: No such"):
+        load(accelerator, path, cfg, TrainState())

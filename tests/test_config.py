@@ -152,8 +152,10 @@ def numeric_keys() -> list[str]:
 @pytest.mark.parametrize("key", numeric_keys())
 def test_every_number_is_checked_from_the_schema(key):
     """No numeric field can take a value that cannot train: inf and nan for every float,
-    negative values for every number (all are counts, sizes, rates or factors)."""
-    values = ["-1", ".nan", ".inf"] if isinstance(_default(key), float) else ["-1"]
+    negative values for every number (all are counts, sizes, rates or factors), and a
+    number beyond any float or 64-bit integer."""
+    huge = "1" + "0" * 400
+    values = ["-1", ".nan", ".inf", huge] if isinstance(_default(key), float) else ["-1", huge]
     for value in values:
         with pytest.raises(ConfigError) as e:
             load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"])
@@ -212,3 +214,53 @@ def test_a_chat_template_path_must_exist_and_a_template_must_parse(tmp_path):
     good = tmp_path / "good.jinja"
     good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert load_config(None, [*base, f"data.chat_template={good}"]).data.chat_template == str(good)
+
+
+def test_keys_in_yaml_are_names_and_merge_keys_work(tmp_path):
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("data:\n  <<: &d {max_seq_len: 64, packing: true}\n  max_seq_len: 128\n")
+    cfg = load_config(merged, ["model.name_or_path=m", "data.train=d.jsonl"])
+    assert (cfg.data.max_seq_len, cfg.data.packing) == (128, True)  # merged, and overridden after the merge
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("train:\n  ? [a, b]\n  : 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(odd, ["model.name_or_path=m", "data.train=d.jsonl"])
+    assert e.value.problems == [f"{odd}:2: a key here is a list, not a name; keys are plain names such as lr"]
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path):
+    assert_problems(tmp_path, [f"--config: {tmp_path} is not a regular file; give a YAML file"])
+    assert_problems(tmp_path / "no.yaml", [f"--config: no such file: {tmp_path / 'no.yaml'}"])
+
+
+def assert_problems(path, problems, overrides=()):
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", *overrides])
+    assert e.value.problems == problems
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("train=5", "train: is a section; set its keys (e.g. train.<key>=value), got 5"),
+        ("train=null", "train: is a section; set its keys (e.g. train.<key>=value), got None"),
+        ("train.lr.x=1", "train.lr.x: train.lr is set to 2e-05, not a section; set train.lr as a section"),
+        ("=5", "(empty)=5: the key has an empty part; write key.sub=value"),
+        ("train..lr=1", "train..lr=1: the key has an empty part; write key.sub=value"),
+        ("data.train=[a.jsonl, '', null]", "data.train[1]: empty; give a file path or a hub data set name"),
+    ],
+)
+def test_an_override_never_silently_drops_a_section(tmp_path, override, problem):
+    """A value for a whole section is refused, not put in place of the YAML's section."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 2.0e-5\n  max_steps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", override])
+    assert e.value.problems[0] == problem
+
+
+def test_a_mapping_for_a_section_sets_only_its_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 2.0e-5\n  max_steps: 3\n")
+    cfg = load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", "train={lr: 1.0e-4, epochs: 2}"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.epochs) == (1e-4, 3, 2)

@@ -56,6 +56,20 @@ def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path)
         ("object.json", b'{"text": "a"}', r"object.json line 1: the top level is not an array"),
         ("open.json", b'[\n {"text": "a"},\n', r"open.json line 3: the array is not closed"),
         ("tail.json", b'[{"text": "a"}]\nextra', r"tail.json line 2: text after the array"),
+        ("lead.json", b'\n\n[\n {"text": "a"},\n {"text": }\n]', r"lead.json line 5: invalid JSON \(Expecting value\)"),
+        ("open.csv", b'prompt,completion\na,b\n"x,y\nz,w\n', r"open.csv line 3: not valid CSV \(a quoted field is not"),
+        ("quote.csv", b'prompt,completion\na,"b"c\n', r"quote.csv line 2: not valid CSV \(',' expected after"),
+        (
+            "lone.jsonl",
+            b'{"text": "a"}\n{"text": "\\ud800 b"}\n',
+            r"lone.jsonl line 2: text with a lone UTF-16 surrogate \('\\ud800'\), which is not a character",
+        ),
+        (
+            "deep.jsonl",
+            b'{"text": "a"}\n{"x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n",
+            r"deep.jsonl line 2: JSON nested",
+        ),
+        ("deep.json", b'[\n{"x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}]", r"deep.json line 2: JSON nested too deeply"),
     ],
 )
 def test_an_unreadable_file_is_one_error_naming_its_line(tmp_path, name, content, message):
@@ -63,6 +77,27 @@ def test_an_unreadable_file_is_one_error_naming_its_line(tmp_path, name, content
     path.write_bytes(content)
     with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/{message}"):
         load_source(str(path), "data.train")
+
+
+def test_a_path_that_is_no_readable_file_says_so(tmp_path):
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/dir.jsonl is not a regular file; give a data file$"):
+        load_source(str(tmp_path / "dir.jsonl"), "data.train")
+    with pytest.raises(DataError, match=rf"^data.train: cannot read {tmp_path}/dir.jsonl \(Is a directory\); check"):
+        list(read_rows(tmp_path / "dir.jsonl", "data.train"))  # any OSError while reading, with its reason
+
+
+def test_extensions_are_matched_whatever_their_case(tmp_path):
+    path = tmp_path / "TRAIN.JSONL"
+    path.write_text('{"text": "a"}\n')
+    assert [load_source(str(path), "data.train").parse(r) for r in load_source(str(path), "data.train").dataset] == [
+        {"text": "a"}
+    ]
+
+
+def test_a_csv_field_may_be_long(tmp_path):
+    long = "x" * 300_000  # above the csv module's default field limit of 128 KiB
+    assert rows_of(tmp_path / "long.csv", f"text\n{long}\n") == [(2, {"text": long})]
 
 
 @pytest.mark.parametrize("name, content", [("e.jsonl", ""), ("b.jsonl", "\n \n"), ("e.csv", ""), ("h.csv", "a,b\n"),

@@ -99,3 +99,22 @@ def test_conflicting_deepspeed_value_names_both_settings(monkeypatch):
     msg = str(err.value)
     assert "train.grad_accum_steps=4 conflicts with gradient_accumulation_steps=8 in ds.json" in msg
     assert "micro_batch" not in msg  # equal values are no conflict
+
+
+@pytest.mark.slow
+def test_a_user_error_the_main_process_meets_first_ends_every_process_quietly(
+    base_config, tiny_model, cache_env, tmp_path
+):
+    """The main process tokenizes first while the others wait: its data error reaches them,
+    so it is printed once and no process dies in a collective the main one left."""
+    from .conftest import run_recipe
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": 5}\n')
+    args = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={bad}"]
+    proc = run_recipe([*args, f"output_dir={tmp_path / 'run'}"], cache_env, nproc=2, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: data.train: {bad} line 2: 'text' must be a string"]
+    assert "exitcode  : 2" in proc.stderr  # the launcher's report: the process that exited first, with 2
+    ours = [line for line in proc.stderr.splitlines() if "llmtrain/" in line or 'recipes/finetune.py", line' in line]
+    assert not ours and "gloo" not in proc.stderr and "[rank" not in proc.stderr

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from llmtrain.config import ModelConfig
 from llmtrain.model import ModelError, check_model
@@ -133,3 +134,34 @@ def test_lora_targets_that_match_nothing_are_refused_naming_the_layers(tiny_mode
     assert "linear layers are named down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in str(
         e.value
     )
+
+
+def test_generated_samples_longer_than_the_model_positions_are_refused(tiny_model):
+    with pytest.raises(ModelError, match=r"^eval.sample_max_new_tokens: 600 is above the 512 positions of '"):
+        check_model(ModelConfig(name_or_path=str(tiny_model)), 256, sample_tokens=600)
+    check_model(ModelConfig(name_or_path=str(tiny_model)), 256, sample_tokens=200)
+
+
+def test_a_config_json_that_builds_no_model_is_an_error_naming_the_model(tiny_model, tmp_path):
+    import json
+    import shutil
+
+    from llmtrain.model import meta_model
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {"hidden_size": -128}))
+    cfg = ModelConfig(name_or_path=str(bad))
+    with pytest.raises(ModelError, match=rf"^model.name_or_path: cannot build a model from the config of '{bad}' \("):
+        meta_model(cfg, check_model(cfg, 256))
+
+
+def test_an_unknown_attention_backend_names_the_known_ones():
+    from llmtrain.model import attention_backend
+
+    with pytest.raises(
+        ModelError, match=r"^model.attn_implementation: unknown backend 'bogus'; use one of auto, eager,"
+    ):
+        attention_backend(ModelConfig(attn_implementation="bogus"), False, torch.device("cpu"))
+    assert attention_backend(ModelConfig(attn_implementation="eager"), False, torch.device("cpu")) == "eager"

@@ -136,3 +136,27 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
         lora[targets] = (ok, memory_estimate(over, Launch(), *counts, ok)["activations"])
     assert lora["[q_proj]"][0] and not lora["[q_proj,lm_head]"][0]
     assert lora["[q_proj,lm_head]"][1] - lora["[q_proj]"][1] == 2 * (2048 - 1024) * 128256 * 4
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: abc\n", "ValueError: invalid"),
+        ("num_processes: [\n", "ParserError: while parsing"),
+        ("num_processes: 2\n", "ValueError: A `distributed_type` must be specified"),
+    ],
+)
+def test_an_accelerate_config_that_cannot_be_read_is_one_error(tmp_path, text, why):
+    from llmtrain.config import ConfigError
+    from llmtrain.plan import read_launch
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_launch(str(path), load_config(None, ["model.name_or_path=m", "data.train=d.jsonl"]))
+    assert e.value.problems[0].startswith(f"--accelerate-config: cannot read {path} ({why}")
+
+
+def test_help_lists_the_command_and_succeeds():
+    proc = subprocess.run([LLMTRAIN, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: llmtrain plan")

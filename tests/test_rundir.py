@@ -199,3 +199,51 @@ def test_free_space_is_checked_before_data_or_weights_load(base_config, tiny_mod
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: output_dir: {tmp_path / 'run'} has 0.00 GiB free")
+
+
+def test_a_final_dir_whose_state_cannot_be_read_still_holds_a_finished_run(tmp_path):
+    from llmtrain.checkpoint import CheckpointError
+    from llmtrain.rundir import already_finished, check_rerun, finished_state
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path))
+    assert finished_state(str(tmp_path)) is None  # no final/: nothing finished here
+    (tmp_path / "final").mkdir()
+    for text in ("oops", "[]", '{"step": "4"}', '{"step": true}'):
+        (tmp_path / "final" / "train_state.json").write_text(text)
+        assert finished_state(str(tmp_path)) == {"step": None}
+        assert already_finished(cfg) is None  # unknown: not called up to date
+        with pytest.raises(CheckpointError) as e:
+            check_rerun(cfg, None)  # a fresh start would overwrite it
+        assert str(e.value).startswith(
+            f"output_dir: {tmp_path} holds a finished run (final/ whose train_state.json cannot be read)"
+        )
+
+
+def test_another_runs_checkpoint_is_resumed_only_into_a_directory_without_a_run(tmp_path):
+    from llmtrain.checkpoint import CheckpointError
+    from llmtrain.rundir import check_rerun
+
+    other = tmp_path / "other" / "checkpoints" / "step-2"
+    other.mkdir(parents=True)
+    new, own = tmp_path / "new", tmp_path / "own"
+    new.mkdir()
+    (own / "checkpoints" / "step-4").mkdir(parents=True)
+    (own / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    check_rerun(SimpleNamespace(output_dir=str(new)), other)  # an empty directory: fine
+    check_rerun(SimpleNamespace(output_dir=str(own)), own / "checkpoints" / "step-4")  # its own checkpoint
+    for holds in ("metrics.jsonl", "final"):
+        target = tmp_path / f"with-{holds}"
+        target.mkdir()
+        (target / holds).mkdir() if holds == "final" else (target / holds).write_text("{}\n")
+        with pytest.raises(CheckpointError) as e:
+            check_rerun(SimpleNamespace(output_dir=str(target)), other)
+        assert str(e.value) == (
+            f"output_dir: {target} holds another run, and resuming {other} into it would mix the two runs' "
+            "metrics, checkpoints and final/; resume it into a new output_dir"
+        )
+
+
+def test_a_saved_config_that_cannot_be_read_is_reported_as_such():
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=a.jsonl"])
+    for saved in ("", "train: [", "- a list"):
+        assert changed_settings(saved, cfg) == ["(the saved config cannot be read, so changes are not known)"]

@@ -364,3 +364,20 @@ def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert errors[0].startswith(f"error: model.name_or_path: no such directory: {tmp_path}/no-model;")
+
+
+def test_step_counts_the_run_never_reaches_are_warned_about(capsys):
+    from llmtrain.config import load_config
+    from llmtrain.train import check_lengths
+
+    cfg = load_config(
+        None, ["model.name_or_path=m", "data.train=d.jsonl", "train.warmup_steps=50", "train.profile_steps=30-32"]
+    )
+    check_lengths(cfg.train, 20)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: train.warmup_steps: 50 is not below the run's 20 steps, so the learning rate never reaches "
+        "train.lr=2e-05; lower train.warmup_steps",
+        "warning: train.profile_steps: steps 30-32 are beyond the run's 20 steps; nothing is profiled",
+    ]
+    check_lengths(cfg.train, 100)
+    assert capsys.readouterr().err == ""
