@@ -202,8 +202,11 @@ def to_messages(row: dict, fmt: str) -> list[dict]:
     raise AssertionError(fmt)
 
 
-def _chat_ids(messages: list[dict], tokenizer, template: str | None, loss_on: str) -> tuple[list[int], list[int]]:
-    """Render messages with the chat template; label the assistant turns by character span.
+def chat_ids(
+    messages: list[dict], tokenizer, template: str | None, loss_on: str, train_from: int = 0
+) -> tuple[list[int], list[int]]:
+    """Render messages with the chat template; label the assistant turns from message
+    `train_from` on by character span.
 
     The span of assistant turn i runs from the end of render(messages[:i], generation prompt)
     to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
@@ -218,12 +221,12 @@ def _chat_ids(messages: list[dict], tokenizer, template: str | None, loss_on: st
                 f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
             ) from None
 
-    if not any(m["role"] == "assistant" for m in messages):
+    if not any(m["role"] == "assistant" for m in messages[train_from:]):
         raise RowError("the conversation has no assistant turn")
     text = render(messages)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or loss_on == "all":
+        if m["role"] != "assistant" or loss_on == "all" or i < train_from:
             continue
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
         if not (end.startswith(start) and text.startswith(end)):
@@ -265,7 +268,7 @@ def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, loss_on: 
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         c = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
         return p + c, (list(p) if loss_on == "all" else [IGNORE] * len(p)) + c
-    return _chat_ids(to_messages(row, fmt), tokenizer, template, loss_on)
+    return chat_ids(to_messages(row, fmt), tokenizer, template, loss_on)
 
 
 def shift(labels: list[int]) -> list[int]:

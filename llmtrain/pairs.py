@@ -1,0 +1,208 @@
+"""Preference pairs: rows in three shapes, each made into a chosen and a rejected token
+sequence that share their prompt, with labels (already shifted) on the answer tokens only.
+
+Shapes, told apart by their fields:
+- `prompt`, `chosen`, `rejected` strings: the prompt is a user message and each answer an
+  assistant message (with a chat template), or plain text followed by the answer and EOS
+  (without one);
+- conversational: `prompt` a list of messages (several turns, a system message), `chosen`
+  and `rejected` lists of assistant messages (or one such message, or a string);
+- `chosen` and `rejected` whole conversations without a `prompt`: the prompt is their
+  longest common prefix of messages (UltraFeedback's layout).
+
+An over-long pair is cut from the left of its prompt (both sequences alike, keeping at
+least one prompt token), then its answers on the right, or dropped or refused, by
+data.overlong. A pair whose answers are identical or empty is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from .config import DataConfig
+from .data import IGNORE, RowError, _with_eos, chat_ids, shift
+
+KEPT = ("ok", "truncated")
+
+
+def _messages(value, what: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise RowError(f"'{what}' must be a string or a non-empty list of {{role, content}} messages")
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError(f"each message of '{what}' needs a string 'role' and 'content', got {m!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
+    """(prompt, chosen, rejected): three strings for plain-text pairs, else message lists
+    where the answers hold only what follows the prompt."""
+    missing = [k for k in ("chosen", "rejected") if row.get(k) is None]
+    if missing:
+        raise RowError(f"a preference pair needs 'chosen' and 'rejected'; this row has no {missing}")
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
+        return prompt, chosen, rejected
+    if prompt is not None:
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        return _messages(prompt, "prompt"), _messages(chosen, "chosen"), _messages(rejected, "rejected")
+    chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise RowError("'chosen' and 'rejected' share no prompt: their first messages differ (or give 'prompt')")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _answer_ids(prompt, answer, tokenizer, template: str | None) -> tuple[list[int], list[int], int]:
+    """(input_ids, labels before shifting, prompt length in tokens) of one answer."""
+    if isinstance(prompt, str):
+        p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        a = _with_eos(tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer) if answer else []
+        return p + a, [IGNORE] * len(p) + a, len(p)
+    if not answer or not any(m["role"] == "assistant" and m["content"] for m in answer):
+        return [], [], 0
+    ids, labels = chat_ids(prompt + answer, tokenizer, template, "assistant", train_from=len(prompt))
+    first = next(i for i, t in enumerate(labels) if t != IGNORE)
+    return ids, labels, first
+
+
+def _fit(ids: list[int], labels: list[int], cut: int, width: int) -> tuple[list[int], list[int]]:
+    ids, labels = ids[cut:], labels[cut:]
+    return ids[:width], labels[:width]
+
+
+def process_pair(row: dict, tokenizer, template: str | None, cfg: DataConfig) -> dict:
+    """One row -> {chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels
+    (shifted), length, status}; status as for data.process_row ('ok', 'truncated', or why
+    the pair is dropped, 'error: ...' for a malformed row)."""
+    try:
+        prompt, chosen, rejected = pair_messages(row)
+        if isinstance(prompt, str) and (template or tokenizer.chat_template):
+            prompt = [{"role": "user", "content": prompt}]
+            chosen, rejected = ([{"role": "assistant", "content": a}] for a in (chosen, rejected))
+        if chosen == rejected:
+            return _dropped("identical answers")
+        (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, template) for a in (chosen, rejected))
+    except RowError as e:
+        return _dropped(f"error: {e}")
+    if not ci or not ri or all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
+        return _dropped("an empty answer")
+    status, longest, width = "ok", max(len(ci), len(ri)), cfg.max_seq_len
+    if longest > width:
+        if cfg.overlong != "truncate":
+            return _dropped(f"too long ({longest} tokens)")
+        # Both sequences start with the same prompt tokens: cut them alike from the left,
+        # keeping one prompt token to predict the first answer token from.
+        cut = min(longest - width, min(cp, rp) - 1) if min(cp, rp) > 0 else 0
+        (ci, cl), (ri, rl), status = _fit(ci, cl, cut, width), _fit(ri, rl, cut, width), "truncated"
+    cl, rl = shift(cl), shift(rl)
+    if all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
+        return _dropped("no trained tokens")
+    return {
+        "chosen_input_ids": ci,
+        "chosen_labels": cl,
+        "rejected_input_ids": ri,
+        "rejected_labels": rl,
+        "length": len(ci) + len(ri),
+        "n_trained": sum(t != IGNORE for t in cl) + sum(t != IGNORE for t in rl),
+        "status": status,
+    }
+
+
+def _dropped(status: str) -> dict:
+    empty: list[int] = []
+    return {
+        "chosen_input_ids": empty,
+        "chosen_labels": empty,
+        "rejected_input_ids": empty,
+        "rejected_labels": empty,
+        "length": 0,
+        "n_trained": 0,
+        "status": status,
+    }
+
+
+def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
+    """Load, tokenize, filter and concatenate the preference sources of one split, as
+    data.prepare_split does for SFT rows. Returns (datasets.Dataset, DataStats); raises
+    DataError naming the file and line for a malformed row, an over-long one under
+    data.overlong=error, or a split left with no pair."""
+    import datasets
+
+    from .data import DataError, DataStats, _fingerprint, load_source, resolve_chat_template, row_problem
+    from .files import LINE
+
+    template = resolve_chat_template(cfg)
+    parts, stats = [], DataStats()
+    for name in names:
+        src = load_source(name, key)
+        if not {"chosen", "rejected"} <= set(src.columns):
+            raise DataError(
+                f"{key}: {name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
+                f"whole conversations); found columns {sorted(src.columns)}"
+            )
+        ds = src.dataset.map(
+            lambda row, src=src: (
+                process_pair(src.parse(row), tokenizer, template, cfg) | ({LINE: row[LINE]} if src.raw else {})
+            ),
+            remove_columns=[c for c in src.dataset.column_names if c != LINE],
+            new_fingerprint=_fingerprint(src, "pairs-v2", tokenizer, template, cfg),
+            desc=f"tokenizing pairs of {name}",
+        )
+        status = ds["status"]
+        for i, s in enumerate(status):
+            if problem := row_problem(s, cfg):
+                raise DataError(f"{key}: {src.where(ds[i], i)}: {problem}")
+        stats.count(status)
+        ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns(["status", LINE][: 1 + src.raw])
+        parts.append(ds)
+    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if stats.kept == 0:
+        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; check data.max_seq_len and data.overlong")
+    stats.trained_tokens = sum(ds["n_trained"])
+    return ds, stats
+
+
+class PairCollator:
+    """Pads k pairs into one batch of 2k rows, the chosen answers first (rows 0..k-1),
+    then the rejected ones in the same order: a pair never straddles micro-batches.
+    Right padding; labels IGNORE there."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, pairs: list[dict]) -> dict:
+        import torch
+
+        rows = [(p["chosen_input_ids"], p["chosen_labels"]) for p in pairs]
+        rows += [(p["rejected_input_ids"], p["rejected_labels"]) for p in pairs]
+        width = max(len(ids) for ids, _ in rows)
+
+        def pad(seqs, value):
+            return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
+
+        batch = {
+            "input_ids": pad([ids for ids, _ in rows], self.pad_id),
+            "labels": pad([labels for _, labels in rows], IGNORE),
+            "attention_mask": pad([[1] * len(ids) for ids, _ in rows], 0),
+        }
+        if "ref_logps" in pairs[0]:
+            batch["ref_logps"] = torch.tensor(
+                [p["ref_logps"][0] for p in pairs] + [p["ref_logps"][1] for p in pairs], dtype=torch.float32
+            )
+        return batch
+
+    def empty_batch(self, packed: bool = False) -> dict:
+        """One row with nothing to train (objective count 0), as batches.Collator gives."""
+        import torch
+
+        return {
+            "input_ids": torch.tensor([[self.pad_id]]),
+            "labels": torch.tensor([[IGNORE]]),
+            "attention_mask": torch.tensor([[1]]),
+        }

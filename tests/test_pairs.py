@@ -1,0 +1,144 @@
+"""Preference pairs in their three shapes: both answers share the prompt's tokens, only
+answer tokens (end of turn included) are trained, and pairs with nothing to compare are
+dropped and counted."""
+
+import pytest
+
+from llmtrain.config import DataConfig
+from llmtrain.data import IGNORE
+from llmtrain.pairs import pair_messages, process_pair
+
+CFG = DataConfig(max_seq_len=256)
+
+
+def trained_text(tokenizer, ids, labels):
+    """The text of the trained tokens (labels are shifted: labels[t] is token t+1)."""
+    return tokenizer.decode([t for t in labels if t != IGNORE])
+
+
+def check_pair(tokenizer, out, chosen: str, rejected: str):
+    assert out["status"] == "ok", out["status"]
+    ci, ri = out["chosen_input_ids"], out["rejected_input_ids"]
+    cl, rl = out["chosen_labels"], out["rejected_labels"]
+    for ids, labels in ((ci, cl), (ri, rl)):  # each label is the next token, or not trained
+        assert all(label in (nxt, IGNORE) for label, nxt in zip(labels, ids[1:] + [IGNORE]))
+    first = min(next(i for i, t in enumerate(cl) if t != IGNORE), next(i for i, t in enumerate(rl) if t != IGNORE))
+    assert ci[: first + 1] == ri[: first + 1]  # the same prompt tokens before either answer
+    assert trained_text(tokenizer, ci, cl).startswith(chosen)
+    assert trained_text(tokenizer, ri, rl).startswith(rejected)
+
+
+def test_string_pairs_go_through_the_chat_template_with_the_end_of_turn_trained(tokenizer):
+    out = process_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, tokenizer, None, CFG)
+    check_pair(tokenizer, out, "4", "5")
+    chosen_trained = [t for t in out["chosen_labels"] if t != IGNORE]
+    assert len(chosen_trained) > 1  # the answer and the template's end of turn
+    assert trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"]) != "4"
+
+
+def test_conversational_pairs_train_only_what_follows_the_prompt(tokenizer):
+    prompt = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},  # an earlier turn: context, not trained
+        {"role": "user", "content": "2+2="},
+    ]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
+    out = process_pair(row, tokenizer, None, CFG)
+    check_pair(tokenizer, out, "4", "5")
+    assert "2" not in trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"])
+
+
+def test_whole_conversations_share_their_longest_common_prefix_as_the_prompt():
+    user = {"role": "user", "content": "hi"}
+    row = {
+        "chosen": [user, {"role": "assistant", "content": "hello"}],
+        "rejected": [user, {"role": "assistant", "content": "go away"}],
+    }
+    prompt, chosen, rejected = pair_messages(row)
+    assert prompt == [user]
+    assert chosen == [{"role": "assistant", "content": "hello"}]
+    assert rejected == [{"role": "assistant", "content": "go away"}]
+
+
+def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
+    user, good, bad = "3+4=", "7", "8"
+    shapes = [
+        {"prompt": user, "chosen": good, "rejected": bad},
+        {"prompt": [{"role": "user", "content": user}], "chosen": [{"role": "assistant", "content": good}],
+         "rejected": [{"role": "assistant", "content": bad}]},
+        {"chosen": [{"role": "user", "content": user}, {"role": "assistant", "content": good}],
+         "rejected": [{"role": "user", "content": user}, {"role": "assistant", "content": bad}]},
+    ]  # fmt: skip
+    outs = [process_pair(row, tokenizer, None, CFG) for row in shapes]
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize(
+    ("row", "status"),
+    [
+        ({"prompt": "a", "chosen": "same", "rejected": "same"}, "identical answers"),
+        ({"prompt": "a", "chosen": "", "rejected": "x"}, "an empty answer"),
+        ({"prompt": "a", "chosen": "x"}, "error: a preference pair needs 'chosen' and 'rejected'; this row has no"),
+        ({"prompt": "a", "chosen": 5, "rejected": "x"}, "error: 'chosen' must be a string or a non-empty list"),
+        ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
+         "error: 'chosen' and 'rejected' share no prompt"),
+    ],
+)  # fmt: skip
+def test_pairs_with_nothing_to_compare_are_dropped_and_malformed_ones_are_errors(tokenizer, row, status):
+    assert process_pair(row, tokenizer, None, CFG)["status"].startswith(status)
+
+
+def test_an_over_long_pair_loses_its_prompt_from_the_left_first(tokenizer):
+    row = {"prompt": "x" * 80, "chosen": "good answer", "rejected": "bad"}
+    full = process_pair(row, tokenizer, None, CFG)
+    width = max(len(full["chosen_input_ids"]), len(full["rejected_input_ids"])) - 30
+    out = process_pair(row, tokenizer, None, DataConfig(max_seq_len=width))
+    assert out["status"] == "truncated"
+    assert max(len(out["chosen_input_ids"]), len(out["rejected_input_ids"])) <= width
+    for side in ("chosen", "rejected"):  # the answers are whole
+        assert [t for t in out[f"{side}_labels"] if t != IGNORE] == [t for t in full[f"{side}_labels"] if t != IGNORE]
+    assert process_pair(row, tokenizer, None, DataConfig(max_seq_len=width, overlong="drop"))["status"].startswith(
+        "too long"
+    )
+
+
+def test_a_file_of_pairs_is_prepared_with_lines_in_its_errors_and_counts(tmp_path, tokenizer):
+    import json
+
+    from llmtrain.data import DataError
+    from llmtrain.pairs import prepare_pairs
+
+    rows = [
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+        {"prompt": "2+2=", "chosen": "4", "rejected": "4"},  # identical: dropped
+        {"prompt": "3+3=", "chosen": "6", "rejected": "5"},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds, stats = prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+    assert len(ds) == 2 and stats.summary("data.train").startswith("data.train: 2/3 rows kept")
+    assert "1 dropped (identical answers)" in stats.summary("data.train")
+    path.write_text(path.read_text() + '{"prompt": "x", "chosen": 1, "rejected": "y"}\n')
+    with pytest.raises(DataError, match=rf"^data.train: {path} line 4: 'chosen' must be a string"):
+        prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"text": "a"}\n')
+    with pytest.raises(DataError, match=r"preference pairs need 'chosen' and 'rejected'"):
+        prepare_pairs("data.train", [str(sft)], tokenizer, CFG)
+
+
+def test_the_collator_keeps_each_pair_in_one_batch_chosen_rows_first(tokenizer):
+    from llmtrain.pairs import PairCollator
+
+    pairs = [
+        process_pair({"prompt": p, "chosen": c, "rejected": r}, tokenizer, None, CFG)
+        for p, c, r in (("1+1=", "2", "three"), ("2+2=", "four", "5"))
+    ]
+    batch = PairCollator(0)(pairs)
+    assert batch["input_ids"].shape[0] == 4
+    for row, (side, i) in enumerate([("chosen", 0), ("chosen", 1), ("rejected", 0), ("rejected", 1)]):
+        n = len(pairs[i][f"{side}_input_ids"])
+        assert batch["input_ids"][row, :n].tolist() == pairs[i][f"{side}_input_ids"]
+        assert batch["labels"][row, :n].tolist() == pairs[i][f"{side}_labels"]
+        assert batch["attention_mask"][row].sum() == n and (batch["labels"][row, n:] == IGNORE).all()
