@@ -41,6 +41,8 @@ class Collator:
     are padded to that width: every batch has one shape, so compiled kernels (FlexAttention,
     train.compile) are built once; best-fit packing leaves little to pad."""
 
+    columns = ("input_ids", "labels")  # the fields of an example it reads
+
     def __init__(self, pad_id: int, pack_width: int = 0):
         self.pad_id, self.pack_width = pad_id, pack_width
 
@@ -74,8 +76,8 @@ class Collator:
         return self([example])
 
 
-def make_loader(dataset, batch_size: int, collator: Collator, seed: int, shuffle: bool, num_workers: int):
-    """A DataLoader over `dataset`: a datasets.Dataset of input_ids/labels or a
+def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, num_workers: int):
+    """A DataLoader over `dataset`: a datasets.Dataset of the collator's columns or a
     PackedDataset (ordered by an EpochSampler), or a stream.StreamedRows (which orders
     itself)."""
     if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -88,7 +90,7 @@ def make_loader(dataset, batch_size: int, collator: Collator, seed: int, shuffle
             pin_memory=torch.cuda.is_available(),
         )
     if hasattr(dataset, "select_columns"):
-        dataset = dataset.select_columns(["input_ids", "labels"])
+        dataset = dataset.select_columns(list(collator.columns))
     sampler = EpochSampler(len(dataset), seed, shuffle)
     return torch.utils.data.DataLoader(
         dataset,

@@ -173,6 +173,8 @@ class PairCollator:
     then the rejected ones in the same order: a pair never straddles micro-batches.
     Right padding; labels IGNORE there."""
 
+    columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 

@@ -147,13 +147,15 @@ def setup(
     resume_from: Path | None,
     stop: StopRequest,
     watchdog: Watchdog,
+    collator=None,
 ) -> Run:
     """Loaders, optimizer and `accelerator.prepare`, then the state from `resume_from`
-    (a checkpoint, or None for a fresh start), metrics and trackers."""
+    (a checkpoint, or None for a fresh start), metrics and trackers. `collator` makes the
+    objective's micro-batches (batches.Collator, for token sequences, by default)."""
     t, world = cfg.train, accelerator.num_processes
     check_metric_names(objective)
     streaming = isinstance(train_set, StreamedRows)
-    collator = Collator(pad_id(tokenizer), cfg.data.max_seq_len if cfg.data.packing else 0)
+    collator = collator or Collator(pad_id(tokenizer), cfg.data.max_seq_len if cfg.data.packing else 0)
     loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle, cfg.data.num_workers)
     sampler = None if streaming else loader.sampler  # kept: prepare() wraps it, and we set its epoch
     eval_loader = None
