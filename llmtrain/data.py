@@ -397,20 +397,40 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     Returns (datasets.Dataset with input_ids/labels, DataStats). Raises DataError for
     malformed rows, over-long rows under data.overlong=error, or a split left empty."""
+    template = resolve_chat_template(cfg)
+
+    def check(src: Source) -> str:
+        check_source(src, tokenizer, template, cfg)
+        return src.format
+
+    def process(src: Source, row: dict) -> dict:
+        return process_row(row, src.format, tokenizer, template, cfg)
+
+    ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
+    if stats.kept == 0:
+        raise DataError(
+            f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong and data.loss_on"
+        )
+    return ds, stats
+
+
+def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None, cfg: DataConfig, check, process):
+    """The sources of one split, each loaded, checked (`check(src)` raises DataError or
+    returns what the cache key adds for it), tokenized row by row (`process(src, row)`
+    gives a dict with a status as process_row's, and n_trained), stopped at the first
+    row that must stop the run (with its file line), filtered to the kept rows, and
+    concatenated. Returns (datasets.Dataset, DataStats); the caller decides what an
+    empty split means."""
     import datasets
 
-    template = resolve_chat_template(cfg)
     parts, stats = [], DataStats()
     for name in names:
         src = load_source(name, key)
-        check_source(src, tokenizer, template, cfg)
+        tag = check(src)
         ds = src.dataset.map(
-            lambda row, src=src: (
-                process_row(src.parse(row), src.format, tokenizer, template, cfg)
-                | ({LINE: row[LINE]} if src.raw else {})
-            ),
+            lambda row, src=src: process(src, src.parse(row)) | ({LINE: row[LINE]} if src.raw else {}),
             remove_columns=[c for c in src.dataset.column_names if c != LINE],
-            new_fingerprint=_fingerprint(src, src.format, tokenizer, template, cfg),
+            new_fingerprint=_fingerprint(src, tag, tokenizer, template, cfg),
             desc=f"tokenizing {Path(name).name}",
         )
         status = ds["status"]
@@ -421,9 +441,5 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
         ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns(["status", LINE][: 1 + src.raw])
         parts.append(ds)
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    if stats.kept == 0:
-        raise DataError(
-            f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong and data.loss_on"
-        )
     stats.trained_tokens = sum(ds["n_trained"])
     return ds, stats

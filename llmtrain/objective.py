@@ -31,6 +31,7 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,11 +103,8 @@ class TokenLoss:
             logits = model(**kwargs).logits
             flat = logits.float().flatten(0, 1)
             return Loss(F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum"))
-        self.head.forward = _chunked_head(self.head, labels, self.chunk)
-        try:
+        with trained_head(self.head, labels, self.chunk, _chunk_loss, _total):
             return Loss(model(**kwargs).logits)
-        finally:
-            del self.head.forward  # the class's forward again (generation, export)
 
 
 def _chunk_loss(hidden, weight, bias, labels):
@@ -114,20 +112,32 @@ def _chunk_loss(hidden, weight, bias, labels):
     return F.cross_entropy(logits, labels, reduction="sum")
 
 
-def _chunked_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
-    """A forward for `head` that returns the summed cross-entropy of the trained positions
-    instead of logits. Logits exist for at most `chunk` tokens at a time; when there is
-    more than one chunk each is recomputed in backward rather than kept."""
+def _total(parts: list[torch.Tensor]) -> torch.Tensor:
+    return sum(parts, parts[0].new_zeros((), dtype=torch.float32))
+
+
+@contextmanager
+def trained_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int, per_chunk, combine):
+    """Inside, `head`'s forward returns, instead of logits, `combine` of
+    `per_chunk(hidden, weight, bias, labels)` over the trained positions (labels not
+    IGNORE, in row-major order), `chunk` positions at a time: logits exist for at most
+    `chunk` tokens, and with more than one chunk each is recomputed in backward rather
+    than kept. It runs inside the model's forward, so DDP, FSDP and ZeRO-3 see the layer
+    used as usual. Afterwards the class's forward is back (generation, export)."""
 
     def forward(hidden):
         flat = labels.flatten()
         where = (flat != IGNORE).nonzero().squeeze(1)
         h, y = hidden.flatten(0, -2).index_select(0, where), flat.index_select(0, where)
         n = h.shape[0]
-        total = h.new_zeros((), dtype=torch.float32)
+        parts = []
         for s in range(0, max(n, 1), chunk):  # one (empty) chunk keeps the head in the graph
             args = (h[s : s + chunk], head.weight, head.bias, y[s : s + chunk])
-            total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if n > chunk else _chunk_loss(*args))
-        return total
+            parts.append(checkpoint(per_chunk, *args, use_reentrant=False) if n > chunk else per_chunk(*args))
+        return combine(parts)
 
-    return forward
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward

@@ -17,10 +17,9 @@ data.overlong. A pair whose answers are identical or empty is dropped and counte
 
 from __future__ import annotations
 
+from .batches import Collator
 from .config import DataConfig
 from .data import IGNORE, RowError, _with_eos, chat_ids, shift
-
-KEPT = ("ok", "truncated")
 
 
 def _messages(value, what: str) -> list[dict]:
@@ -132,39 +131,24 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
     data.prepare_split does for SFT rows. Returns (datasets.Dataset, DataStats); raises
     DataError naming the file and line for a malformed row, an over-long one under
     data.overlong=error, or a split left with no pair."""
-    import datasets
-
-    from .data import DataError, DataStats, _fingerprint, load_source, resolve_chat_template, row_problem
-    from .files import LINE
+    from .data import DataError, resolve_chat_template, tokenize_sources
 
     template = resolve_chat_template(cfg)
-    parts, stats = [], DataStats()
-    for name in names:
-        src = load_source(name, key)
+
+    def check(src) -> str:
         if not {"chosen", "rejected"} <= set(src.columns):
             raise DataError(
-                f"{key}: {name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
+                f"{key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
                 f"whole conversations); found columns {sorted(src.columns)}"
             )
-        ds = src.dataset.map(
-            lambda row, src=src: (
-                process_pair(src.parse(row), tokenizer, template, cfg) | ({LINE: row[LINE]} if src.raw else {})
-            ),
-            remove_columns=[c for c in src.dataset.column_names if c != LINE],
-            new_fingerprint=_fingerprint(src, "pairs-v2", tokenizer, template, cfg),
-            desc=f"tokenizing pairs of {name}",
-        )
-        status = ds["status"]
-        for i, s in enumerate(status):
-            if problem := row_problem(s, cfg):
-                raise DataError(f"{key}: {src.where(ds[i], i)}: {problem}")
-        stats.count(status)
-        ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns(["status", LINE][: 1 + src.raw])
-        parts.append(ds)
-    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+        return "pairs-v2"
+
+    def process(src, row: dict) -> dict:
+        return process_pair(row, tokenizer, template, cfg)
+
+    ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
     if stats.kept == 0:
         raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; check data.max_seq_len and data.overlong")
-    stats.trained_tokens = sum(ds["n_trained"])
     return ds, stats
 
 
@@ -200,11 +184,5 @@ class PairCollator:
         return batch
 
     def empty_batch(self, packed: bool = False) -> dict:
-        """One row with nothing to train (objective count 0), as batches.Collator gives."""
-        import torch
-
-        return {
-            "input_ids": torch.tensor([[self.pad_id]]),
-            "labels": torch.tensor([[IGNORE]]),
-            "attention_mask": torch.tensor([[1]]),
-        }
+        """One row with nothing to train (objective count 0): batches.Collator's."""
+        return Collator(self.pad_id).empty_batch(packed=False)

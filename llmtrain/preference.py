@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .data import IGNORE
-from .objective import Loss
+from .objective import Loss, trained_head
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 METRICS = (
@@ -104,23 +103,10 @@ def _chunk_logps(hidden, weight, bias, labels):
 
 
 def label_logps_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
-    """A forward for `head` that returns the log-probability of each trained position's
-    label (row-major order) instead of logits: logits exist for at most `chunk` positions
-    at a time and, with more than one chunk, are recomputed in backward (as for the SFT
-    loss, `objective._chunked_head`)."""
-
-    def forward(hidden):
-        flat = labels.flatten()
-        where = (flat != IGNORE).nonzero().squeeze(1)
-        h, y = hidden.flatten(0, -2).index_select(0, where), flat.index_select(0, where)
-        n = h.shape[0]
-        parts = []
-        for s in range(0, max(n, 1), chunk):  # one (empty) chunk keeps the head in the graph
-            args = (h[s : s + chunk], head.weight, head.bias, y[s : s + chunk])
-            parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if n > chunk else _chunk_logps(*args))
-        return torch.cat(parts)
-
-    return forward
+    """A context in which `head` returns the log-probability of each trained position's
+    label (row-major order) instead of logits, `chunk` positions at a time
+    (`objective.trained_head`)."""
+    return trained_head(head, labels, chunk, _chunk_logps, torch.cat)
 
 
 def whole_logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -168,11 +154,8 @@ class PreferenceLoss:
         labels = batch["labels"]
         if self.head is None:
             return row_logps(whole_logits_logps(model(**kwargs).logits, labels), labels)
-        self.head.forward = label_logps_head(self.head, labels, self.chunk)
-        try:
+        with label_logps_head(self.head, labels, self.chunk):
             return row_logps(model(**kwargs).logits, labels)
-        finally:
-            del self.head.forward  # the class's forward again (generation, export)
 
     def __call__(self, model, batch: dict) -> Loss:
         sums, tokens = self.logps(model, batch)

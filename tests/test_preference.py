@@ -105,12 +105,8 @@ def test_the_chunked_head_gives_the_log_probs_and_gradients_of_whole_logits(mode
     loss_of(whole).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    head = model.get_output_embeddings()
-    head.forward = label_logps_head(head, batch["labels"], chunk)
-    try:
+    with label_logps_head(model.get_output_embeddings(), batch["labels"], chunk):
         chunked = model(**kwargs).logits
-    finally:
-        del head.forward
     loss_of(chunked).backward()
     assert torch.allclose(chunked, whole.detach(), atol=1e-5)
     for name, p in model.named_parameters():
