@@ -42,6 +42,7 @@ class Collator:
     train.compile) are built once; best-fit packing leaves little to pad."""
 
     columns = ("input_ids", "labels")  # the fields of an example it reads
+    items = "sequences"  # what a micro-batch of train.micro_batch_size holds
 
     def __init__(self, pad_id: int, pack_width: int = 0):
         self.pad_id, self.pack_width = pad_id, pack_width

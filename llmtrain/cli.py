@@ -11,15 +11,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import demo
-from .config import load_config
+from .config import Config, load_config
 from .data import as_list
 from .errors import UserError
 from .launch import process_group_backend
 from .watchdog import default_store
 
 
-def parse_args(argv: list[str] | None, default_config: Path | None, description: str = ""):
-    """Returns (config, parsed arguments)."""
+def parse_args(argv: list[str] | None, default_config: Path | None, description: str = "", schema: type = Config):
+    """Returns (config, parsed arguments); the config is a `schema` (a recipe's tree)."""
     parser = argparse.ArgumentParser(
         description=description, epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true"
     )
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, schema)
     own = [cfg.model.name_or_path, *as_list(cfg.data.train)]
     if args.config == default_config and any(name not in demo.DEMO_NAMES for name in own):
         from accelerate import PartialState

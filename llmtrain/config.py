@@ -295,6 +295,33 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
 
 
+@dataclass
+class PreferenceConfig:
+    beta: Annotated[float, POSITIVE] = 0.1
+    """How far the policy may move from the reference: the scale of the log-ratios in
+    the loss (recipes/dpo.py). Lower lets it move further."""
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid: DPO; ipo: IPO (squared, per-token log-ratios); simpo: SimPO (per-token
+    log-probs of the policy alone, no reference) (recipes/dpo.py)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (dpo.loss=simpo only)."""
+    sft_weight: float = 0.0
+    """Adds this much of the chosen answers' per-token negative log-likelihood to the
+    loss (RPO); 0 for none (recipes/dpo.py)."""
+    reference: str = ""
+    """The reference model: empty for the policy's starting weights (with LoRA, the same
+    model with its adapters off; for a full fine-tune, log-probs computed once before
+    training), or a hub name or directory of another model, whose log-probs are computed
+    once before training (recipes/dpo.py)."""
+
+
+@dataclass
+class DPOConfig(Config):
+    """recipes/dpo.py's tree: every section of Config, plus dpo."""
+
+    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
+
+
 # ---------------------------------------------------------------------------------------
 # Loading: YAML + dotted overrides -> typed tree, collecting every problem.
 
@@ -463,8 +490,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Load a YAML file (optional) and apply dotted overrides; validate everything."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (), schema: type = Config) -> Config:
+    """Load a YAML file (optional) and apply dotted overrides into `schema` (Config, or a
+    recipe's extension of it such as DPOConfig); validate everything."""
     raw: dict = {}
     problems: list[str] = []
     if path is not None:
@@ -498,7 +526,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
-    cfg = _build(Config, raw, "", problems)
+    cfg = _build(schema, raw, "", problems)
     problems += validate(cfg)
     if problems:
         raise ConfigError(problems)
@@ -540,6 +568,11 @@ def validate(cfg: Config) -> list[str]:
     lora = cfg.model.lora
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")
+    if isinstance(cfg, DPOConfig):
+        if cfg.dpo.loss == "simpo" and cfg.dpo.reference:
+            p.append("dpo.reference: dpo.loss=simpo uses no reference model; remove dpo.reference")
+        if cfg.data.streaming:
+            p.append("data.streaming: recipes/dpo.py prepares its pairs whole; set data.streaming=false")
     return p + number_problems(cfg)
 
 
@@ -608,9 +641,10 @@ def field_docs() -> list[tuple[str, str, str]]:
                 walk(hints[f.name], f"{prefix}{f.name}.")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((f"{prefix}{f.name}", json.dumps(default), docs.get((cls.__name__, f.name), "")))
+            doc = next((docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), "")
+            rows.append((f"{prefix}{f.name}", json.dumps(default), doc))
 
-    walk(Config, "")
+    walk(DPOConfig, "")  # every recipe's keys: Config's, then the dpo section
     return rows
 
 

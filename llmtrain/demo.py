@@ -106,6 +106,46 @@ def make_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def _wrong(question: str, answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer to one of `_task`'s questions: an off-by-one number, a word
+    left as it was, half upper-cased, or another word's opposite."""
+    if answer.isdigit():
+        return str(abs(int(answer) + rng.choice([-2, -1, 1, 2])) or 1)
+    word = question.rsplit(" ", 1)[-1].rstrip("?")
+    if question.startswith("Uppercase"):
+        return rng.choice([word, word[:2].upper() + word[2:]])
+    if question.startswith("Reverse"):
+        return rng.choice([word, word[1:] + word[0]]) if word != word[::-1] else word + word[0]
+    return rng.choice([w for w in list(OPPOSITES.values()) + [word] if w != answer])
+
+
+def make_pairs(n: int, seed: int) -> list[dict]:
+    """Preference pairs whose chosen answer is right and rejected one wrong, in the three
+    shapes recipes/dpo.py reads, in turn: prompt/chosen/rejected strings; a message-list
+    prompt (some with a system turn) with assistant answers; whole conversations."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q, a = _task(rng)
+        w = _wrong(q, a, rng)
+        system = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.5 else []
+        prompt = system + [{"role": "user", "content": q}]
+        if i % 3 == 0:
+            rows.append({"prompt": q, "chosen": a, "rejected": w})
+        elif i % 3 == 1:
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "chosen": [{"role": "assistant", "content": a}],
+                    "rejected": [{"role": "assistant", "content": w}],
+                }
+            )
+        else:
+            chosen, rejected = ([*prompt, {"role": "assistant", "content": x}] for x in (a, w))
+            rows.append({"chosen": chosen, "rejected": rejected})
+    return rows
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
@@ -193,12 +233,66 @@ def build_assets(root: Path, train_rows: int = 3000, eval_rows: int = 200) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-DEMO_NAMES = {"demo:tiny-llama": "tiny-llama", "demo:train": "train.jsonl", "demo:eval": "eval.jsonl"}
+def build_pairs(root: Path) -> None:
+    """pairs-train.jsonl (2000) and pairs-eval.jsonl (200) under root, once."""
+    for name, n, seed in (("pairs-train.jsonl", 2000, 3), ("pairs-eval.jsonl", 200, 4)):
+        if not (root / name).exists():
+            tmp = root / f".tmp-{name}"
+            write_jsonl(make_pairs(n, seed), tmp)
+            os.replace(tmp, root / name)
+
+
+SFT_OVERRIDES = ["train.epochs=1", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
+
+
+def build_sft_model(root: Path) -> None:
+    """tiny-llama-sft/ under root: the SFT demo's model (recipes/finetune.py with its
+    demo config), trained for one epoch so that its answers are often but not always
+    right, which leaves the preference demo something to improve. Runs the recipe in a
+    process of its own, outside any distributed job this one belongs to."""
+    import subprocess
+    import sys
+
+    target = root / "tiny-llama-sft"
+    if (target / "config.json").exists():
+        return
+    script = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} is missing: the preference demo trains its starting model with it")
+    run_dir = root / "sft-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"building the preference demo's starting model: {script.name}'s demo, one epoch (about a minute)")
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(launcher + ("ROLE_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_"))
+        or k == "ACCELERATE_USE_CPU"
+    }
+    done = subprocess.run([sys.executable, str(script), f"output_dir={run_dir}", *SFT_OVERRIDES], env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the demo's SFT model failed (exit {done.returncode}); see the lines above")
+    os.replace(run_dir / "final", target)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+DEMO_NAMES = {
+    "demo:tiny-llama": "tiny-llama",
+    "demo:train": "train.jsonl",
+    "demo:eval": "eval.jsonl",
+    "demo:tiny-llama-sft": "tiny-llama-sft",
+    "demo:pairs-train": "pairs-train.jsonl",
+    "demo:pairs-eval": "pairs-eval.jsonl",
+}
+
+
+def _names(cfg) -> list[str]:
+    reference = [cfg.dpo.reference] if hasattr(cfg, "dpo") else []
+    return [cfg.model.name_or_path, *reference] + _as_list(cfg.data.train) + _as_list(cfg.data.eval)
 
 
 def uses_demo(cfg) -> bool:
-    names = [cfg.model.name_or_path] + _as_list(cfg.data.train) + _as_list(cfg.data.eval)
-    return any(n in DEMO_NAMES for n in names)
+    return any(n in DEMO_NAMES for n in _names(cfg))
 
 
 def resolve_demo_names(cfg) -> None:
@@ -207,11 +301,18 @@ def resolve_demo_names(cfg) -> None:
         return
     root = cache_dir()
     build_assets(root)
+    names = _names(cfg)
+    if any(n.startswith("demo:pairs") for n in names):
+        build_pairs(root)
+    if "demo:tiny-llama-sft" in names:
+        build_sft_model(root)
 
     def fix(name: str) -> str:
         return str(root / DEMO_NAMES[name]) if name in DEMO_NAMES else name
 
     cfg.model.name_or_path = fix(cfg.model.name_or_path)
+    if hasattr(cfg, "dpo"):
+        cfg.dpo.reference = fix(cfg.dpo.reference)
     cfg.data.train = [fix(n) for n in _as_list(cfg.data.train)]
     cfg.data.eval = [fix(n) for n in _as_list(cfg.data.eval)]
 

@@ -290,3 +290,14 @@ def chunkable_head(model) -> torch.nn.Linear | None:
     if type(head) is not torch.nn.Linear or getattr(base.config, "model_type", None) not in PLAIN_HEADS:
         return None
     return head
+
+
+def disable_dropout(model) -> None:
+    """Turn off the model's own dropout (not LoRA's, model.lora.dropout): a preference
+    loss compares the policy's log-probs with the reference's, which must agree at the
+    start (TRL does the same)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and "lora_" not in name:
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # attention modules keep a rate
+            module.attention_dropout = 0.0

@@ -21,6 +21,8 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
      They travel in the step's one reduce, which must have the same length on every
      process, so a metric a batch does not give counts 0 (names of the metrics row's own
      fields, like "loss", are refused by `train.setup`);
+   - `progress_metrics`: those of its metrics the progress bar shows, by a short name
+     (the eval line prints them too);
    - `head`: the output layer it runs only at counted positions, or None (for MFU).
 2. An empty batch (`batches.Collator.empty_batch`) must count 0 and give a zero loss
    that still uses every trainable weight: processes with no data left run one so that
@@ -55,6 +57,7 @@ class Loss:
 class Objective(Protocol):
     unit: str
     metric_names: tuple[str, ...]
+    progress_metrics: dict[str, str]  # metric name -> its short name on the progress bar
     head: torch.nn.Module | None
 
     def count(self, batch: dict) -> int: ...
@@ -74,6 +77,7 @@ class TokenLoss:
 
     unit = "tokens"
     metric_names = ()
+    progress_metrics: dict[str, str] = {}
 
     def __init__(self, attn_implementation: str, chunk_tokens: int = 0, head: torch.nn.Linear | None = None):
         self.attn_implementation = attn_implementation
@@ -90,14 +94,7 @@ class TokenLoss:
         return int((batch["labels"] != IGNORE).sum())
 
     def __call__(self, model, batch: dict) -> Loss:
-        kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
-        if "doc_ids" in batch:
-            kwargs["position_ids"] = batch["position_ids"]
-            # The parameters' dtype after prepare (DeepSpeed may have cast them): a cheap lookup.
-            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-            kwargs["attention_mask"] = document_mask(batch["doc_ids"], self.attn_implementation, dtype)
-        else:
-            kwargs["attention_mask"] = batch["attention_mask"]
+        kwargs = model_inputs(model, batch, self.attn_implementation)
         labels = batch["labels"]
         if self.head is None:
             logits = model(**kwargs).logits
@@ -105,6 +102,20 @@ class TokenLoss:
             return Loss(F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum"))
         with trained_head(self.head, labels, self.chunk, _chunk_loss, _total):
             return Loss(model(**kwargs).logits)
+
+
+def model_inputs(model, batch: dict, attn_implementation: str) -> dict:
+    """The model's keyword arguments for a padded batch (attention_mask) or a packed one
+    (position_ids and the document mask in the backend's form)."""
+    kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
+    if "doc_ids" in batch:
+        kwargs["position_ids"] = batch["position_ids"]
+        # The parameters' dtype after prepare (DeepSpeed may have cast them): a cheap lookup.
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        kwargs["attention_mask"] = document_mask(batch["doc_ids"], attn_implementation, dtype)
+    else:
+        kwargs["attention_mask"] = batch["attention_mask"]
+    return kwargs
 
 
 def _chunk_loss(hidden, weight, bias, labels):

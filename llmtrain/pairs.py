@@ -17,9 +17,12 @@ data.overlong. A pair whose answers are identical or empty is dropped and counte
 
 from __future__ import annotations
 
+import torch
+
 from .batches import Collator
 from .config import DataConfig
 from .data import IGNORE, RowError, _with_eos, chat_ids, shift
+from .packing import join_rows, pack_lengths
 
 
 def _messages(value, what: str) -> list[dict]:
@@ -152,37 +155,99 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
     return ds, stats
 
 
+def build_pair_datasets(cfg, accelerator, tokenizer):
+    """Tokenize the train and eval pairs once (main process first; the others read its
+    cache), number them (`pair_index`: train 0..n-1, eval after), and pack them if asked.
+    Returns (train_set, eval_set or None)."""
+    from .data import as_list
+    from .launch import main_first
+
+    sets, first = [], 0
+    with main_first(accelerator):
+        for key, names in (("data.train", as_list(cfg.data.train)), ("data.eval", as_list(cfg.data.eval))):
+            if not names:
+                sets.append(None)
+                continue
+            ds, stats = prepare_pairs(key, names, tokenizer, cfg.data)
+            accelerator.print(stats.summary(key))
+            ds = ds.add_column("pair_index", list(range(first, first + len(ds))))
+            first += len(ds)
+            if cfg.data.packing:
+                ds = PackedPairs(ds, 2 * cfg.data.max_seq_len)
+                accelerator.print(
+                    f"{key}: packed {stats.kept} pairs into {len(ds)} sequences of {ds.capacity} tokens "
+                    f"({ds.efficiency():.1%} filled)"
+                )
+            sets.append(ds)
+    return sets[0], sets[1]
+
+
+class PackedPairs(torch.utils.data.Dataset):
+    """A view of tokenized pairs (with `pair_index`) as packed sequences of `capacity`
+    tokens: whole pairs (chosen, then rejected) best-fit packed together, each answer
+    sequence a document of its own under the document mask (packing.document_mask), so
+    a pair never straddles sequences or micro-batches and no padding is computed. The
+    capacity is twice data.max_seq_len, so every pair fits."""
+
+    def __init__(self, pairs, capacity: int):
+        self.pairs, self.capacity = pairs, capacity
+        self.bins = pack_lengths(pairs["length"], capacity)
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def efficiency(self) -> float:
+        return sum(self.pairs["length"]) / (len(self.bins) * self.capacity)
+
+    def __getitem__(self, j: int) -> dict:
+        rows = self.pairs[self.bins[j]]
+        docs = []
+        for i in range(len(self.bins[j])):
+            for side in ("chosen", "rejected"):
+                docs.append({"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]})
+        return join_rows(docs) | {"pair_index": rows["pair_index"]}
+
+
 class PairCollator:
-    """Pads k pairs into one batch of 2k rows, the chosen answers first (rows 0..k-1),
-    then the rejected ones in the same order: a pair never straddles micro-batches.
-    Right padding; labels IGNORE there."""
+    """Makes one micro-batch of k pairs, as 2k answers: the chosen ones first (answers
+    0..k-1), then the rejected ones in the same order, with `answers` (each position's
+    answer, -1 for none) and `pair_index` (the k pairs' numbers). Padded: one row per
+    answer, right padding, labels IGNORE there. Packed (examples from PackedPairs): the
+    packed rows as batches.Collator pads them to `pack_width`."""
 
-    columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "pair_index")
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, pack_width: int = 0):
+        self.tokens = Collator(pad_id, pack_width)
+        self.items = "packed sequences of whole pairs" if pack_width else "pairs"
 
-    def __call__(self, pairs: list[dict]) -> dict:
-        import torch
+    def __call__(self, examples: list[dict]) -> dict:
+        if "doc_ids" in examples[0]:
+            return self._packed(examples)
+        rows = [{"input_ids": p["chosen_input_ids"], "labels": p["chosen_labels"]} for p in examples]
+        rows += [{"input_ids": p["rejected_input_ids"], "labels": p["rejected_labels"]} for p in examples]
+        batch = self.tokens(rows)
+        batch["answers"] = torch.arange(len(rows))[:, None].expand_as(batch["input_ids"]).contiguous()
+        batch["pair_index"] = torch.tensor([p["pair_index"] for p in examples], dtype=torch.long)
+        return batch
 
-        rows = [(p["chosen_input_ids"], p["chosen_labels"]) for p in pairs]
-        rows += [(p["rejected_input_ids"], p["rejected_labels"]) for p in pairs]
-        width = max(len(ids) for ids, _ in rows)
-
-        def pad(seqs, value):
-            return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
-
-        batch = {
-            "input_ids": pad([ids for ids, _ in rows], self.pad_id),
-            "labels": pad([labels for _, labels in rows], IGNORE),
-            "attention_mask": pad([[1] * len(ids) for ids, _ in rows], 0),
-        }
-        if "ref_logps" in pairs[0]:
-            batch["ref_logps"] = torch.tensor(
-                [p["ref_logps"][0] for p in pairs] + [p["ref_logps"][1] for p in pairs], dtype=torch.float32
-            )
+    def _packed(self, examples: list[dict]) -> dict:
+        batch = self.tokens([{k: e[k] for k in ("input_ids", "labels", "position_ids", "doc_ids")} for e in examples])
+        k = sum(len(e["pair_index"]) for e in examples)
+        answers, first = torch.full_like(batch["doc_ids"], -1), 0  # first: the row's first pair in the batch
+        for row, e in enumerate(examples):
+            docs = batch["doc_ids"][row]
+            real = docs >= 0  # document d is pair d // 2's chosen (d even) or rejected answer
+            answers[row][real] = first + docs[real] // 2 + (docs[real] % 2) * k
+            first += len(e["pair_index"])
+        batch["answers"] = answers
+        batch["pair_index"] = torch.tensor([i for e in examples for i in e["pair_index"]], dtype=torch.long)
         return batch
 
     def empty_batch(self, packed: bool = False) -> dict:
-        """One row with nothing to train (objective count 0): batches.Collator's."""
-        return Collator(self.pad_id).empty_batch(packed=False)
+        """A batch with nothing to train and no pair (objective count 0): batches.Collator's."""
+        batch = self.tokens.empty_batch(packed)
+        return batch | {
+            "answers": torch.full_like(batch["input_ids"], -1),
+            "pair_index": torch.zeros(0, dtype=torch.long),
+        }

@@ -1,9 +1,12 @@
 """Preference tuning: the DPO, IPO and SimPO losses over chosen/rejected pairs, as an
 objective (see `objective`) whose unit is the pair.
 
-A pair micro-batch holds k pairs as 2k rows: rows 0..k-1 are the chosen answers, rows
-k..2k-1 the rejected ones, in the same order, each with its prompt; `labels` mark the
-answer tokens (end of turn included) and are already shifted, as for SFT. The loss needs,
+A pair micro-batch (pairs.PairCollator) holds k pairs as 2k answer sequences, each with
+its prompt: answers 0..k-1 are the chosen ones, k..2k-1 the rejected ones in the same
+order. Padded, answer i is row i; packed, several sit in one row under the document mask
+and `answers` says which position belongs to which. `labels` mark the answer tokens (end
+of turn included) and are already shifted, as for SFT; `pair_index` numbers each pair in
+the data (for the reference log-probs computed before training). The loss needs,
 per answer, the sum of its tokens' log-probabilities (and their number, for the
 length-normalised losses), under the policy and, except for SimPO, under the reference
 model: the policy's starting weights. Summed over the pairs of a micro-batch; the step
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import IGNORE
-from .objective import Loss, trained_head
+from .objective import Loss, model_inputs, trained_head
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 METRICS = (
@@ -88,13 +91,20 @@ def pair_losses(
     return loss, beta * chosen.detach(), beta * rejected.detach()
 
 
-def row_logps(token_logps: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `labels` [rows, T]: the sum of `token_logps` (one per trained position,
-    in row-major order) and the number of trained positions."""
+def row_logps(
+    token_logps: torch.Tensor, labels: torch.Tensor, answers: torch.Tensor | None = None, n: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer: the sum of `token_logps` (one per trained position of `labels`
+    [rows, T], in row-major order) and the number of trained positions. An answer is a
+    row, or with `answers` ([rows, T], the answer of each position) one of `n` answers."""
     trained = labels != IGNORE
-    rows = trained.nonzero()[:, 0]
-    sums = torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device)
-    return sums.index_add(0, rows, token_logps), trained.sum(1)
+    if answers is None:
+        which, n = trained.nonzero()[:, 0], labels.shape[0]
+    else:
+        which = answers[trained]
+    sums = torch.zeros(n, dtype=token_logps.dtype, device=token_logps.device)
+    counts = torch.zeros(n, dtype=torch.long, device=labels.device)
+    return sums.index_add(0, which, token_logps), counts.index_add(0, which, torch.ones_like(which))
 
 
 def _chunk_logps(hidden, weight, bias, labels):
@@ -118,15 +128,17 @@ def whole_logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 class PreferenceLoss:
     """The objective: `kind` (one of LOSSES) summed over the pairs of a micro-batch, and
-    the METRICS as sums over them. The reference log-probs come from the batch
-    (`ref_logps`, one per row, computed before training from the starting weights), from
-    the same model with its LoRA adapters disabled (`adapters_off`), or are not needed
-    (SimPO). With a `head` (the model's `chunkable_head`) and `chunk_tokens` > 0, the
-    log-probs are computed inside the output layer, `chunk_tokens` positions at a time,
-    so the full logits never exist."""
+    the METRICS as sums over them. The reference log-probs come from `reference` (a
+    [pairs, 2] table of each pair's chosen and rejected log-probs, looked up by the batch's
+    `pair_index`; computed before training, see `reference`), from the same model with
+    its LoRA adapters disabled (`adapters_off`), or are not needed (SimPO). With a `head`
+    (the model's `chunkable_head`) and `chunk_tokens` > 0, the log-probs are computed
+    inside the output layer, `chunk_tokens` positions at a time, so the full logits never
+    exist."""
 
     unit = "pairs"
     metric_names = METRICS
+    progress_metrics = {"rewards_accuracy": "acc"}  # shown on the progress bar
 
     def __init__(
         self,
@@ -134,6 +146,7 @@ class PreferenceLoss:
         beta: float,
         simpo_gamma: float = 0.5,
         sft_weight: float = 0.0,
+        attn_implementation: str = "sdpa",
         chunk_tokens: int = 0,
         head: torch.nn.Linear | None = None,
         adapters_off=None,
@@ -141,35 +154,48 @@ class PreferenceLoss:
         if kind not in LOSSES:
             raise ValueError(f"unknown preference loss {kind!r}; one of {LOSSES}")
         self.kind, self.beta, self.simpo_gamma, self.sft_weight = kind, beta, simpo_gamma, sft_weight
+        self.attn_implementation = attn_implementation
         self.head = head if chunk_tokens > 0 else None
         self.chunk = chunk_tokens if self.head is not None else 0
         self.adapters_off = adapters_off  # model -> context manager with the LoRA adapters disabled
+        self.reference: torch.Tensor | None = None  # [pairs, 2], set before training
+
+    @property
+    def needs_reference_pass(self) -> bool:
+        return self.kind != "simpo" and self.adapters_off is None
 
     def count(self, batch: dict) -> int:
-        return int((batch["labels"] != IGNORE).any(1).sum()) // 2
+        return int(batch["pair_index"].numel())
 
     def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: the summed log-prob of its trained tokens, and their number."""
-        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-        labels = batch["labels"]
+        """Per answer (chosen ones first): the summed log-prob of its trained tokens, and
+        their number."""
+        kwargs = model_inputs(model, batch, self.attn_implementation)
+        labels, n = batch["labels"], 2 * self.count(batch)
         if self.head is None:
-            return row_logps(whole_logits_logps(model(**kwargs).logits, labels), labels)
+            return row_logps(whole_logits_logps(model(**kwargs).logits, labels), labels, batch["answers"], n)
         with label_logps_head(self.head, labels, self.chunk):
-            return row_logps(model(**kwargs).logits, labels)
+            return row_logps(model(**kwargs).logits, labels, batch["answers"], n)
+
+    def reference_logps(self, model, batch: dict) -> torch.Tensor:
+        """Per answer, under the reference model."""
+        if self.reference is not None:
+            ref = self.reference[batch["pair_index"]]
+            return torch.cat([ref[:, 0], ref[:, 1]])
+        if self.adapters_off is None:
+            raise RuntimeError("PreferenceLoss: no reference log-probs; run the reference pass before training")
+        with torch.no_grad(), self.adapters_off(model):
+            return self.logps(model, batch)[0]
 
     def __call__(self, model, batch: dict) -> Loss:
         sums, tokens = self.logps(model, batch)
+        # Also for an empty batch: with adapters off the reference is a forward pass, which
+        # under DDP, ZeRO-3 and FSDP every process must make as often as the others.
+        ref = self.reference_logps(model, batch) if self.kind != "simpo" else None
         if self.count(batch) == 0:  # an empty batch: no pair, but every weight in the graph
             return Loss(sums.sum() * 0, {name: sums.new_zeros(()) for name in METRICS})
         policy = AnswerLogps.from_rows(sums, tokens)
-        reference = None
-        if self.kind != "simpo":
-            if "ref_logps" in batch:
-                ref = batch["ref_logps"]
-            else:
-                with torch.no_grad(), self.adapters_off(model):
-                    ref, _ = self.logps(model, batch)
-            reference = AnswerLogps.from_rows(ref.to(sums.dtype), tokens)
+        reference = AnswerLogps.from_rows(ref.to(sums.dtype), tokens) if ref is not None else None
         loss, chosen, rejected = pair_losses(self.kind, self.beta, policy, reference, self.simpo_gamma, self.sft_weight)
         metrics = {
             "rewards_chosen": chosen.sum(),

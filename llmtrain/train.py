@@ -148,10 +148,13 @@ def setup(
     stop: StopRequest,
     watchdog: Watchdog,
     collator=None,
+    after_prepare=None,
 ) -> Run:
     """Loaders, optimizer and `accelerator.prepare`, then the state from `resume_from`
     (a checkpoint, or None for a fresh start), metrics and trackers. `collator` makes the
-    objective's micro-batches (batches.Collator, for token sequences, by default)."""
+    objective's micro-batches (batches.Collator, for token sequences, by default).
+    `after_prepare(model, accelerator, empty, beat)` runs once the model is prepared and
+    before a checkpoint's weights are loaded (see recipe.Parts)."""
     t, world = cfg.train, accelerator.num_processes
     check_metric_names(objective)
     streaming = isinstance(train_set, StreamedRows)
@@ -177,6 +180,9 @@ def setup(
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
+    empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
+    if after_prepare is not None:
+        after_prepare(model, accelerator, empty, watchdog.beat)
 
     state = TrainState(spikes=SpikeGuard(t.spike_factor, t.spike_window))
     watchdog.beat("checking that the weights are finite")
@@ -205,14 +211,13 @@ def setup(
     accelerator.print(
         f"training {total_steps} steps ("
         + ("a pass over the stream ends when every process has run out" if streaming else f"{per_epoch} per epoch")
-        + f"), global batch {t.global_batch(world)} sequences on {world} process(es)"
+        + f"), global batch {t.global_batch(world)} {collator.items} on {world} process(es)"
     )
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:
         from tqdm.auto import tqdm
 
         progress = tqdm(total=total_steps, initial=state.step, desc="train", dynamic_ncols=True)
-    empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
     profiler = StepProfiler(t.profile_range(), cfg.output_dir, accelerator, watchdog.beat)
     return Run(
         cfg=cfg,
@@ -306,7 +311,9 @@ def report(run: Run, window: Window, result: StepResult) -> None:
         run.log.log(row | result.metrics | figures)
     if run.progress is not None:
         run.progress.update(1)
-        bar = {"loss": f"{result.loss:.4f}", "lr": f"{result.lr:.2e}", "tok_s": f"{result.count / result.seconds:.0f}"}
+        bar = {"loss": f"{result.loss:.4f}"}
+        bar |= {short: f"{result.metrics[name]:.3f}" for name, short in run.objective.progress_metrics.items()}
+        bar |= {"lr": f"{result.lr:.2e}", f"{run.objective.unit}_s": f"{result.count / result.seconds:.0f}"}
         bar |= {"mfu": f"{figures['mfu']:.1%}"} if "mfu" in figures else {}
         bar |= {"wait": f"{figures['data_wait']:.1%}", "mem": f"{peak_memory_gib(run.accelerator.device):.2f}G"}
         run.progress.set_postfix(bar)
@@ -354,9 +361,10 @@ def run_step(run: Run, window: Window) -> StepResult:
 
 
 def run_eval(run: Run) -> None:
-    loss = evaluate(run.model, run.eval_loader, run.objective, run.accelerator, run.empty, run.watchdog.beat)
-    run.log.log({"step": run.state.step, "eval_loss": loss})
-    run.accelerator.print(f"step {run.state.step}: eval_loss {loss:.4f}")
+    loss, metrics = evaluate(run.model, run.eval_loader, run.objective, run.accelerator, run.empty, run.watchdog.beat)
+    run.log.log({"step": run.state.step, "eval_loss": loss} | {f"eval_{k}": v for k, v in metrics.items()})
+    shown = "".join(f", eval_{k} {v:.4f}" for k, v in metrics.items() if k in run.objective.progress_metrics)
+    run.accelerator.print(f"step {run.state.step}: eval_loss {loss:.4f}{shown}")
 
 
 def save_checkpoint(run: Run) -> Path:

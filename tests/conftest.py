@@ -1,11 +1,13 @@
 """Shared fixtures: a tiny Llama + tokenizer built locally, data files, and a runner for
 the real recipe (one process, or two DDP processes on CPU through accelerate launch)."""
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from llmtrain.demo import build_model_dir, make_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
+DPO_RECIPE = ROOT / "recipes" / "dpo.py"
 
 
 @pytest.fixture(scope="session")
@@ -77,9 +80,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def recipe_command(args: list[str], nproc: int = 1) -> list[str]:
+def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE) -> list[str]:
     if nproc == 1:
-        return [sys.executable, str(RECIPE), *args]
+        return [sys.executable, str(recipe), *args]
     return [
         sys.executable,
         "-m",
@@ -95,18 +98,21 @@ def recipe_command(args: list[str], nproc: int = 1) -> list[str]:
         "no",
         "--main_process_port",
         str(free_port()),
-        str(RECIPE),
+        str(recipe),
         *args,
     ]
 
 
-def run_recipe(args: list[str], env: dict, nproc: int = 1, check: bool = True, timeout: int = 300):
-    """Run recipes/finetune.py as a user would; returns the CompletedProcess."""
+def run_recipe(
+    args: list[str], env: dict, nproc: int = 1, check: bool = True, timeout: int = 300, recipe: Path = RECIPE
+):
+    """Run a recipe (recipes/finetune.py unless told) as a user would; returns the
+    CompletedProcess."""
     env = dict(env)
     if nproc > 1:
         env["ACCELERATE_USE_CPU"] = "1"
     proc = subprocess.run(
-        recipe_command(args, nproc), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        recipe_command(args, nproc, recipe), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -119,3 +125,59 @@ def metrics(output_dir: Path) -> list[dict]:
 
 def train_rows(output_dir: Path) -> list[dict]:
     return [r for r in metrics(output_dir) if "loss" in r]
+
+
+def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE) -> subprocess.Popen:
+    """Start a recipe in the background (its own session, output on stdout)."""
+    env = dict(cache_env, ACCELERATE_USE_CPU="1")
+    return subprocess.Popen(
+        recipe_command(args, nproc=nproc, recipe=recipe),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(condition, proc, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker (torchrun starts workers in sessions of their
+    own, so killing the launcher's process group alone would leave them running)."""
+    import psutil
+
+    parent = psutil.Process(proc.pid)
+    for p in [parent, *parent.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+def launch_deepspeed(
+    stage: str, args: list[str], env: dict, timeout: int = 600, recipe: Path = RECIPE
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / f"ds_{stage}.yaml"),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(recipe),
+        *args,
+    ]
+    env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

@@ -1,6 +1,6 @@
 import pytest
 
-from llmtrain.config import Config, ConfigError, load_config, parse_override
+from llmtrain.config import Config, ConfigError, DPOConfig, load_config, parse_override
 
 from .conftest import ROOT, run_recipe
 
@@ -13,9 +13,16 @@ def test_there_are_shipped_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    cfg = load_config(path)
-    assert isinstance(cfg, Config)
-    assert path.read_text().startswith("#"), "each shipped YAML opens with the command that uses it"
+    """Each loads into its recipe's tree: recipes/dpo.py's configs have a dpo section."""
+    import yaml
+
+    text = path.read_text()
+    assert text.startswith("#"), "each shipped YAML opens with the command that uses it"
+    dpo = "dpo" in yaml.safe_load(text)
+    header = "".join(line for line in text.splitlines() if line.startswith("#"))
+    assert ("recipes/dpo.py" in header) == dpo, "the opening comment names the recipe"
+    cfg = load_config(path, schema=DPOConfig if dpo else Config)
+    assert isinstance(cfg, DPOConfig if dpo else Config)
 
 
 def test_overrides_are_typed():
@@ -140,7 +147,7 @@ def numeric_keys() -> list[str]:
 
     keys = []
     for key, _, _ in field_docs():
-        node = Config()
+        node = DPOConfig()
         *parents, leaf = key.split(".")
         for part in parents:
             node = getattr(node, part)
@@ -158,12 +165,12 @@ def test_every_number_is_checked_from_the_schema(key):
     values = ["-1", ".nan", ".inf", huge] if isinstance(_default(key), float) else ["-1", huge]
     for value in values:
         with pytest.raises(ConfigError) as e:
-            load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"])
+            load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"], DPOConfig)
         assert [p for p in e.value.problems if p.startswith(f"{key}: ")], (key, value, e.value.problems)
 
 
 def _default(key: str):
-    node = Config()
+    node = DPOConfig()
     for part in key.split("."):
         node = getattr(node, part)
     return node

@@ -4,15 +4,13 @@ same losses, gradient norms and final weights as one process taking the whole gl
 batch, resume exactly, and export full weights that transformers loads."""
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import RECIPE, ROOT, free_port, metrics, run_recipe, train_rows
+from .conftest import launch_deepspeed, metrics, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -32,26 +30,6 @@ LAYOUT = [
     "eval.sample_prompts=['What is 2 + 3?']",
     "eval.sample_max_new_tokens=6",
 ]
-
-
-def launch_deepspeed(stage: str, args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / f"ds_{stage}.yaml"),
-        "--num_processes",
-        "2",
-        "--mixed_precision",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        str(RECIPE),
-        *args,
-    ]
-    env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -132,13 +132,89 @@ def test_the_collator_keeps_each_pair_in_one_batch_chosen_rows_first(tokenizer):
     from llmtrain.pairs import PairCollator
 
     pairs = [
-        process_pair({"prompt": p, "chosen": c, "rejected": r}, tokenizer, None, CFG)
-        for p, c, r in (("1+1=", "2", "three"), ("2+2=", "four", "5"))
+        process_pair({"prompt": p, "chosen": c, "rejected": r}, tokenizer, None, CFG) | {"pair_index": i}
+        for i, (p, c, r) in enumerate((("1+1=", "2", "three"), ("2+2=", "four", "5")))
     ]
     batch = PairCollator(0)(pairs)
+    assert batch["pair_index"].tolist() == [0, 1] and batch["answers"][:, 0].tolist() == [0, 1, 2, 3]
     assert batch["input_ids"].shape[0] == 4
     for row, (side, i) in enumerate([("chosen", 0), ("chosen", 1), ("rejected", 0), ("rejected", 1)]):
         n = len(pairs[i][f"{side}_input_ids"])
         assert batch["input_ids"][row, :n].tolist() == pairs[i][f"{side}_input_ids"]
         assert batch["labels"][row, :n].tolist() == pairs[i][f"{side}_labels"]
         assert batch["attention_mask"][row].sum() == n and (batch["labels"][row, n:] == IGNORE).all()
+
+
+@pytest.fixture(scope="module")
+def demo_pairs(tmp_path_factory, tokenizer):
+    """12 of the demo's pairs (all three shapes), tokenized and numbered."""
+    from llmtrain.demo import make_pairs, write_jsonl
+    from llmtrain.pairs import prepare_pairs
+
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    write_jsonl(make_pairs(12, seed=5), path)
+    ds, _ = prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+    return ds.add_column("pair_index", list(range(len(ds))))
+
+
+def test_packed_pairs_give_each_answer_the_log_probs_it_has_alone(tiny_model, tokenizer, demo_pairs):
+    """Whole pairs packed several to a row under the document mask: every answer's summed
+    log-prob and token count equal those of its pair run alone, unpadded, so no answer
+    sees another (nor its own pair's other answer); the same padded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.pairs import PackedPairs, PairCollator
+    from llmtrain.preference import PreferenceLoss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    packed = PackedPairs(demo_pairs, capacity=2 * CFG.max_seq_len)
+    assert len(packed) < len(demo_pairs) / 2, "several pairs share a row"
+    collate = PairCollator(0, pack_width=2 * CFG.max_seq_len)
+    expected = {}
+    with torch.no_grad():
+        for i in range(len(demo_pairs)):
+            sums, tokens = PreferenceLoss("sigmoid", 0.1).logps(model, collate([demo_pairs[i]]))
+            expected[i] = (sums.tolist(), tokens.tolist())
+        for attn in ("sdpa", "eager"):
+            objective = PreferenceLoss("sigmoid", 0.1, attn_implementation=attn)
+            seen = []
+            for start in range(0, len(packed), 3):
+                batch = collate([packed[j] for j in range(start, min(start + 3, len(packed)))])
+                assert batch["input_ids"].shape[1] == 2 * CFG.max_seq_len
+                sums, tokens = objective.logps(model, batch)
+                k = objective.count(batch)
+                for n, i in enumerate(batch["pair_index"].tolist()):
+                    got = ([float(sums[n]), float(sums[k + n])], [int(tokens[n]), int(tokens[k + n])])
+                    assert got[1] == expected[i][1], (attn, i)
+                    assert got[0] == pytest.approx(expected[i][0], abs=1e-4), (attn, i)
+                seen += batch["pair_index"].tolist()
+            assert sorted(seen) == list(range(len(demo_pairs)))
+        padded = collate([demo_pairs[i] for i in range(5)])
+        sums, tokens = PreferenceLoss("sigmoid", 0.1).logps(model, padded)
+        for i in range(5):
+            assert [float(sums[i]), float(sums[5 + i])] == pytest.approx(expected[i][0], abs=1e-4)
+
+
+def test_an_empty_pair_batch_counts_no_pair_and_keeps_every_weight_in_the_graph(tiny_model):
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.pairs import PairCollator
+    from llmtrain.preference import PreferenceLoss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    for packed, chunk in ((False, 0), (True, 4)):
+        head = model.get_output_embeddings() if chunk else None
+        objective = PreferenceLoss(
+            "sigmoid", 0.1, chunk_tokens=chunk, head=head, adapters_off=lambda m: contextlib.nullcontext()
+        )
+        batch = PairCollator(0, pack_width=16).empty_batch(packed)
+        assert objective.count(batch) == 0
+        model.zero_grad(set_to_none=True)
+        out = objective(model, batch)
+        out.total.backward()
+        assert float(out.total.detach()) == 0
+        assert all(p.grad is not None for p in model.parameters()), packed

@@ -1,10 +1,8 @@
 """The real recipe, launched as a user launches it (python, or accelerate launch with two
 DDP processes on CPU), on a tiny model."""
 
-import contextlib
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +12,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import ROOT, metrics, recipe_command, run_recipe, train_rows
+from .conftest import kill_tree, metrics, run_recipe, start_run, train_rows, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -145,28 +143,6 @@ def reference_run(common, resume_data, cache_env, tmp_path_factory) -> Path:
     return out
 
 
-def start_run(args, cache_env, nproc=2) -> subprocess.Popen:
-    env = dict(cache_env, ACCELERATE_USE_CPU="1")
-    return subprocess.Popen(
-        recipe_command(args, nproc=nproc),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def wait_for(condition, proc, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def assert_same_run(out: Path, ref: Path):
     got_rows, ref_rows = train_rows(out), train_rows(ref)
     assert [r["step"] for r in got_rows] == list(range(1, 61))
@@ -174,17 +150,6 @@ def assert_same_run(out: Path, ref: Path):
     assert [r["tokens"] for r in got_rows] == [r["tokens"] for r in ref_rows]
     for key, value in final_weights(ref).items():
         torch.testing.assert_close(final_weights(out)[key], value, rtol=0, atol=0)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every worker (torchrun starts workers in sessions of their
-    own, so killing the launcher's process group alone would leave them running)."""
-    import psutil
-
-    parent = psutil.Process(proc.pid)
-    for p in [parent, *parent.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
 
 
 def test_killed_run_resumes_to_the_same_losses(common, resume_data, reference_run, cache_env, tmp_path):

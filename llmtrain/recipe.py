@@ -1,0 +1,128 @@
+"""What every recipe does around its objective: read the config, take the output
+directory, find where to resume, prepare the data, set up and train, write final/ and
+print samples. A recipe supplies only what is its own (`Recipe`): its config tree, its
+data and its objective.
+
+    RECIPE = Recipe(Config, DEFAULT_CONFIG, "Fine-tune ...", build_datasets, sft_parts)
+    def main(argv=None):
+        run(RECIPE, argv)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import checkpoint, demo, rundir
+from .cli import parse_args
+from .config import to_yaml
+from .data import resolve_chat_template
+from .errors import warn
+from .export import model_for_sampling, sample, save_final
+from .launch import main_first, setup_accelerator
+from .metrics import describe_run, plot_losses
+from .model import attention_backend, check_model, load_model, load_tokenizer, meta_model
+from .objective import Objective
+from .stop import StopRequest
+from .train import setup, train
+from .watchdog import Watchdog
+from .window import Outcome
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A recipe's pieces for one run, built once the model is loaded."""
+
+    objective: Objective
+    collator: object | None = None  # makes the objective's micro-batches; None: batches.Collator
+    # Runs once the model is prepared for the distributed backend and before a resumed
+    # run's weights are loaded, so the model still holds its starting weights:
+    # after_prepare(model, accelerator, empty_batch, beat).
+    after_prepare: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    schema: type  # the config tree (config.Config or an extension of it)
+    default_config: Path  # the offline demo's YAML, used when no --config is given
+    description: str
+    datasets: Callable  # (cfg, accelerator, tokenizer) -> (train set, eval set or None)
+    parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
+
+
+def run(recipe: Recipe, argv: list[str] | None = None) -> None:
+    stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
+    cfg, args = parse_args(argv, recipe.default_config, recipe.description, recipe.schema)
+    accelerator = setup_accelerator(cfg)
+    with main_first(accelerator):
+        demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
+    sample_tokens = cfg.eval.sample_max_new_tokens if cfg.eval.sample_prompts else 0
+    mcfg = check_model(cfg.model, cfg.data.max_seq_len, sample_tokens)
+    cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
+    checkpoint.check_writable(cfg.output_dir)
+    rundir.lock(cfg.output_dir, accelerator)  # one run per output_dir, until this process ends
+    if (step := rundir.already_finished(cfg)) is not None:
+        accelerator.print(f"{cfg.output_dir} already finished at step {step} with these settings; final/ is up to date")
+        return
+    checkpoint.check_free_space(cfg.output_dir, checkpoint.output_bytes(meta_model(cfg.model, mcfg)))
+    if accelerator.is_main_process:
+        checkpoint.clean_leftovers(cfg.output_dir)  # what a killed run left half written or half deleted
+    accelerator.wait_for_everyone()
+    resume_from = checkpoint.find_resume(
+        cfg.output_dir, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
+    )
+    rundir.check_rerun(cfg, resume_from)
+    if resume_from is not None:
+        rundir.warn_changes(resume_from, cfg)
+
+    tokenizer = load_tokenizer(cfg.model, resolve_chat_template(cfg.data))
+    train_set, eval_set = recipe.datasets(cfg, accelerator, tokenizer)
+    if args.prepare_only:  # the tokenized data is in the datasets cache now
+        return
+    model = load_model(cfg.model)
+    parts = recipe.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+
+    # From here on a dead or hung rank ends the job within train.hang_timeout_s.
+    with Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes) as watchdog:
+        run = setup(
+            cfg,
+            accelerator,
+            model,
+            tokenizer,
+            parts.objective,
+            train_set,
+            eval_set,
+            resume_from,
+            stop,
+            watchdog,
+            parts.collator,
+            parts.after_prepare,
+        )
+        if rundir.up_to_date(cfg.output_dir, run.state.step, run.total_steps):
+            accelerator.print(f"nothing left to train at step {run.state.step}; final/ is up to date")
+            accelerator.end_training()
+            return
+        describe_run(cfg, accelerator, resume_from)  # config.yaml, run.json: only now that the run trains
+        with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
+            outcome = train(run)
+            if outcome is Outcome.FINISHED:
+                watchdog.beat("writing final/")
+                config, state = to_yaml(cfg), run.state.state_dict()
+                final = save_final(
+                    accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export.merge_lora, state
+                )
+    if outcome is Outcome.STOPPED:
+        accelerator.end_training()
+        sys.exit(stop.exit_code())
+    if accelerator.is_main_process:
+        plot_losses(Path(cfg.output_dir) / "metrics.jsonl", Path(cfg.output_dir) / "loss.png")
+        print(f"saved {final}")
+        prompts = cfg.eval.sample_prompts
+        if prompts:
+            model = model_for_sampling(accelerator, run.model, final)
+            answers = sample(model, tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
+            for prompt, answer in zip(prompts, answers):
+                print(f"sample> {prompt!r} -> {answer!r}")
+    accelerator.end_training()  # closes trackers and the process group: last

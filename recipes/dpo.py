@@ -1,0 +1,71 @@
+"""Preference-tune a causal language model (full or LoRA) on chosen/rejected pairs: DPO, IPO or SimPO.
+
+    accelerate launch recipes/dpo.py                            # offline demo (recipes/configs/dpo_demo.yaml)
+    accelerate launch recipes/dpo.py --config recipes/configs/dpo_lora.yaml \\
+        model.name_or_path=runs/sft/final data.train=prefs.jsonl
+    python recipes/dpo.py dpo.loss=ipo dpo.beta=0.5                      # one process, same thing
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/dpo.py   # DDP on CPU
+
+The same config tree and outputs as finetune.py, plus the dpo section (beta, loss,
+simpo_gamma, sft_weight, reference). The step's loss is the mean over every pair of the
+global batch; a pair's two answers always sit in one micro-batch.
+"""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from llmtrain.cli import run_cli
+from llmtrain.config import DPOConfig
+from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id
+from llmtrain.pairs import PairCollator, build_pair_datasets
+from llmtrain.preference import PreferenceLoss
+from llmtrain.recipe import Parts, Recipe, run
+from llmtrain.reference import ReferencePass
+
+
+def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
+    """The preference loss, pair batches and, for a full fine-tune or dpo.reference, the
+    pass that computes the reference log-probs before training."""
+    disable_dropout(model)
+    d, chunk = cfg.dpo, cfg.train.loss_chunk_tokens
+    adapters_off = None
+    if cfg.model.lora.enabled and not d.reference:  # the reference is the base model: no second copy
+        adapters_off = lambda m: accelerator.unwrap_model(m).disable_adapter()  # noqa: E731
+    head = chunkable_head(model) if chunk else None
+    objective = PreferenceLoss(
+        d.loss, d.beta, d.simpo_gamma, d.sft_weight, cfg.model.attn_implementation, chunk, head, adapters_off
+    )
+    collator = PairCollator(pad_id(tokenizer), 2 * cfg.data.max_seq_len if cfg.data.packing else 0)
+    if not objective.needs_reference_pass:
+        return Parts(objective, collator)
+
+    def reference_model():
+        off = replace(cfg.model.lora, enabled=False)
+        ref = load_model(
+            replace(cfg.model, name_or_path=d.reference, revision="", gradient_checkpointing=False, lora=off)
+        )
+        logps = PreferenceLoss(d.loss, d.beta, attn_implementation=cfg.model.attn_implementation, chunk_tokens=chunk)
+        logps.head = logps.head if not chunk else chunkable_head(ref)  # its own output layer
+        logps.chunk = chunk if logps.head is not None else 0
+        return ref, logps
+
+    after = ReferencePass(cfg, objective, [train_set, eval_set], collator, reference_model if d.reference else None)
+    return Parts(objective, collator, after)
+
+
+RECIPE = Recipe(
+    schema=DPOConfig,
+    default_config=Path(__file__).parent / "configs" / "dpo_demo.yaml",
+    description=__doc__.splitlines()[0],
+    datasets=build_pair_datasets,
+    parts=dpo_parts,
+)
+
+
+def main(argv=None):
+    run(RECIPE, argv)
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])
