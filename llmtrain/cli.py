@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
         help="tokenize the data into the cache and exit (run once before a multi-node job)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come after overrides
     cfg = load_config(args.config, args.overrides, schema)
     own = [cfg.model.name_or_path, *as_list(cfg.data.train)]
     if args.config == default_config and any(name not in demo.DEMO_NAMES for name in own):

@@ -21,10 +21,11 @@ import yaml
 
 from . import demo
 from .cli import user_errors
-from .config import ConfigError, load_config, to_yaml
+from .config import Config, ConfigError, DPOConfig, load_config, to_yaml
 from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
 from .errors import describe
 from .model import check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
+from .pairs import prepare_pairs
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -135,6 +136,8 @@ def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg, chunk
     if launch.offload_params:
         weights = 0.0
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    if isinstance(cfg, DPOConfig):  # a pair is two sequences (packed: rows of twice the length)
+        tokens *= 2
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
@@ -147,10 +150,9 @@ def human(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def preview_row(ds, tokenizer, index: int = 0) -> str:
-    """The row as text with trained tokens inside ⟦ ⟧ (labels are shifted: token t+1 is
-    trained when labels[t] is set)."""
-    row = ds[index]
+def preview_row(row: dict, tokenizer) -> str:
+    """The row (input_ids, labels) as text with trained tokens inside ⟦ ⟧ (labels are
+    shifted: token t+1 is trained when labels[t] is set)."""
     ids, labels = row["input_ids"], row["labels"]
     trained = [False] + [lab != IGNORE for lab in labels[:-1]]
     out, inside = [], False
@@ -172,9 +174,16 @@ def plan(argv: list[str]) -> None:
         default=None,
         help="accelerate config file (default: the one `accelerate config` wrote, if any)",
     )
+    parser.add_argument(
+        "--recipe",
+        choices=["finetune", "dpo"],
+        default=None,
+        help="the recipe the config is for (default: dpo when the config or an override sets a dpo key)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    args = parser.parse_intermixed_args(argv)  # options may come after overrides
+    dpo = args.recipe == "dpo" or (args.recipe is None and names_dpo(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides, DPOConfig if dpo else Config)
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
 
@@ -201,19 +210,21 @@ def plan(argv: list[str]) -> None:
             )
         lengths, stats, steps_per_epoch = [len(r["input_ids"]) for r in ds], stream.stats, None
     else:
-        ds, stats = prepare_split("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
-        lengths = ds["length"]
-        if cfg.data.packing:
-            from .packing import pack_lengths
+        from .packing import pack_lengths
 
-            sequences = len(pack_lengths(lengths, cfg.data.max_seq_len))
-        else:
-            sequences = len(ds)
+        prepare = prepare_pairs if dpo else prepare_split
+        ds, stats = prepare("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
+        lengths = ds["length"]
+        width = cfg.data.max_seq_len * (2 if dpo else 1)  # whole pairs pack into rows of twice the length
+        sequences = len(pack_lengths(lengths, width)) if cfg.data.packing else len(ds)
         steps_per_epoch = t.steps_per_epoch(sequences, world)
     total, trainable, mcfg, chunkable = count_params(cfg, mcfg)
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
-    tokens_per_seq = cfg.data.max_seq_len if cfg.data.packing else mean_len
+    tokens_per_seq = cfg.data.max_seq_len * (2 if dpo else 1) if cfg.data.packing else mean_len
+    items = "sequences"
+    if dpo:
+        items = "packed sequences of whole pairs" if cfg.data.packing else "pairs"
     memory = memory_estimate(cfg, launch, total, trainable, mcfg, chunkable)
 
     print("== resolved config ==")
@@ -232,9 +243,9 @@ def plan(argv: list[str]) -> None:
     print("\n== batch ==")
     print(f"  world size: {world}")
     print(
-        f"  global batch: {global_seqs} sequences = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
+        f"  global batch: {global_seqs} {items} = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
         f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
-        + (" (packed)" if cfg.data.packing else f" (mean row {mean_len:.0f} tokens)")
+        + (" (packed)" if cfg.data.packing else f" (mean {'pair' if dpo else 'row'} {mean_len:.0f} tokens)")
     )
     if steps_per_epoch is None:
         print(f"  streamed; the first rows read: {stats.summary('data.train')}")
@@ -247,13 +258,44 @@ def plan(argv: list[str]) -> None:
     for key, n in memory.items():
         print(f"  {key}: {human(n)}")
     print(f"  total: {human(sum(memory.values()))}")
+    if dpo:
+        print(f"\n== preference ({cfg.dpo.loss}, beta {cfg.dpo.beta:g}) ==")
+        print(f"  reference: {reference_source(cfg)}")
+        print(f"\n== first training pair ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
+        for side in ("chosen", "rejected"):
+            row = {"input_ids": ds[0][f"{side}_input_ids"], "labels": ds[0][f"{side}_labels"]}
+            print(f"-- {side} --\n{preview_row(row, tokenizer)}")
+        return
     print(f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
-    print(preview_row(ds, tokenizer))
+    print(preview_row(ds[0], tokenizer))
+
+
+def names_dpo(config: Path, overrides: list[str]) -> bool:
+    """Whether a config is recipes/dpo.py's: its YAML has a dpo section or an override
+    sets a dpo key (an unreadable file is load_config's to report)."""
+    if any(o.startswith("dpo.") or o.startswith("dpo=") for o in overrides):
+        return True
+    try:
+        raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and "dpo" in raw
+
+
+def reference_source(cfg) -> str:
+    d = cfg.dpo
+    if d.loss == "simpo":
+        return "none (SimPO compares the policy's own per-token log-probs)"
+    if d.reference:
+        return f"{d.reference}: its log-probs for every pair, computed once before training (cached in output_dir)"
+    if cfg.model.lora.enabled:
+        return "the same model with its LoRA adapters off (no second copy; one extra forward per micro-batch)"
+    return "the starting weights: log-probs for every pair computed once before training (cached in output_dir)"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: llmtrain plan [--config F] [--accelerate-config F] [key.sub=value ...]"
+    usage = "usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo] [key.sub=value ...]"
     if argv[:1] in (["-h"], ["--help"]):
         print(f"{usage}\n\nplan: what a run would do (data, model, memory, launch), without training")
         return

@@ -1,16 +1,27 @@
-"""The benchmark compares like with like: on its template, llmtrain trains exactly the
-tokens that transformers' assistant mask (what TRL's assistant_only_loss uses) marks."""
+"""The benchmarks compare like with like: on its template, llmtrain trains exactly the
+tokens that transformers' assistant mask (what TRL's assistant_only_loss uses) marks, and
+on the DPO benchmark's pairs the sequences and answer tokens of TRL's DPOTrainer."""
 
 import importlib.util
 
+import pytest
+
 from llmtrain.config import DataConfig
 from llmtrain.data import IGNORE, process_row
+from llmtrain.pairs import process_pair
 
 from .conftest import ROOT
 
-spec = importlib.util.spec_from_file_location("sft_vs_trl", ROOT / "benchmarks" / "sft_vs_trl.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load("sft_vs_trl")
+dpo_bench = load("dpo_vs_trl")
 
 
 def test_trained_tokens_match_the_assistant_mask(tokenizer):
@@ -30,6 +41,47 @@ def test_row_lengths_spread_like_instruction_data():
     lengths = sorted(sum(len(m["content"]) for m in r["messages"]) for r in bench.make_rows(500, seed=0, seq=512))
     median, p95 = lengths[250], lengths[475]
     assert 50 < median < 250 and p95 > 2 * median  # a long tail
+
+
+def test_dpo_pairs_train_the_tokens_trl_trains(tokenizer):
+    """llmtrain's pairs (pairs.process_pair) against TRL's DPOTrainer tokenization (its
+    _prepare_dataset; the collator then joins prompt and answer, the completion mask on
+    the answer): the same sequences, and the same answer tokens trained."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    import datasets
+    from trl import DPOTrainer
+
+    rows = dpo_bench.make_pairs(20, seed=1, seq=256)
+    # DPOTrainer.__init__ would load a model and build an Accelerator; tokenizing reads only these.
+    trainer = object.__new__(DPOTrainer)
+    trainer._tokenizer = tokenizer
+    args = SimpleNamespace(dataset_num_proc=None, max_length=256, truncation_mode="keep_start")
+    theirs = DPOTrainer._prepare_dataset(trainer, datasets.Dataset.from_list(rows), tokenizer, args, "train")
+    assert len(theirs) == len(rows)
+    for row, trl_row in zip(rows, theirs):
+        ours = process_pair(row, tokenizer, None, DataConfig(max_seq_len=256))
+        assert ours["status"] == "ok"
+        prompt = len(trl_row["prompt_ids"])
+        for side in ("chosen", "rejected"):
+            ids = trl_row["prompt_ids"] + trl_row[f"{side}_ids"]
+            assert ours[f"{side}_input_ids"] == ids
+            trained_positions = [t + 1 for t, label in enumerate(ours[f"{side}_labels"]) if label != IGNORE]
+            assert trained_positions == list(range(prompt, len(ids)))
+
+
+def test_dpo_pairs_spread_and_fit_the_max_length(tokenizer):
+    """Lengths with a long tail and answers of their own lengths, and no pair over the
+    maximum length (the two systems would truncate it differently)."""
+    for seq in (256, 512):
+        done = [
+            process_pair(r, tokenizer, None, DataConfig(max_seq_len=seq)) for r in dpo_bench.make_pairs(200, 0, seq)
+        ]
+        assert {d["status"] for d in done} == {"ok"}
+        longest = sorted(max(len(d["chosen_input_ids"]), len(d["rejected_input_ids"])) for d in done)
+        assert longest[-1] <= seq and longest[190] > 1.5 * longest[100]  # a long tail
+        assert sum(len(d["chosen_input_ids"]) != len(d["rejected_input_ids"]) for d in done) > 180
 
 
 def test_the_checksum_measurement_runs():

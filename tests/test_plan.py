@@ -40,6 +40,28 @@ def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model,
     assert "output_dir:" in out  # the resolved config
 
 
+def test_plan_of_a_preference_run_shows_a_pair_and_its_reference(base_config, tiny_model, cache_env, tmp_path):
+    from llmtrain.demo import make_pairs, write_jsonl
+
+    pairs = tmp_path / "pairs.jsonl"
+    write_jsonl(make_pairs(20, seed=4), pairs)
+    common = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={pairs}"]
+    proc = plan(*common, "dpo.beta=0.2", "train.micro_batch_size=4", env=cache_env)  # a dpo key: dpo.py's config
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "global batch: 4 pairs = micro_batch_size 4" in out and "steps per epoch: 5" in out
+    assert "== preference (sigmoid, beta 0.2) ==" in out and "reference: the starting weights" in out
+    pair = out.split("the rest masked) ==\n", 1)[1]
+    chosen, rejected = pair.split("-- rejected --")
+    assert chosen.count("\u27e6") == 1 and rejected.count("\u27e6") == 1  # only the answers are trained
+    assert chosen.split("\u27e6")[0].replace("-- chosen --\n", "") == rejected.split("\u27e6")[0].lstrip("\n")
+    lora = plan(*common, "--recipe", "dpo", "model.lora.enabled=true", "data.packing=true", env=cache_env)
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    assert "packed sequences of whole pairs" in lora.stdout and "adapters off" in lora.stdout
+    sft = plan(*common, env=cache_env)  # read as finetune.py's: pairs are not SFT rows
+    assert sft.returncode == 2 and "Traceback" not in sft.stderr
+
+
 def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env):
     proc = plan(
         "--config",
