@@ -119,31 +119,61 @@ def _wrong(question: str, answer: str, rng: random.Random) -> str:
     return rng.choice([w for w in list(OPPOSITES.values()) + [word] if w != answer])
 
 
-def make_pairs(n: int, seed: int) -> list[dict]:
+def make_pairs(n: int, seed: int, answer=None) -> list[dict]:
     """Preference pairs whose chosen answer is right and rejected one wrong, in the three
     shapes recipes/dpo.py reads, in turn: prompt/chosen/rejected strings; a message-list
-    prompt (some with a system turn) with assistant answers; whole conversations."""
+    prompt (some with a system turn) with assistant answers; whole conversations.
+
+    With `answer` (prompts as message lists -> a model's answers), the rejected answer is
+    the model's own where it is wrong, as in preference data sampled from the model being
+    tuned; otherwise, and where the model is right, a plausible wrong one (`_wrong`)."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
+    tasks = []
+    for _ in range(n):
         q, a = _task(rng)
-        w = _wrong(q, a, rng)
         system = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.5 else []
-        prompt = system + [{"role": "user", "content": q}]
+        tasks.append((system + [{"role": "user", "content": q}], q, a, _wrong(q, a, rng)))
+    said = answer([t[0] for t in tasks]) if answer is not None else [None] * n
+    rows = []
+    for i, ((prompt, q, a, w), own) in enumerate(zip(tasks, said)):
+        if own and own != a:
+            w = own
         if i % 3 == 0:
             rows.append({"prompt": q, "chosen": a, "rejected": w})
         elif i % 3 == 1:
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "chosen": [{"role": "assistant", "content": a}],
-                    "rejected": [{"role": "assistant", "content": w}],
-                }
-            )
+            chosen, rejected = ([{"role": "assistant", "content": x}] for x in (a, w))
+            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         else:
             chosen, rejected = ([*prompt, {"role": "assistant", "content": x}] for x in (a, w))
             rows.append({"chosen": chosen, "rejected": rejected})
     return rows
+
+
+def greedy_answers(model_dir: Path, max_new_tokens: int = 12, batch: int = 64):
+    """`answer` for make_pairs: the model's greedy answers to prompts (message lists),
+    in batches, left-padded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    def answer(prompts: list[list[dict]]) -> list[str]:
+        out = []
+        for start in range(0, len(prompts), batch):
+            texts = [
+                tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                for p in prompts[start : start + batch]
+            ]
+            enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+            with torch.no_grad():
+                ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+            out += [
+                t.strip() for t in tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            ]
+        return out
+
+    return answer
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -234,21 +264,27 @@ def build_assets(root: Path, train_rows: int = 3000, eval_rows: int = 200) -> No
 
 
 def build_pairs(root: Path) -> None:
-    """pairs-train.jsonl (2000) and pairs-eval.jsonl (200) under root, once."""
-    for name, n, seed in (("pairs-train.jsonl", 2000, 3), ("pairs-eval.jsonl", 200, 4)):
-        if not (root / name).exists():
-            tmp = root / f".tmp-{name}"
-            write_jsonl(make_pairs(n, seed), tmp)
-            os.replace(tmp, root / name)
+    """pairs-train.jsonl (2000) and pairs-eval.jsonl (200) under root, once: the questions'
+    right answers against tiny-llama-sft's own wrong ones (see make_pairs)."""
+    todo = [(name, n, seed) for name, n, seed in (("pairs-train.jsonl", 2000, 3), ("pairs-eval.jsonl", 200, 4))]
+    todo = [t for t in todo if not (root / t[0]).exists()]
+    if not todo:
+        return
+    build_sft_model(root)
+    answer = greedy_answers(root / "tiny-llama-sft")
+    for name, n, seed in todo:
+        tmp = root / f".tmp-{name}"
+        write_jsonl(make_pairs(n, seed, answer), tmp)
+        os.replace(tmp, root / name)
 
 
-SFT_OVERRIDES = ["train.epochs=1", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
+SFT_OVERRIDES = ["train.epochs=2", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
 
 
 def build_sft_model(root: Path) -> None:
     """tiny-llama-sft/ under root: the SFT demo's model (recipes/finetune.py with its
-    demo config), trained for one epoch so that its answers are often but not always
-    right, which leaves the preference demo something to improve. Runs the recipe in a
+    demo config), trained for two epochs of three, so that its answers are right about
+    half the time, which leaves the preference demo something to improve. Runs the recipe in a
     process of its own, outside any distributed job this one belongs to."""
     import subprocess
     import sys
@@ -261,7 +297,7 @@ def build_sft_model(root: Path) -> None:
         raise FileNotFoundError(f"{script} is missing: the preference demo trains its starting model with it")
     run_dir = root / "sft-run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"building the preference demo's starting model: {script.name}'s demo, one epoch (about a minute)")
+    print(f"building the preference demo's starting model: {script.name}'s demo, two epochs (about a minute)")
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
     env = {
         k: v
@@ -319,3 +355,20 @@ def resolve_demo_names(cfg) -> None:
 
 def _as_list(x) -> list[str]:
     return [x] if isinstance(x, str) and x else list(x or [])
+
+
+def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> float:
+    """The share of `n` fresh demo questions a model answers exactly right (greedy)."""
+    rng = random.Random(seed)
+    tasks = [_task(rng) for _ in range(n)]
+    said = greedy_answers(Path(model_dir))([[{"role": "user", "content": q}] for q, _ in tasks])
+    return sum(got == right for (_, right), got in zip(tasks, said)) / n
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["score"] or len(sys.argv) < 3:
+        sys.exit("usage: python -m llmtrain.demo score MODEL_DIR [MODEL_DIR ...]")
+    for path in sys.argv[2:]:
+        print(f"{path}: {score(path):.1%} of 300 held-out demo questions answered right")

@@ -114,16 +114,24 @@ def test_lora_uses_the_model_with_adapters_off_as_reference(args, cache_env, tmp
     assert (two / "final" / "adapter_config.json").exists()
 
 
-def test_zero3_computes_the_reference_and_trains_like_one_process(args, cache_env, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(args, cache_env, tmp_path_factory) -> Path:
+    """The whole global batch of 8 pairs in one micro-batch on one process."""
+    out = tmp_path_factory.mktemp("dpo_one") / "run"
+    dpo(args(out, "train.micro_batch_size=8", "train.loss_chunk_tokens=0"), cache_env)
+    return out
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_computes_the_reference_and_trains_like_one_process(stage, args, one_process, cache_env, tmp_path):
     """ZeRO-3 shards the model, so every forward pass, the reference pass's included, is a
-    collective: a process with no pair left runs an empty batch in step."""
-    one, zero3 = tmp_path / "one", tmp_path / "zero3"
-    dpo(args(one, "train.micro_batch_size=8", "train.loss_chunk_tokens=0"), cache_env)
-    proc = launch_deepspeed(
-        "zero3", args(zero3, "train.micro_batch_size=2", "train.grad_accum_steps=2"), cache_env, recipe=DPO_RECIPE
-    )
+    collective: a process with no pair left runs an empty batch in step. ZeRO-2 shards the
+    gradients and optimizer state."""
+    out = tmp_path / stage
+    layout = ["train.micro_batch_size=2", "train.grad_accum_steps=2"]
+    proc = launch_deepspeed(stage, args(out, *layout), cache_env, recipe=DPO_RECIPE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert_same_steps(zero3, one, "zero3")
+    assert_same_steps(out, one_process, stage)
 
 
 def test_a_killed_run_resumes_to_the_same_losses_and_reads_its_reference(args, cache_env, tmp_path):
