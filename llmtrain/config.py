@@ -573,6 +573,12 @@ def validate(cfg: Config) -> list[str]:
             p.append("dpo.reference: dpo.loss=simpo uses no reference model; remove dpo.reference")
         if cfg.data.streaming:
             p.append("data.streaming: recipes/dpo.py prepares its pairs whole; set data.streaming=false")
+        if cfg.data.format != "auto":
+            p.append(
+                f"data.format: recipes/dpo.py tells pair shapes by their fields; remove data.format={cfg.data.format}"
+            )
+        if cfg.data.loss_on != "assistant":
+            p.append("data.loss_on: recipes/dpo.py trains the answers only; remove data.loss_on=all")
     return p + number_problems(cfg)
 
 

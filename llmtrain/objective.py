@@ -24,11 +24,13 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
    - `progress_metrics`: those of its metrics the progress bar shows, by a short name
      (the eval line prints them too);
    - `head`: the output layer it runs only at counted positions, or None (for MFU).
-2. An empty batch (`batches.Collator.empty_batch`) must count 0 and give a zero loss
-   that still uses every trainable weight: processes with no data left run one so that
+2. An empty batch (the collator's `empty_batch`, e.g. `batches.Collator.empty_batch`)
+   must count 0 and give a zero loss that still uses every trainable weight, and run the
+   same forward passes as any other batch: processes with no data left run one so that
    every process joins the same collectives.
-3. Build it in the recipe and pass it to `train.setup`; everything else (windows,
-   accumulation, skips, checkpoints, resume, logging) is shared.
+3. Return it from the recipe's `parts` (`recipe.Parts`, with a collator if its batches
+   are not token rows; `preference.PreferenceLoss` is an example); everything else
+   (windows, accumulation, skips, checkpoints, resume, logging) is shared.
 """
 
 from __future__ import annotations

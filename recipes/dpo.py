@@ -45,10 +45,10 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
         ref = load_model(
             replace(cfg.model, name_or_path=d.reference, revision="", gradient_checkpointing=False, lora=off)
         )
-        logps = PreferenceLoss(d.loss, d.beta, attn_implementation=cfg.model.attn_implementation, chunk_tokens=chunk)
-        logps.head = logps.head if not chunk else chunkable_head(ref)  # its own output layer
-        logps.chunk = chunk if logps.head is not None else 0
-        return ref, logps
+        head = chunkable_head(ref) if chunk else None  # its own output layer
+        return ref, PreferenceLoss(
+            d.loss, d.beta, attn_implementation=cfg.model.attn_implementation, chunk_tokens=chunk, head=head
+        )
 
     after = ReferencePass(cfg, objective, [train_set, eval_set], collator, reference_model if d.reference else None)
     return Parts(objective, collator, after)

@@ -271,3 +271,14 @@ def test_a_mapping_for_a_section_sets_only_its_keys(tmp_path):
     path.write_text("train:\n  lr: 2.0e-5\n  max_steps: 3\n")
     cfg = load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", "train={lr: 1.0e-4, epochs: 2}"])
     assert (cfg.train.lr, cfg.train.max_steps, cfg.train.epochs) == (1e-4, 3, 2)
+
+
+def test_preference_settings_that_cannot_apply_are_errors_naming_the_key():
+    base = ["model.name_or_path=m", "data.train=d.jsonl"]
+    bad = ["dpo.loss=simpo", "dpo.reference=other", "data.streaming=true", "train.max_steps=5"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, *bad, "data.format=chat", "data.loss_on=all", "dpo.beta=0"], DPOConfig)
+    keys = sorted(problem.split(":")[0] for problem in e.value.problems)
+    assert keys == ["data.format", "data.loss_on", "data.streaming", "dpo.beta", "dpo.reference"]
+    with pytest.raises(ConfigError, match="dpo: unknown key"):
+        load_config(None, [*base, "dpo.beta=0.2"])  # finetune.py's tree has no dpo section
