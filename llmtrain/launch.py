@@ -83,12 +83,15 @@ def check_topology(accelerator) -> None:
                 "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"
             ]
         )
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind == DistributedType.MULTI_CPU:
+        fsdp_on_cpu(accelerator)
+        kind = accelerator.distributed_type
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
         raise ConfigError(
             [
-                "launch: FSDP was asked for but Accelerate runs FSDP only on GPUs (or other accelerators); "
-                "on CPU use DDP (accelerate_configs/cpu_ddp.yaml) "
-                "or DeepSpeed (accelerate_configs/ds_zero3.yaml)"
+                "launch: FSDP was asked for but this launch has no process group to shard over (one process, "
+                "or no GPU without ACCELERATE_USE_CPU=1); launch several processes, on CPU with "
+                "ACCELERATE_USE_CPU=1 (see accelerate_configs/fsdp2.yaml)"
             ]
         )
     if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
@@ -98,6 +101,29 @@ def check_topology(accelerator) -> None:
                 "(see accelerate_configs/fsdp2.yaml)"
             ]
         )
+
+
+def fsdp_on_cpu(accelerator) -> None:
+    """Make a CPU launch that asked for FSDP (ACCELERATE_USE_FSDP, set by accelerate
+    launch from an FSDP config) an FSDP run. PyTorch's FSDP2 (fully_shard) runs on CPU over
+    gloo, but Accelerate turns FSDP on only for device backends and leaves a CPU launch
+    MULTI_CPU. Written by hand because Accelerate has no switch for it: its state objects
+    keep their fields in class-level shared dicts, and `prepare`, `save_state`,
+    `load_state` and `get_state_dict` all read `distributed_type` and `fsdp_plugin` from
+    there, so both are set in AcceleratorState's and PartialState's (the plugin built from
+    the same FSDP_* variables Accelerate reads). tests/test_launch.py fails if an
+    Accelerate upgrade moves this."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.state.fsdp_plugin is not plugin:
+        raise RuntimeError("Accelerate no longer keeps its state where llmtrain.launch.fsdp_on_cpu sets FSDP")
 
 
 def configure_deepspeed(accelerator, cfg: Config) -> None:

@@ -33,7 +33,8 @@ def versions() -> dict:
 
 def describe_run(cfg, accelerator, resume_from) -> None:
     """config.yaml (every key, defaults included) and run.json (library versions, world
-    size, mixed precision, the checkpoint resumed from) in output_dir, by the main process."""
+    size, distributed type, mixed precision, the checkpoint resumed from) in output_dir, by
+    the main process."""
     from .config import to_yaml
 
     if not accelerator.is_main_process:
@@ -43,6 +44,7 @@ def describe_run(cfg, accelerator, resume_from) -> None:
     run = {
         "versions": versions(),
         "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type.value),
         "mixed_precision": accelerator.mixed_precision,
         "resumed_from": str(resume_from or ""),
     }

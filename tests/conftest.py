@@ -181,3 +181,28 @@ def launch_deepspeed(
     ]
     env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def fsdp_command(args: list[str], recipe: Path = RECIPE) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "fsdp2.yaml"),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(recipe),
+        *args,
+    ]
+
+
+def launch_fsdp(args: list[str], env: dict, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
+    env = dict(env, ACCELERATE_USE_CPU="1")
+    proc = subprocess.run(fsdp_command(args, recipe), env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc

@@ -13,7 +13,17 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_pairs, write_jsonl
 
-from .conftest import DPO_RECIPE, kill_tree, launch_deepspeed, metrics, run_recipe, start_run, train_rows, wait_for
+from .conftest import (
+    DPO_RECIPE,
+    kill_tree,
+    launch_deepspeed,
+    launch_fsdp,
+    metrics,
+    run_recipe,
+    start_run,
+    train_rows,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -122,15 +132,18 @@ def one_process(args, cache_env, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_computes_the_reference_and_trains_like_one_process(stage, args, one_process, cache_env, tmp_path):
-    """ZeRO-3 shards the model, so every forward pass, the reference pass's included, is a
-    collective: a process with no pair left runs an empty batch in step. ZeRO-2 shards the
-    gradients and optimizer state."""
+@pytest.mark.parametrize("stage", ["zero2", "zero3", "fsdp2"])
+def test_sharded_runs_compute_the_reference_and_train_like_one_process(stage, args, one_process, cache_env, tmp_path):
+    """ZeRO-3 and FSDP2 shard the model, so every forward pass, the reference pass's
+    included, is a collective: a process with no pair left runs an empty batch in step.
+    ZeRO-2 shards the gradients and optimizer state."""
     out = tmp_path / stage
     layout = ["train.micro_batch_size=2", "train.grad_accum_steps=2"]
-    proc = launch_deepspeed(stage, args(out, *layout), cache_env, recipe=DPO_RECIPE)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if stage == "fsdp2":
+        launch_fsdp(args(out, *layout), cache_env, recipe=DPO_RECIPE)
+    else:
+        proc = launch_deepspeed(stage, args(out, *layout), cache_env, recipe=DPO_RECIPE)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert_same_steps(out, one_process, stage)
 
 

@@ -40,11 +40,13 @@ def test_fsdp1_is_refused(monkeypatch):
         check_topology(fake(DistributedType.FSDP, fsdp_version=1))
 
 
-def test_fsdp_asked_for_on_cpu_is_refused(monkeypatch):
-    """Accelerate drops FSDP silently on CPU; training plain DDP instead would mislead."""
+def test_fsdp_asked_for_without_a_process_group_is_refused(monkeypatch):
+    """One process (or several without ACCELERATE_USE_CPU=1 on a machine without a GPU):
+    Accelerate drops FSDP silently, and training unsharded instead would mislead. Several
+    CPU processes run real FSDP2 (tests/test_fsdp.py)."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ConfigError, match="FSDP only on GPUs"):
-        check_topology(fake(DistributedType.MULTI_CPU))
+    with pytest.raises(ConfigError, match="no process group to shard over"):
+        check_topology(fake(DistributedType.NO))
 
 
 def test_deepspeed_with_use_cpu_is_refused(monkeypatch):

@@ -1,0 +1,105 @@
+"""FSDP2 on CPU: PyTorch's fully_shard over gloo, through accelerate launch with the shipped
+accelerate_configs/fsdp2.yaml and ACCELERATE_USE_CPU=1 (see launch.fsdp_on_cpu). Each
+process holds its shard; the run gives the losses, gradient norms and weights of one
+process taking the same global batch, checkpoints shard by shard and resumes exactly, and
+exports a full final/."""
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmtrain.demo import make_rows, write_jsonl
+
+from .conftest import ROOT, fsdp_command, kill_tree, launch_fsdp, metrics, run_recipe, train_rows, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_args(base_config, tiny_model, tmp_path_factory):
+    data = tmp_path_factory.mktemp("fsdp_data")
+    write_jsonl(make_rows(18, seed=11), data / "train.jsonl")  # global batch 8: a last step of 2 rows
+    write_jsonl(make_rows(5, seed=13), data / "eval.jsonl")
+
+    def args(out: Path, *extra: str) -> list[str]:
+        return [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={data / 'train.jsonl'}",
+            f"data.eval={data / 'eval.jsonl'}",
+            "eval.micro_batch_size=2",
+            f"output_dir={out}",
+            *extra,
+        ]
+
+    return args
+
+
+def assert_same_run(got: Path, want: Path, exact: bool = False) -> None:
+    rows, ref = train_rows(got), train_rows(want)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref]
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref]
+    if exact:
+        assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+    for a, b in zip(rows, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    evals = [(r["step"], r["eval_loss"]) for r in metrics(got) if "eval_loss" in r]
+    ref_evals = [(r["step"], r["eval_loss"]) for r in metrics(want) if "eval_loss" in r]
+    assert [s for s, _ in evals] == [s for s, _ in ref_evals]
+    assert [v for _, v in evals] == pytest.approx([v for _, v in ref_evals], rel=1e-5)
+    got_w, want_w = load_file(got / "final" / "model.safetensors"), load_file(want / "final" / "model.safetensors")
+    assert got_w.keys() == want_w.keys()
+    for key in want_w:
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(got_w[key], want_w[key], **tol, msg=key)
+
+
+def test_fsdp2_on_cpu_trains_like_one_process(run_args, cache_env, tmp_path):
+    """2 processes x 2 x 2 with the chunked loss, the last step's 2 rows on one process
+    only (the other runs an empty batch through the sharded model), against 8 x 1."""
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    run_recipe(run_args(one, "train.micro_batch_size=8", "train.loss_chunk_tokens=0"), cache_env)
+    launch_fsdp(
+        run_args(fsdp, "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.loss_chunk_tokens=7"), cache_env
+    )
+    assert json.loads((fsdp / "run.json").read_text())["distributed_type"] == "FSDP"
+    assert_same_run(fsdp, one)
+    assert [r["tokens"] for r in train_rows(one)][-1] < [r["tokens"] for r in train_rows(one)][0]
+
+
+def test_fsdp2_checkpoints_by_shard_and_resumes_exactly(run_args, cache_env, tmp_path):
+    from llmtrain.checkpoint import complete_checkpoints
+
+    run = ["train.micro_batch_size=2", "train.epochs=3", "checkpoint.every_steps=3", "checkpoint.resume=auto"]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    launch_fsdp(run_args(ref, *run), cache_env)
+    assert [r["step"] for r in train_rows(ref)] == list(range(1, 16))  # 5 steps of 4 rows an epoch
+    assert (complete_checkpoints(ref)[-1][1] / "pytorch_model_fsdp_0").is_dir()  # sharded (DCP)
+    env = dict(cache_env, ACCELERATE_USE_CPU="1")
+    proc = subprocess.Popen(
+        fsdp_command(run_args(out, *run)),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert wait_for(lambda: any(step >= 3 for step, _ in complete_checkpoints(out)), proc)
+    kill_tree(proc)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    time.sleep(0.5)
+    step, path = complete_checkpoints(out)[-1]
+    assert 3 <= step < 15 and not (out / "final").exists()
+    done = launch_fsdp(run_args(out, *run), cache_env)
+    assert f"resumed from {path} at step {step}" in done.stdout
+    assert_same_run(out, ref, exact=True)
