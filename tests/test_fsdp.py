@@ -103,3 +103,16 @@ def test_fsdp2_checkpoints_by_shard_and_resumes_exactly(run_args, cache_env, tmp
     done = launch_fsdp(run_args(out, *run), cache_env)
     assert f"resumed from {path} at step {step}" in done.stdout
     assert_same_run(out, ref, exact=True)
+
+
+def test_lora_under_fsdp2_trains_like_one_process_and_exports_the_merged_model(run_args, cache_env, tmp_path):
+    """LoRA adapters (no dropout, so both runs draw no random masks) with gradient
+    checkpointing: FSDP2 shards the frozen base weights with the adapters; final/ gathers
+    them, merged, and the adapter beside them."""
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "model.gradient_checkpointing=true"]
+    lora += ["export.merge_lora=true", "train.lr=1e-2"]
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    run_recipe(run_args(one, *lora, "train.micro_batch_size=8"), cache_env)
+    launch_fsdp(run_args(fsdp, *lora, "train.micro_batch_size=2", "train.grad_accum_steps=2"), cache_env)
+    assert_same_run(fsdp, one)
+    assert (fsdp / "final" / "adapter" / "adapter_model.safetensors").is_file()
