@@ -80,7 +80,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE) -> list[str]:
+def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE, precision: str = "no") -> list[str]:
     if nproc == 1:
         return [sys.executable, str(recipe), *args]
     return [
@@ -93,7 +93,7 @@ def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE) -> li
         "--num_machines",
         "1",
         "--mixed_precision",
-        "no",
+        precision,
         "--dynamo_backend",
         "no",
         "--main_process_port",
@@ -104,7 +104,13 @@ def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE) -> li
 
 
 def run_recipe(
-    args: list[str], env: dict, nproc: int = 1, check: bool = True, timeout: int = 300, recipe: Path = RECIPE
+    args: list[str],
+    env: dict,
+    nproc: int = 1,
+    check: bool = True,
+    timeout: int = 300,
+    recipe: Path = RECIPE,
+    precision: str = "no",
 ):
     """Run a recipe (recipes/finetune.py unless told) as a user would; returns the
     CompletedProcess."""
@@ -112,7 +118,12 @@ def run_recipe(
     if nproc > 1:
         env["ACCELERATE_USE_CPU"] = "1"
     proc = subprocess.run(
-        recipe_command(args, nproc, recipe), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        recipe_command(args, nproc, recipe, precision),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -162,7 +173,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def launch_deepspeed(
-    stage: str, args: list[str], env: dict, timeout: int = 600, recipe: Path = RECIPE
+    stage: str, args: list[str], env: dict, timeout: int = 600, recipe: Path = RECIPE, precision: str = "no"
 ) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
@@ -173,7 +184,7 @@ def launch_deepspeed(
         "--num_processes",
         "2",
         "--mixed_precision",
-        "no",
+        precision,
         "--main_process_port",
         str(free_port()),
         str(recipe),
@@ -183,7 +194,7 @@ def launch_deepspeed(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def fsdp_command(args: list[str], recipe: Path = RECIPE) -> list[str]:
+def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no") -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -193,7 +204,7 @@ def fsdp_command(args: list[str], recipe: Path = RECIPE) -> list[str]:
         "--num_processes",
         "2",
         "--mixed_precision",
-        "no",
+        precision,
         "--main_process_port",
         str(free_port()),
         str(recipe),
@@ -201,8 +212,12 @@ def fsdp_command(args: list[str], recipe: Path = RECIPE) -> list[str]:
     ]
 
 
-def launch_fsdp(args: list[str], env: dict, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
+def launch_fsdp(
+    args: list[str], env: dict, recipe: Path = RECIPE, precision: str = "no"
+) -> subprocess.CompletedProcess:
     env = dict(env, ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(fsdp_command(args, recipe), env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        fsdp_command(args, recipe, precision), env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
