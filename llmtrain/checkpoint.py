@@ -10,6 +10,7 @@ older ones are pruned (`checkpoint.keep_last`) only after the new one is in plac
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ POSITION_KEYS = (
     "data.packing",
     "data.shuffle",
     "world_size",
+    "global_batch",
 )
 
 
@@ -104,8 +106,11 @@ def manifest(path: Path, accelerator=None) -> dict[str, dict]:
     """{relative path: {size, crc32}} of every file under `path` but the state file. The
     checksums are split across processes (see `checksums`)."""
     files = [f for f in sorted(Path(path).rglob("*")) if f.is_file() and f.name != STATE_FILE]
-    sums = checksums(path, [str(f.relative_to(path)) for f in files], accelerator)
-    return {rel: {"size": f.stat().st_size, "crc32": sums[rel]} for rel, f in zip(sums, files)}
+    # Sizes first: once the checksums' collective returns, the main process may publish
+    # (rename) the directory while another process would still be reading it.
+    sizes = {str(f.relative_to(path)): f.stat().st_size for f in files}
+    sums = checksums(path, list(sizes), accelerator)
+    return {rel: {"size": size, "crc32": sums[rel]} for rel, size in sizes.items()}
 
 
 def checksum(path: Path) -> str:
@@ -289,8 +294,14 @@ def check_free_space(output_dir: str, need: dict[str, int]) -> None:
         )
 
 
+# How the global batch is split; with the same global batch a resume may change them (see
+# `load`), except for a stream, whose per-process shares depend on the process count.
+LAYOUT_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "world_size")
+
+
 def position_settings(cfg, world_size: int) -> dict:
     return {
+        "global_batch": cfg.train.global_batch(world_size),
         "train.micro_batch_size": cfg.train.micro_batch_size,
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "train.seed": cfg.train.seed,
@@ -455,16 +466,32 @@ def check_pickles(path: Path) -> None:
 
 def load(accelerator, path: Path, cfg, state: TrainState) -> None:
     """Restore model, optimizer and RNG from `path` and `state` from its train_state.json,
-    after checking that the run's data settings are the ones it was written with."""
+    after checking that the run's data settings are the ones it was written with.
+
+    The global batch may be split differently (another number of processes, micro-batch
+    size or accumulation): each pass's order is seeded and the loader deals its batches
+    out round-robin, so step k reads rows k*G to (k+1)*G of the pass (G the global batch)
+    whatever the split, and the saved position converts exactly. Not under DeepSpeed with
+    another process count (its optimizer state is partitioned per process), nor for a
+    stream (each process reads its own share of the sources)."""
     saved = json.loads((Path(path) / STATE_FILE).read_text())
+    was = dict(saved["settings"])
+    was.setdefault("global_batch", math.prod(was.get(k, 1) for k in LAYOUT_KEYS))  # written before it was saved
     now = position_settings(cfg, accelerator.num_processes)
-    changed = [
-        f"{k} was {saved['settings'].get(k)!r}, now {v!r}" for k, v in now.items() if saved["settings"].get(k) != v
-    ]
+    flexible = () if cfg.data.streaming else LAYOUT_KEYS
+    changed = [f"{k} was {was.get(k)!r}, now {v!r}" for k, v in now.items() if k not in flexible and was.get(k) != v]
     if changed:
         raise CheckpointError(
-            f"checkpoint.resume: {path} was written with other data settings ({'; '.join(changed)}); "
-            "resume with the same settings or start a new output_dir"
+            f"checkpoint.resume: {path} was written with other data settings ({'; '.join(changed)}); the saved "
+            "position would not mean the same rows. Resume with the same settings (the same global batch: "
+            "train.micro_batch_size x train.grad_accum_steps x processes) or start a new output_dir"
+        )
+    relaid = any(was.get(k) != now[k] for k in LAYOUT_KEYS)
+    if relaid and was.get("world_size") != now["world_size"] and is_deepspeed(accelerator):
+        raise CheckpointError(
+            f"checkpoint.resume: {path} was written by {was.get('world_size')} DeepSpeed processes, whose optimizer "
+            f"state is partitioned per process and cannot be resharded to {now['world_size']} here; resume on "
+            f"{was.get('world_size')} processes (or convert it with DeepSpeed's universal checkpoint tools)"
         )
     check_pickles(path)
     try:
@@ -475,3 +502,28 @@ def load(accelerator, path: Path, cfg, state: TrainState) -> None:
             "model settings (model.*, LoRA)? Resume from a checkpoint of this run, or start a new output_dir"
         ) from None
     state.load_state_dict(saved)
+    if relaid:
+        rows = state.batches_in_epoch * was["train.micro_batch_size"] * was["world_size"]
+        per_batch = now["train.micro_batch_size"] * now["world_size"]
+        state.batches_in_epoch = -(-rows // per_batch)  # whole steps: rows is a multiple of the global batch
+
+        def layout(settings: dict) -> str:
+            w, m, a = (settings.get(k) for k in ("world_size", "train.micro_batch_size", "train.grad_accum_steps"))
+            return f"{w} process(es) x {m} x {a}"
+
+        accelerator.print(
+            f"resuming a run of {layout(was)} as {layout(now)}, the same global batch of "
+            f"{now['global_batch']}: every later step reads the rows it would have read"
+            + (
+                "; random draws (dropout) differ from the uninterrupted run's, each process's RNG state being saved "
+                "per process"
+                if was.get("world_size") != now["world_size"]
+                else ""
+            )
+        )
+
+
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED

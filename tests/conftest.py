@@ -194,7 +194,7 @@ def launch_deepspeed(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no") -> list[str]:
+def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no", nproc: int = 2) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -202,7 +202,7 @@ def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no") 
         "--config_file",
         str(ROOT / "accelerate_configs" / "fsdp2.yaml"),
         "--num_processes",
-        "2",
+        str(nproc),
         "--mixed_precision",
         precision,
         "--main_process_port",
@@ -213,11 +213,11 @@ def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no") 
 
 
 def launch_fsdp(
-    args: list[str], env: dict, recipe: Path = RECIPE, precision: str = "no"
+    args: list[str], env: dict, recipe: Path = RECIPE, precision: str = "no", nproc: int = 2
 ) -> subprocess.CompletedProcess:
     env = dict(env, ACCELERATE_USE_CPU="1")
     proc = subprocess.run(
-        fsdp_command(args, recipe, precision), env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
+        fsdp_command(args, recipe, precision, nproc), env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

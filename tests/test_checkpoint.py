@@ -162,9 +162,18 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     (path / STATE_FILE).write_text(
         json.dumps({"step": 4, "settings": position_settings(cfg, 2), "files": manifest(path)})
     )
-    cfg.train.micro_batch_size = 8
+    cfg.train.micro_batch_size, cfg.train.seed = 16, 3  # 2 processes x 4 -> 1 x 16: another global batch
+    with pytest.raises(CheckpointError, match=r"global_batch was 8, now 16; train.seed was 42, now 3"):
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    cfg.train.micro_batch_size, cfg.train.seed, cfg.data.streaming = 8, 42, True  # the same, but a stream
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
         load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    from accelerate.utils import DistributedType
+
+    cfg.data.streaming = False  # the same global batch on 1 process: DeepSpeed's partitions cannot follow
+    deepspeed = SimpleNamespace(num_processes=1, distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(CheckpointError, match=r"written by 2 DeepSpeed processes.*cannot be resharded to 1"):
+        load(deepspeed, path, cfg, TrainState())
 
 
 @pytest.mark.slow
@@ -543,3 +552,71 @@ def test_a_checkpoint_that_passes_the_checks_but_does_not_load_is_an_error_namin
     accelerator = SimpleNamespace(num_processes=1, load_state=load_state)
     with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: cannot load {path} \(FileNotFoundError: No such"):
         load(accelerator, path, cfg, TrainState())
+
+
+RESPLIT = {
+    # name: (processes, micro-batch, accumulation) of the first run, then of the resumed one
+    "2x2x2 -> 1x8x1": ((2, 2, 2), (1, 8, 1)),
+    "2x2x2 -> 1x4x2": ((2, 2, 2), (1, 4, 2)),
+    "1x8x1 -> 2x1x4": ((1, 8, 1), (2, 1, 4)),
+    "1x4x2 -> 2x2x2": ((1, 4, 2), (2, 2, 2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_run_resumes_on_another_process_count_and_split(base_config, tiny_model, cache_env, tmp_path, packing):
+    """A requeued job that comes back with fewer or more processes (DDP) and another split
+    of the same global batch of 8: every later step reads the rows it would have read, so
+    the losses and token counts are those of the run that was not interrupted (to float
+    rounding: the sums are taken in another order), resumed mid-epoch."""
+    # Packed sequences are made once from the whole data, whatever the processes: two of
+    # the four cases show that they resplit alike.
+    cases = {k: v for i, (k, v) in enumerate(RESPLIT.items()) if not packing or i in (1, 3)}
+    from llmtrain.demo import make_rows, write_jsonl
+
+    from .conftest import run_recipe, train_rows
+
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(make_rows(48 if not packing else 160, seed=19), data)
+
+    def args(out, layout):
+        nproc, micro, accum = layout
+        return [
+            "--config",
+            str(base_config),
+            f"model.name_or_path={tiny_model}",
+            f"data.train={data}",
+            f"output_dir={out}",
+            f"data.packing={str(packing).lower()}",
+            "train.epochs=2",
+            "checkpoint.every_steps=4",
+            "checkpoint.keep_last=5",
+            "checkpoint.resume=auto",
+            f"train.micro_batch_size={micro}",
+            f"train.grad_accum_steps={accum}",
+        ], nproc
+
+    firsts = {}
+    for name, (first, then) in cases.items():
+        if first not in firsts:
+            out = tmp_path / f"whole-{'x'.join(map(str, first))}"
+            a, n = args(out, first)
+            run_recipe(a, cache_env, nproc=n)
+            firsts[first] = out
+        whole = firsts[first]
+        rows = train_rows(whole)
+        assert len(rows) >= 10 and rows[4]["epoch"] == 0  # two epochs, the checkpoint at step 4 mid-epoch
+        out = tmp_path / name.replace(" -> ", "-to-")
+        shutil.copytree(whole, out)
+        shutil.rmtree(out / "final")
+        for ckpt in (out / "checkpoints").glob("step-*"):
+            if int(ckpt.name.split("-")[1]) > 4:
+                shutil.rmtree(ckpt)
+        a, n = args(out, then)
+        proc = run_recipe(a, cache_env, nproc=n)
+        assert f"as {then[0]} process(es) x {then[1]} x {then[2]}, the same global batch of 8" in proc.stdout
+        got = train_rows(out)
+        assert [r["step"] for r in got] == [r["step"] for r in rows], name
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in rows], name
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in rows], rel=1e-5), name

@@ -116,3 +116,25 @@ def test_lora_under_fsdp2_trains_like_one_process_and_exports_the_merged_model(r
     launch_fsdp(run_args(fsdp, *lora, "train.micro_batch_size=2", "train.grad_accum_steps=2"), cache_env)
     assert_same_run(fsdp, one)
     assert (fsdp / "final" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_an_fsdp2_checkpoint_resumes_on_another_process_count(run_args, cache_env, tmp_path):
+    """Written by 2 processes (2 x 3), resumed on 3 (2 x 2), the same global batch of 12:
+    the sharded (DCP) checkpoint reshards on load and the later steps read the rows and
+    give the losses of the run that was not interrupted."""
+    import shutil
+
+    run = ["train.micro_batch_size=2", "train.epochs=3", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
+    whole, out = tmp_path / "whole", tmp_path / "resharded"
+    launch_fsdp(run_args(whole, *run, "train.grad_accum_steps=3"), cache_env)
+    shutil.copytree(whole, out)
+    shutil.rmtree(out / "final")
+    for ckpt in (out / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > 2:
+            shutil.rmtree(ckpt)
+    proc = launch_fsdp(run_args(out, *run, "train.grad_accum_steps=2"), cache_env, nproc=3)
+    assert "as 3 process(es) x 2 x 2, the same global batch of 12" in proc.stdout
+    rows, ref = train_rows(out), train_rows(whole)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] and len(ref) > 3
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
