@@ -30,8 +30,11 @@ class Backend:
         self.accum_divisor = grad_accum_steps if self.deepspeed else 1
 
     def place(self, model):
-        """The model on the process's device, unless the backend places it in `prepare`."""
-        return model if self.places_weights else model.to(self.accelerator.device)
+        """The model on the process's device, unless the backend places it in `prepare`
+        or it was loaded quantized, straight onto the device (model.quantization)."""
+        from .model import is_quantized
+
+        return model if self.places_weights or is_quantized(model) else model.to(self.accelerator.device)
 
     def loss_scale(self, count: int) -> float:
         """The factor for each micro-batch's summed loss (see the module docstring)."""

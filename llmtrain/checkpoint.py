@@ -464,7 +464,7 @@ def check_pickles(path: Path) -> None:
             ) from None
 
 
-def load(accelerator, path: Path, cfg, state: TrainState) -> None:
+def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> None:
     """Restore model, optimizer and RNG from `path` and `state` from its train_state.json,
     after checking that the run's data settings are the ones it was written with.
 
@@ -494,8 +494,16 @@ def load(accelerator, path: Path, cfg, state: TrainState) -> None:
             f"{was.get('world_size')} processes (or convert it with DeepSpeed's universal checkpoint tools)"
         )
     check_pickles(path)
+    kwargs = {}
+    if cfg.model.quantization != "none":
+        # The quantized base's state holds bitsandbytes' quantization constants beside each
+        # weight (absmax, quant_map, ...), which load_state_dict calls unexpected keys; the
+        # base is the one loaded at start-up anyway. Load non-strictly, once every weight
+        # that trains is known to be in the checkpoint.
+        check_trained_weights(accelerator.unwrap_model(model), path)
+        kwargs["strict"] = False
     try:
-        accelerator.load_state(str(path))  # Accelerate's own files load with weights_only
+        accelerator.load_state(str(path), **kwargs)  # Accelerate's own files load with weights_only
     except Exception as e:  # files that passed the checks but do not fit this model or run
         raise CheckpointError(
             f"checkpoint.resume: cannot load {path} ({describe(e)}); was it written by this run with the same "
@@ -527,3 +535,21 @@ def is_deepspeed(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
+
+
+def check_trained_weights(model, path: Path) -> None:
+    """Every trainable weight of `model` (unwrapped) is in the checkpoint's weights."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("model*.safetensors"))
+    saved = set()
+    for f in files:
+        with safe_open(f, "pt") as handle:
+            saved |= set(handle.keys())
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in saved]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint.resume: {path} lacks {len(missing)} of the weights this run trains ({missing[0]}, ...); "
+            "was it written by this run with the same LoRA settings? Resume from one that was, or start a new "
+            "output_dir"
+        )

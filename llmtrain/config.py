@@ -98,6 +98,9 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False
     """Allow model code from the hub to run. Off unless you trust the repository."""
+    quantization: Literal["none", "nf4", "fp4", "int8"] = "none"
+    """Load the frozen base weights quantized by bitsandbytes (QLoRA): 'nf4' or 'fp4'
+    (4-bit) or 'int8'; only with model.lora.enabled. Needs pip install -e ".[qlora]"."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -568,6 +571,11 @@ def validate(cfg: Config) -> list[str]:
     lora = cfg.model.lora
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")
+    if cfg.model.quantization != "none" and not lora.enabled:
+        p.append(
+            f"model.quantization: {cfg.model.quantization} weights cannot be trained directly; set "
+            "model.lora.enabled=true (QLoRA: adapters on the quantized base) or model.quantization=none"
+        )
     if isinstance(cfg, DPOConfig):
         if cfg.dpo.loss == "simpo" and cfg.dpo.reference:
             p.append("dpo.reference: dpo.loss=simpo uses no reference model; remove dpo.reference")

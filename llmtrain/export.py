@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from .checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, publish, write_failed
-from .model import whole_models
+from .model import is_quantized, whole_models
 
 
 def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str, merge_lora: bool, state: dict) -> Path:
@@ -47,9 +47,11 @@ def _write(accelerator, model, tokenizer, state_dict, tmp: Path, config_yaml: st
     is_lora = hasattr(unwrapped, "peft_config")
     if is_lora and merge_lora:
         unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
+        # A sharded or quantized training copy cannot be merged in place: the base weights
+        # are loaded again, whole and in their own dtype, with the adapter folded in.
         merged = (
             _merged_from_adapter(accelerator, unwrapped, tmp / "adapter")
-            if is_sharded(accelerator)
+            if is_sharded(accelerator) or is_quantized(unwrapped)
             else _merged_copy(unwrapped)
         )
         merged.save_pretrained(tmp, safe_serialization=True)

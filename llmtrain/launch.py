@@ -148,6 +148,13 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
                 "set train.compile=false, or use DDP or FSDP2"
             ]
         )
+    if cfg.model.quantization != "none" and plugin.zero_stage == 3:
+        raise ConfigError(
+            [
+                f"model.quantization: {cfg.model.quantization} weights cannot be partitioned by DeepSpeed ZeRO-3; "
+                "use ZeRO-1/2, DDP or FSDP2 for QLoRA, or set model.quantization=none"
+            ]
+        )
     where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
     wanted = [
         ("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),

@@ -199,12 +199,47 @@ def pad_id(tokenizer) -> int:
             return tid
 
 
+def quantization_kwargs(cfg: ModelConfig) -> dict:
+    """from_pretrained's arguments for model.quantization: bitsandbytes' config, and the
+    process's own device, where the weights are quantized as they load (a quantized model
+    cannot be moved afterwards)."""
+    if cfg.quantization == "none":
+        return {}
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ModelError(
+            f'model.quantization={cfg.quantization} needs bitsandbytes: pip install -e ".[qlora]" '
+            "(or set model.quantization=none)"
+        ) from None
+    from accelerate import PartialState
+    from transformers import BitsAndBytesConfig
+
+    compute = DTYPES[cfg.dtype] if cfg.dtype != "auto" else torch.bfloat16
+    if cfg.quantization == "int8":
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization, bnb_4bit_compute_dtype=compute
+        )
+    return {"quantization_config": quant, "device_map": {"": PartialState().device}}
+
+
+def is_quantized(model) -> bool:
+    return bool(getattr(model, "is_quantized", False))
+
+
 def load_model(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 
+    quantized = quantization_kwargs(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation, **hub_kwargs(cfg)
+            cfg.name_or_path,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
+            **hub_kwargs(cfg),
+            **quantized,
         )
     except Exception as e:
         raise _load_error("a causal LM", cfg.name_or_path, e) from None
@@ -227,7 +262,17 @@ def add_lora(model, cfg: ModelConfig):
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    if cfg.gradient_checkpointing:
+    if is_quantized(model):
+        # QLoRA: layer norms and embeddings in fp32, inputs that require grad, and
+        # checkpointing set up the way peft's k-bit training expects.
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif cfg.gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
         return get_peft_model(model, adapters)

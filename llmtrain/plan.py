@@ -119,8 +119,27 @@ def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool]:
     return total, trainable, mcfg, chunkable_head(model) is not None
 
 
-def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg, chunkable: bool) -> dict[str, float]:
-    """Rough bytes per GPU. Weights in model.dtype; gradients and two AdamW moments in the
+def quantized_params(cfg, mcfg) -> int:
+    """How many weights model.quantization stores in 4 or 8 bits: the frozen Linear
+    layers' weights, the output layer excepted (bitsandbytes keeps it as it is)."""
+    import torch
+
+    if cfg.model.quantization == "none":
+        return 0
+    model = meta_model(cfg.model, mcfg)
+    head = model.get_output_embeddings()
+    return sum(
+        m.weight.numel()
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m is not head and not m.weight.requires_grad
+    )
+
+
+def memory_estimate(
+    cfg, launch: Launch, total: int, trainable: int, mcfg, chunkable: bool, quantized: int = 0
+) -> dict[str, float]:
+    """Rough bytes per GPU. Weights in model.dtype (the `quantized` ones in half a byte,
+    nf4/fp4, or one, int8, each); gradients and two AdamW moments in the
     trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations use
     ~34 bytes x hidden per token per layer in 16-bit (only the layer inputs, 2 bytes, with
     gradient checkpointing), plus fp32 logits and their gradient: for train.loss_chunk_tokens
@@ -128,7 +147,8 @@ def memory_estimate(cfg, launch: Launch, total: int, trainable: int, mcfg, chunk
     width = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[cfg.model.dtype]
     world = max(1, launch.num_processes)
     stage = 3 if launch.fsdp else launch.zero_stage
-    weights = total * width / (world if stage >= 3 else 1)
+    bits = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0}.get(cfg.model.quantization, width)
+    weights = ((total - quantized) * width + quantized * bits) / (world if stage >= 3 else 1)
     grads = trainable * width / (world if stage >= 2 else 1)
     optim = 2 * trainable * width / (world if stage >= 1 else 1)
     if launch.offload_optimizer:
@@ -225,7 +245,8 @@ def plan(argv: list[str]) -> None:
     items = "sequences"
     if dpo:
         items = "packed sequences of whole pairs" if cfg.data.packing else "pairs"
-    memory = memory_estimate(cfg, launch, total, trainable, mcfg, chunkable)
+    quantized = quantized_params(cfg, mcfg)
+    memory = memory_estimate(cfg, launch, total, trainable, mcfg, chunkable, quantized)
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())
@@ -254,7 +275,11 @@ def plan(argv: list[str]) -> None:
         print(f"  {stats.summary('data.train')}")
         print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.total_steps(steps_per_epoch)}")
     print("\n== memory per GPU (rough estimate) ==")
-    print(f"  parameters: {total:,} ({trainable:,} trainable)")
+    print(
+        f"  parameters: {total:,} ({trainable:,} trainable"
+        + (f"; {quantized:,} stored as {cfg.model.quantization}" if quantized else "")
+        + ")"
+    )
     for key, n in memory.items():
         print(f"  {key}: {human(n)}")
     print(f"  total: {human(sum(memory.values()))}")

@@ -189,7 +189,7 @@ def setup(
     nonfinite = backend.nonfinite_weights(model)
     if resume_from is not None:
         watchdog.beat(f"loading {resume_from}")
-        checkpoint.load(accelerator, resume_from, cfg, state)
+        checkpoint.load(accelerator, resume_from, cfg, state, model)
         nonfinite = backend.nonfinite_weights(model)
         if nonfinite > state.nonfinite_weights:
             raise CheckpointError(

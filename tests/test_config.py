@@ -282,3 +282,14 @@ def test_preference_settings_that_cannot_apply_are_errors_naming_the_key():
     assert keys == ["data.format", "data.loss_on", "data.streaming", "dpo.beta", "dpo.reference"]
     with pytest.raises(ConfigError, match="dpo: unknown key"):
         load_config(None, [*base, "dpo.beta=0.2"])  # finetune.py's tree has no dpo section
+
+
+def test_quantization_needs_lora_and_names_both_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "model.quantization=nf4"])
+    assert e.value.problems[0].startswith("model.quantization: nf4 weights cannot be trained directly")
+    assert "model.lora.enabled=true" in e.value.problems[0]
+    cfg = load_config(
+        None, ["model.name_or_path=m", "data.train=d.jsonl", "model.quantization=nf4", "model.lora.enabled=true"]
+    )
+    assert cfg.model.quantization == "nf4"

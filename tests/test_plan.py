@@ -182,3 +182,19 @@ def test_an_accelerate_config_that_cannot_be_read_is_one_error(tmp_path, text, w
 def test_help_lists_the_command_and_succeeds():
     proc = subprocess.run([LLMTRAIN, "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: llmtrain plan")
+
+
+def test_plan_counts_quantized_weights_at_their_width(tiny_model):
+    from llmtrain.plan import quantized_params
+
+    base = [f"model.name_or_path={tiny_model}", "data.train=d.jsonl", "model.lora.enabled=true"]
+    weights = {}
+    for quant in ("none", "nf4", "int8"):
+        cfg = load_config(None, [*base, f"model.quantization={quant}"])
+        total, trainable, mcfg, chunkable = count_params(cfg)
+        quantized = quantized_params(cfg, mcfg)
+        assert (quantized > 0) == (quant != "none") and quantized < total - trainable  # the output layer stays
+        weights[quant] = memory_estimate(cfg, Launch(), total, trainable, mcfg, chunkable, quantized)["weights"]
+    q = quantized_params(load_config(None, [*base, "model.quantization=nf4"]), mcfg)
+    assert weights["none"] - weights["nf4"] == pytest.approx(q * 3.5)  # fp32 -> half a byte each
+    assert weights["none"] - weights["int8"] == pytest.approx(q * 3.0)

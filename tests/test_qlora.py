@@ -1,0 +1,92 @@
+"""QLoRA on CPU: the frozen base loaded in 4-bit NF4 by bitsandbytes, LoRA adapters trained
+on it with gradient checkpointing, under DDP (two processes): the loss falls, a checkpoint
+resumes to the same losses and adapter, final/ holds the adapter (loadable with peft on the
+base model) and, with export.merge_lora, the merged model in the base's own dtype."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import run_recipe, train_rows
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("bitsandbytes")
+
+
+def test_qlora_trains_resumes_exactly_and_exports(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "qlora"
+    args = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        f"output_dir={out}",
+        "model.quantization=nf4",
+        "model.lora.enabled=true",
+        "model.lora.r=8",
+        "model.lora.dropout=0",
+        "model.gradient_checkpointing=true",
+        "export.merge_lora=true",
+        "train.lr=1e-2",
+        "train.micro_batch_size=2",
+        "train.epochs=3",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=3",
+    ]
+    run_recipe(args, cache_env, nproc=2)
+    rows = train_rows(out)
+    assert len(rows) == 15 and rows[-1]["loss"] < rows[0]["loss"] - 0.2
+    adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+
+    shutil.rmtree(out / "final")  # as if killed after step 8
+    for step in (12, 15):
+        shutil.rmtree(out / "checkpoints" / f"step-{step}")
+    proc = run_recipe(args, cache_env, nproc=2)
+    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in rows]  # exactly
+    for key, value in load_file(out / "final" / "adapter" / "adapter_model.safetensors").items():
+        torch.testing.assert_close(value, adapter[key], rtol=0, atol=0, msg=key)
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert merged.dtype == base.dtype == torch.float32  # the base's own dtype, not 4-bit
+    with_adapter = PeftModel.from_pretrained(base, out / "final" / "adapter").eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-4, rtol=1e-4)
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model)(ids).logits
+        assert not torch.allclose(merged(ids).logits, plain, atol=1e-3)
+
+
+def test_qlora_trains_alike_on_one_process_under_ddp_and_under_fsdp2(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    """The same global batch of 8 as 8 x 1, and as 2 processes x 2 x 2 under DDP and under
+    FSDP2 (the 4-bit base frozen beside the sharded adapters): the same losses."""
+    from .conftest import launch_fsdp
+
+    common = [
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        "model.quantization=nf4",
+        "model.lora.enabled=true",
+        "model.lora.dropout=0",
+        "train.lr=1e-2",
+        "train.max_steps=3",
+    ]
+    split = ["train.micro_batch_size=2", "train.grad_accum_steps=2"]
+    run_recipe([*common, f"output_dir={tmp_path / 'one'}", "train.micro_batch_size=8"], cache_env)
+    run_recipe([*common, f"output_dir={tmp_path / 'ddp'}", *split], cache_env, nproc=2)
+    launch_fsdp([*common, f"output_dir={tmp_path / 'fsdp2'}", *split], cache_env)
+    ref = train_rows(tmp_path / "one")
+    for name in ("ddp", "fsdp2"):
+        rows = train_rows(tmp_path / name)
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-5), name
+        assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4), name
