@@ -4,6 +4,7 @@ the real recipe (one process, or two DDP processes on CPU through accelerate lau
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,9 +141,14 @@ def train_rows(output_dir: Path) -> list[dict]:
 
 def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE) -> subprocess.Popen:
     """Start a recipe in the background (its own session, output on stdout)."""
+    return start(recipe_command(args, nproc=nproc, recipe=recipe), cache_env)
+
+
+def start(command: list[str], cache_env) -> subprocess.Popen:
+    """Start a launch command in the background (its own session, output on stdout)."""
     env = dict(cache_env, ACCELERATE_USE_CPU="1")
     return subprocess.Popen(
-        recipe_command(args, nproc=nproc, recipe=recipe),
+        command,
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -221,3 +227,24 @@ def launch_fsdp(
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL a started run, every rank and the launcher, and wait until it is gone."""
+    kill_tree(proc)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    time.sleep(0.5)
+
+
+def rewind(out: Path, step: int, source: Path | None = None) -> None:
+    """Make `out` what a run killed right after checkpoint step-`step` leaves behind (a copy
+    of the finished run `source`, if given): final/ and every later checkpoint removed."""
+    import shutil
+
+    if source is not None:
+        shutil.copytree(source, out)
+    shutil.rmtree(out / "final")
+    for ckpt in (out / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)

@@ -4,7 +4,6 @@ losses of the fp32 run, writes checkpoints, and resumes from one to the same los
 weights, bit for bit, as the run that was not interrupted."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import launch_deepspeed, launch_fsdp, run_recipe, train_rows
+from .conftest import launch_deepspeed, launch_fsdp, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +79,7 @@ def test_bf16_trains_like_fp32_and_resumes_exactly(backend, run_args, fp32, cach
 
     # The run as if killed after step 3: its later checkpoint and final/ gone.
     done = {k: v.clone() for k, v in load_file(out / "final" / "model.safetensors").items()}
-    shutil.rmtree(out / "final")
-    shutil.rmtree(out / "checkpoints" / "step-6")
+    rewind(out, 3)
     stdout = launch(backend, args, cache_env)
     assert f"resumed from {out / 'checkpoints' / 'step-3'} at step 3" in stdout
     assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in rows]  # exactly

@@ -3,14 +3,13 @@ on CPU: DeepSpeed's CPU accelerator with two gloo processes. Each stage must giv
 same losses, gradient norms and final weights as one process taking the whole global
 batch, resume exactly, and export full weights that transformers loads."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import launch_deepspeed, metrics, run_recipe, train_rows
+from .conftest import launch_deepspeed, metrics, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +118,7 @@ def test_zero_resume_continues_the_exact_run(stage, runs, run_args, cache_env, t
     """What a run killed after step 2 leaves (step-2 complete, nothing later), resumed."""
     full = runs(stage)
     out = tmp_path / "run"
-    shutil.copytree(full, out)
-    shutil.rmtree(out / "checkpoints" / "step-3")
-    shutil.rmtree(out / "final")
+    rewind(out, 2, full)
     proc = launch_deepspeed(stage, run_args(out) + ["checkpoint.resume=auto"], cache_env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout

@@ -3,8 +3,6 @@ pairs: the step is the mean over every pair of the global batch whatever its lay
 process or two, micro-batches or accumulation, padded or packed, a partial last window),
 under DDP, ZeRO-3 and LoRA; resume after a kill continues the exact run; outputs export."""
 
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from llmtrain.demo import make_pairs, write_jsonl
 
 from .conftest import (
     DPO_RECIPE,
-    kill_tree,
+    kill_run,
     launch_deepspeed,
     launch_fsdp,
     metrics,
@@ -155,10 +153,7 @@ def test_a_killed_run_resumes_to_the_same_losses_and_reads_its_reference(args, c
     dpo(args(ref, *run), cache_env, nproc=2)
     proc = start_run(args(out, *run), cache_env, recipe=DPO_RECIPE)
     assert wait_for(lambda: any(step >= 6 for step, _ in complete_checkpoints(out)), proc)
-    kill_tree(proc)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    time.sleep(0.5)
+    kill_run(proc)
     step, path = complete_checkpoints(out)[-1]
     assert 6 <= step < 15 and not (out / "final").exists()
     done = dpo(args(out, *run), cache_env, nproc=2)

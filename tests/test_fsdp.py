@@ -5,9 +5,6 @@ process taking the same global batch, checkpoints shard by shard and resumes exa
 exports a full final/."""
 
 import json
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import ROOT, fsdp_command, kill_tree, launch_fsdp, metrics, run_recipe, train_rows, wait_for
+from .conftest import fsdp_command, kill_run, launch_fsdp, metrics, rewind, run_recipe, start, train_rows, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -83,21 +80,9 @@ def test_fsdp2_checkpoints_by_shard_and_resumes_exactly(run_args, cache_env, tmp
     launch_fsdp(run_args(ref, *run), cache_env)
     assert [r["step"] for r in train_rows(ref)] == list(range(1, 16))  # 5 steps of 4 rows an epoch
     assert (complete_checkpoints(ref)[-1][1] / "pytorch_model_fsdp_0").is_dir()  # sharded (DCP)
-    env = dict(cache_env, ACCELERATE_USE_CPU="1")
-    proc = subprocess.Popen(
-        fsdp_command(run_args(out, *run)),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start(fsdp_command(run_args(out, *run)), cache_env)
     assert wait_for(lambda: any(step >= 3 for step, _ in complete_checkpoints(out)), proc)
-    kill_tree(proc)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    time.sleep(0.5)
+    kill_run(proc)
     step, path = complete_checkpoints(out)[-1]
     assert 3 <= step < 15 and not (out / "final").exists()
     done = launch_fsdp(run_args(out, *run), cache_env)
@@ -122,16 +107,10 @@ def test_an_fsdp2_checkpoint_resumes_on_another_process_count(run_args, cache_en
     """Written by 2 processes (2 x 3), resumed on 3 (2 x 2), the same global batch of 12:
     the sharded (DCP) checkpoint reshards on load and the later steps read the rows and
     give the losses of the run that was not interrupted."""
-    import shutil
-
     run = ["train.micro_batch_size=2", "train.epochs=3", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
     whole, out = tmp_path / "whole", tmp_path / "resharded"
     launch_fsdp(run_args(whole, *run, "train.grad_accum_steps=3"), cache_env)
-    shutil.copytree(whole, out)
-    shutil.rmtree(out / "final")
-    for ckpt in (out / "checkpoints").glob("step-*"):
-        if int(ckpt.name.split("-")[1]) > 2:
-            shutil.rmtree(ckpt)
+    rewind(out, 2, whole)
     proc = launch_fsdp(run_args(out, *run, "train.grad_accum_steps=2"), cache_env, nproc=3)
     assert "as 3 process(es) x 2 x 2, the same global batch of 12" in proc.stdout
     rows, ref = train_rows(out), train_rows(whole)

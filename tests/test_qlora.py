@@ -3,13 +3,11 @@ on it with gradient checkpointing, under DDP (two processes): the loss falls, a 
 resumes to the same losses and adapter, final/ holds the adapter (loadable with peft on the
 base model) and, with export.merge_lora, the merged model in the base's own dtype."""
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import run_recipe, train_rows
+from .conftest import rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")
@@ -43,9 +41,7 @@ def test_qlora_trains_resumes_exactly_and_exports(base_config, tiny_model, chat_
     assert len(rows) == 15 and rows[-1]["loss"] < rows[0]["loss"] - 0.2
     adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
 
-    shutil.rmtree(out / "final")  # as if killed after step 8
-    for step in (12, 15):
-        shutil.rmtree(out / "checkpoints" / f"step-{step}")
+    rewind(out, 8)  # as if killed after step 8
     proc = run_recipe(args, cache_env, nproc=2)
     assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
     assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in rows]  # exactly

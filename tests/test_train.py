@@ -3,7 +3,6 @@ DDP processes on CPU), on a tiny model."""
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import kill_tree, metrics, run_recipe, start_run, train_rows, wait_for
+from .conftest import kill_run, metrics, run_recipe, start_run, train_rows, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -159,10 +158,7 @@ def test_killed_run_resumes_to_the_same_losses(common, resume_data, reference_ru
     args = common(resume_data, out) + RESUME_ARGS
     proc = start_run(args, cache_env)
     assert wait_for(lambda: any(step >= 10 for step, _ in complete_checkpoints(out)), proc)
-    kill_tree(proc)  # every rank and the launcher, mid-epoch
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    time.sleep(0.5)
+    kill_run(proc)  # every rank and the launcher, mid-epoch
     step, path = complete_checkpoints(out)[-1]
     assert 10 <= step < 30, step  # 30 steps per epoch: killed mid-epoch, before the second epoch
     assert not (out / "final").exists()
