@@ -138,7 +138,7 @@ def test_a_fresh_start_over_a_finished_run_is_refused(finished, cache_env, tmp_p
 def test_a_second_run_into_the_same_output_dir_stops_at_once_naming_the_first(
     base_config, tiny_model, chat_file, cache_env, tmp_path
 ):
-    from .test_train import kill_tree, start_run, wait_for
+    from .conftest import kill_tree, start_run, wait_for
 
     out = tmp_path / "run"
     args = [

@@ -10,8 +10,7 @@ import pytest
 
 from llmtrain.watchdog import EXIT_HUNG
 
-from .conftest import metrics
-from .test_train import kill_tree, start_run, wait_for
+from .conftest import kill_tree, metrics, start_run, wait_for
 
 SCRIPT = """
 import sys, time
