@@ -283,6 +283,24 @@ class ExportConfig:
     merge_lora: bool = False
     """For LoRA runs, write the merged full model to final/ (the adapter goes to
     final/adapter/). Without it, final/ holds the adapter."""
+    max_shard_size: int | str = "5GB"
+    """Largest safetensors file in final/ (bytes, or a size such as 5GB or 500MB): a
+    bigger model is written as numbered shards with model.safetensors.index.json, as
+    from_pretrained reads them. Under ZeRO-3 and FSDP2 the weights are gathered one shard
+    at a time, so the main process holds about one shard, not the whole model."""
+
+    def shard_bytes(self) -> int | None:
+        """max_shard_size in bytes (KB, MB, GB, TB are powers of 1000, as the Hub counts
+        them); None when it is not a positive size."""
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        size = self.max_shard_size
+        if isinstance(size, str):
+            try:
+                size = parse_size_to_int(size)
+            except ValueError:
+                return None
+        return size if size > 0 else None
 
 
 @dataclass
@@ -571,6 +589,11 @@ def validate(cfg: Config) -> list[str]:
     lora = cfg.model.lora
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")
+    if cfg.export.shard_bytes() is None:
+        p.append(
+            f"export.max_shard_size: {cfg.export.max_shard_size} is not a positive size; give bytes "
+            "or a number with KB, MB, GB or TB, such as 5GB"
+        )
     if cfg.model.quantization != "none" and not lora.enabled:
         p.append(
             f"model.quantization: {cfg.model.quantization} weights cannot be trained directly; set "

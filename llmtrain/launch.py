@@ -128,8 +128,7 @@ def fsdp_on_cpu(accelerator) -> None:
 
 def configure_deepspeed(accelerator, cfg: Config) -> None:
     """Make the recipe's batch settings DeepSpeed's: "auto" (or absent) values are filled
-    in from train.*; an explicit value that differs is an error naming both settings.
-    ZeRO-3 is told to gather full weights on save, which export needs."""
+    in from train.*; an explicit value that differs is an error naming both settings."""
     plugin = accelerator.state.deepspeed_plugin
     ds = plugin.deepspeed_config
     t, world = cfg.train, accelerator.num_processes
@@ -178,9 +177,6 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
             )
     if problems:
         raise ConfigError(problems)
-    zero = ds.setdefault("zero_optimization", {})
-    if zero.get("stage") == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
     # Accelerate compares its own count with DeepSpeed's; it does not scale the loss
     # under DeepSpeed, so matching it only silences a mismatch warning.
     accelerator.gradient_accumulation_steps = t.grad_accum_steps

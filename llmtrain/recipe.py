@@ -110,9 +110,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             if outcome is Outcome.FINISHED:
                 watchdog.beat("writing final/")
                 config, state = to_yaml(cfg), run.state.state_dict()
-                final = save_final(
-                    accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export.merge_lora, state
-                )
+                final = save_final(accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state)
     if outcome is Outcome.STOPPED:
         accelerator.end_training()
         sys.exit(stop.exit_code())

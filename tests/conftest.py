@@ -248,3 +248,19 @@ def rewind(out: Path, step: int, source: Path | None = None) -> None:
     for ckpt in (out / "checkpoints").glob("step-*"):
         if int(ckpt.name.split("-")[1]) > step:
             shutil.rmtree(ckpt)
+
+
+def final_weights(directory: Path) -> dict:
+    """Every weight a save_pretrained directory holds, from model.safetensors or from the
+    shards its model.safetensors.index.json lists (checked to cover them all)."""
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(directory / "model.safetensors")
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weights = {}
+    for shard in sorted(set(weight_map.values())):
+        weights |= load_file(directory / shard)
+    assert weights.keys() == weight_map.keys()
+    return weights

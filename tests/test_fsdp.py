@@ -9,11 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import fsdp_command, kill_run, launch_fsdp, metrics, rewind, run_recipe, start, train_rows, wait_for
+from .conftest import (
+    final_weights,
+    fsdp_command,
+    kill_run,
+    launch_fsdp,
+    metrics,
+    rewind,
+    run_recipe,
+    start,
+    train_rows,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +62,7 @@ def assert_same_run(got: Path, want: Path, exact: bool = False) -> None:
     ref_evals = [(r["step"], r["eval_loss"]) for r in metrics(want) if "eval_loss" in r]
     assert [s for s, _ in evals] == [s for s, _ in ref_evals]
     assert [v for _, v in evals] == pytest.approx([v for _, v in ref_evals], rel=1e-5)
-    got_w, want_w = load_file(got / "final" / "model.safetensors"), load_file(want / "final" / "model.safetensors")
+    got_w, want_w = final_weights(got / "final"), final_weights(want / "final")
     assert got_w.keys() == want_w.keys()
     for key in want_w:
         tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
@@ -61,13 +71,23 @@ def assert_same_run(got: Path, want: Path, exact: bool = False) -> None:
 
 def test_fsdp2_on_cpu_trains_like_one_process(run_args, cache_env, tmp_path):
     """2 processes x 2 x 2 with the chunked loss, the last step's 2 rows on one process
-    only (the other runs an empty batch through the sharded model), against 8 x 1."""
+    only (the other runs an empty batch through the sharded model), against 8 x 1. final/
+    is gathered shard by shard into files of at most 100 KB."""
     one, fsdp = tmp_path / "one", tmp_path / "fsdp"
     run_recipe(run_args(one, "train.micro_batch_size=8", "train.loss_chunk_tokens=0"), cache_env)
     launch_fsdp(
-        run_args(fsdp, "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.loss_chunk_tokens=7"), cache_env
+        run_args(
+            fsdp,
+            "train.micro_batch_size=2",
+            "train.grad_accum_steps=2",
+            "train.loss_chunk_tokens=7",
+            "export.max_shard_size=100KB",
+        ),
+        cache_env,
     )
     assert json.loads((fsdp / "run.json").read_text())["distributed_type"] == "FSDP"
+    assert len(list((fsdp / "final").glob("model-0000?-of-00005.safetensors"))) == 5
+    assert json.loads((fsdp / "final" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert_same_run(fsdp, one)
     assert [r["tokens"] for r in train_rows(one)][-1] < [r["tokens"] for r in train_rows(one)][0]
 

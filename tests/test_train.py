@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import kill_run, metrics, run_recipe, start_run, train_rows, wait_for
+from .conftest import final_weights, kill_run, metrics, run_recipe, start_run, train_rows, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +38,6 @@ def rows18(tmp_path_factory) -> Path:
     return path
 
 
-def final_weights(out: Path) -> dict:
-    return load_file(out / "final" / "model.safetensors")
-
-
 def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, rows18, cache_env, tmp_path):
     """Also with the cross-entropy in chunks of 7 tokens (recomputed in backward) on the
     two-process layout (DDP gets the same gradients), and with two data-loader workers.
@@ -51,7 +46,7 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
     layouts = {
         "8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]),
         "2x4": (1, 2, 4, ["data.num_workers=2"]),
-        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7", "train.profile_steps=2"]),
+        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7", "train.profile_steps=2", "export.max_shard_size=100KB"]),
     }
     eval_file = tmp_path / "eval.jsonl"
     write_jsonl(make_rows(5, seed=13), eval_file)  # 3 eval batches of 2: one process gets 1, the other 2
@@ -70,9 +65,10 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
             cache_env,
             nproc=nproc,
         ).stdout
-        results[name] = (train_rows(out), final_weights(out))
+        results[name] = (train_rows(out), final_weights(out / "final"))
         evals[name] = [(r["step"], r["eval_loss"]) for r in metrics(out) if "eval_loss" in r]
     ref_rows, ref_w = results["8x1"]
+    assert (tmp_path / "2proc_2x2" / "final" / "model.safetensors.index.json").is_file()  # 100 KB shards
     assert [r["step"] for r in ref_rows] == [1, 2, 3]
     for name, got in evals.items():
         assert [s for s, _ in got] == [0, 3], name
@@ -109,7 +105,7 @@ def test_compiled_and_eager_runs_give_the_same_losses(common, rows18, cache_env,
             nproc=2,
         )
         assert ("compiling 2 transformer blocks" in proc.stdout) == compiled
-        runs[compiled] = (train_rows(out), final_weights(out))
+        runs[compiled] = (train_rows(out), final_weights(out / "final"))
     (eager, eager_w), (comp, comp_w) = runs[False], runs[True]
     assert len(comp) == len(eager) == 6
     assert [r["loss"] for r in comp] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
@@ -147,8 +143,8 @@ def assert_same_run(out: Path, ref: Path):
     assert [r["step"] for r in got_rows] == list(range(1, 61))
     assert [r["loss"] for r in got_rows] == [r["loss"] for r in ref_rows]  # exactly
     assert [r["tokens"] for r in got_rows] == [r["tokens"] for r in ref_rows]
-    for key, value in final_weights(ref).items():
-        torch.testing.assert_close(final_weights(out)[key], value, rtol=0, atol=0)
+    for key, value in final_weights(ref / "final").items():
+        torch.testing.assert_close(final_weights(out / "final")[key], value, rtol=0, atol=0)
 
 
 def test_killed_run_resumes_to_the_same_losses(common, resume_data, reference_run, cache_env, tmp_path):
@@ -260,7 +256,7 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
     before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     after = model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert all(torch.equal(after[k], v) for k, v in final_weights(out).items())
+    assert all(torch.equal(after[k], v) for k, v in final_weights(out / "final").items())
 
 
 def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cache_env, tmp_path):
