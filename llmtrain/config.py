@@ -122,6 +122,14 @@ class DataConfig:
     """Longest sequence in tokens; packed sequences have exactly this length."""
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     """What to do with a row longer than max_seq_len."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A malformed row (wrong types, an unknown role, unreadable content) stops the run
+    naming its file and line; 'skip' drops and counts it, naming the first few."""
+    max_bad_fraction: Annotated[float, FRACTION] = 0.01
+    """With data.bad_rows=skip, the run stops anyway when more than this fraction of a
+    split's rows are malformed."""
+    system_prompt: str = ""
+    """A system message put first in chat rows that have none of their own."""
     packing: bool = False
     """Pack rows into max_seq_len sequences. Samples never attend to each other and their
     positions restart at 0."""

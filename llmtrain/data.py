@@ -49,6 +49,10 @@ class Source:
         return json.loads(row[RAW]) if self.raw else row
 
 
+MALFORMED = "malformed, data.bad_rows=skip"
+SHOWN_BAD = 3  # malformed rows whose location the summary names
+
+
 @dataclass
 class DataStats:
     rows: int = 0
@@ -56,6 +60,7 @@ class DataStats:
     dropped: Counter = field(default_factory=Counter)
     truncated: int = 0
     trained_tokens: int = 0
+    bad: list[str] = field(default_factory=list)  # where the first malformed rows are, and why
 
     def count(self, statuses) -> None:
         """Count rows by their process_row status (kept, truncated, or why dropped)."""
@@ -64,14 +69,34 @@ class DataStats:
             if s in KEPT:
                 self.kept += 1
                 self.truncated += s == "truncated"
+            elif s.startswith("error"):
+                self.dropped[MALFORMED] += 1
             else:
                 self.dropped["longer than data.max_seq_len" if s.startswith("too long") else s] += 1
+
+    def skip_bad(self, where: str, status: str) -> None:
+        """Note a malformed row dropped under data.bad_rows=skip (`count` counts it)."""
+        if len(self.bad) < SHOWN_BAD:
+            self.bad.append(f"{where}: {status[len('error: ') :]}")
+
+    def check_bad(self, key: str, cfg: DataConfig) -> None:
+        """Stop the run when more than data.max_bad_fraction of the rows were malformed."""
+        bad = self.dropped[MALFORMED]
+        if bad and bad > cfg.max_bad_fraction * self.rows:
+            raise DataError(
+                f"data.max_bad_fraction: {bad} of {self.rows} rows of {key} are malformed ({bad / self.rows:.1%}), "
+                f"more than {cfg.max_bad_fraction:g}; the first: {'; '.join(self.bad)}. Fix the rows, or raise "
+                "data.max_bad_fraction"
+            )
 
     def summary(self, key: str) -> str:
         parts = [f"{key}: {self.kept}/{self.rows} rows kept, {self.trained_tokens} trained tokens"]
         if self.truncated:
             parts.append(f"{self.truncated} truncated to data.max_seq_len")
         for reason, n in sorted(self.dropped.items()):
+            if reason == MALFORMED and self.bad:
+                more = f" and {n - len(self.bad)} more" if n > len(self.bad) else ""
+                reason = f"{reason}: {'; '.join(self.bad)}{more}"
             parts.append(f"{n} dropped ({reason})")
         return "; ".join(parts)
 
@@ -164,31 +189,77 @@ def row_format(row: dict) -> str:
 
 
 class RowError(ValueError):
-    pass
+    """A malformed row: it stops the run, naming its file and line (or, with
+    data.bad_rows=skip, is dropped and counted)."""
 
 
-def to_messages(row: dict, fmt: str) -> list[dict]:
+class NothingToTrain(RowError):
+    """A well-formed row with nothing to train (no assistant turn, an empty conversation
+    or answer): dropped and counted with the reason, never an error."""
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # ipython: Llama 3's tool results
+
+
+def message(m, i: int) -> dict:
+    """Message `i` of a chat row as the chat template takes it: its content parts joined
+    as text, its tool calls kept, and whether its assistant turn is trained (`train`)."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise RowError(f"messages[{i}]: needs a 'role' of {', '.join(ROLES)}, got {m!r}")
+    out = {"role": m["role"], "content": content_text(m.get("content"), i)}
+    if m.get("tool_calls") is not None:
+        if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
+            raise RowError(f"messages[{i}]: 'tool_calls' must be a list, on an assistant message")
+        out["tool_calls"] = m["tool_calls"]
+    elif m.get("content") is None:
+        raise RowError(f"messages[{i}]: needs a 'content' (text or a list of text parts)")
+    for name in ("tool_call_id", "name"):
+        if m.get(name) is not None:
+            out[name] = m[name]
+    train, weight = m.get("train", True), m.get("weight", 1)
+    if not isinstance(train, bool) or weight not in (0, 1) or isinstance(weight, bool):
+        raise RowError(f"messages[{i}]: 'train' must be true or false and 'weight' 0 or 1, got {train!r}, {weight!r}")
+    out["train"] = train and weight == 1
+    return out
+
+
+def content_text(content, i: int) -> str:
+    """A message's content as text: a string, or OpenAI-style parts of type text joined
+    by newlines (as the chat APIs read them). Other part types cannot be trained here."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RowError(f"messages[{i}]: 'content' must be a string or a list of parts, got {type(content).__name__}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RowError(
+                f"messages[{i}]: content part {part!r} is not supported; only {{type: text, text: ...}} parts "
+                "can be trained"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
+    """A chat, sharegpt or alpaca row as chat messages, with `system_prompt` (data.system_prompt)
+    first when the row has no system message of its own."""
     if fmt == "chat":
         messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise RowError("'messages' must be a non-empty list of {role, content}")
-        out = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RowError(f"each message needs a string 'role' and 'content', got {m!r}")
-            out.append({"role": m["role"], "content": m["content"]})
-        return out
-    if fmt == "sharegpt":
+        if not isinstance(messages, list):
+            raise RowError("'messages' must be a list of {role, content}")
+        out = [message(m, i) for i, m in enumerate(messages)]
+    elif fmt == "sharegpt":
         turns = row["conversations"]
-        if not isinstance(turns, list) or not turns:
-            raise RowError("'conversations' must be a non-empty list of {from, value}")
+        if not isinstance(turns, list):
+            raise RowError("'conversations' must be a list of {from, value}")
         out = []
         for t in turns:
             if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES or not isinstance(t.get("value"), str):
                 raise RowError(f"each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {t!r}")
-            out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
-        return out
-    if fmt == "alpaca":
+            out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"], "train": True})
+    elif fmt == "alpaca":
         instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
         if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(extra, str):
             raise RowError("'instruction', 'input' and 'output' must be strings")
@@ -198,15 +269,22 @@ def to_messages(row: dict, fmt: str) -> list[dict]:
             else []
         )
         user = f"{instruction}\n\n{extra}" if extra else instruction
-        return out + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    raise AssertionError(fmt)
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": output, "train": True}]
+    else:
+        raise AssertionError(fmt)
+    if not out:
+        raise NothingToTrain("empty conversation")
+    if system_prompt and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out
 
 
 def chat_ids(
-    messages: list[dict], tokenizer, template: str | None, loss_on: str, train_from: int = 0
+    messages: list[dict], tokenizer, template: str | None, loss_on: str, train_from: int = 0, tools=None
 ) -> tuple[list[int], list[int]]:
-    """Render messages with the chat template; label the assistant turns from message
-    `train_from` on by character span.
+    """Render messages (and `tools`, the row's tool definitions) with the chat template;
+    label the assistant turns from message `train_from` on by character span, except
+    those marked `train: false`. Tool calls are part of their assistant turn.
 
     The span of assistant turn i runs from the end of render(messages[:i], generation prompt)
     to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
@@ -214,20 +292,25 @@ def chat_ids(
     def render(msgs, gen=False):
         try:
             return tokenizer.apply_chat_template(
-                msgs, chat_template=template, tokenize=False, add_generation_prompt=gen
+                msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen
             )
         except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
             raise RowError(
                 f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
             ) from None
 
-    if not any(m["role"] == "assistant" for m in messages[train_from:]):
-        raise RowError("the conversation has no assistant turn")
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
+    if not trained:
+        raise NothingToTrain("no assistant turn")
+    trained = [i for i in trained if messages[i].get("train", True)]
+    if loss_on != "all":
+        if not trained:
+            raise NothingToTrain("every assistant turn has train: false")
+        if not any(messages[i]["content"].strip() or messages[i].get("tool_calls") for i in trained):
+            raise NothingToTrain("empty answer")
     text = render(messages)
     spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or loss_on == "all" or i < train_from:
-            continue
+    for i in [] if loss_on == "all" else trained:
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
         if not (end.startswith(start) and text.startswith(end)):
             raise RowError(
@@ -250,7 +333,7 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
-def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, loss_on: str) -> tuple[list[int], list[int]]:
+def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> tuple[list[int], list[int]]:
     """Return (input_ids, labels) before shifting; labels are IGNORE where no loss is taken."""
     if fmt == "auto":
         fmt = row_format(row)
@@ -259,16 +342,24 @@ def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, loss_on: 
     if fmt == "text":
         if not isinstance(row["text"], str):
             raise RowError("'text' must be a string")
+        if not row["text"].strip():
+            raise NothingToTrain("empty text")
         ids = _with_eos(tokenizer(row["text"], add_special_tokens=True)["input_ids"], tokenizer)
         return ids, list(ids)
     if fmt == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise RowError("'prompt' and 'completion' must be strings")
+        if not completion.strip() and cfg.loss_on != "all":
+            raise NothingToTrain("empty answer")
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         c = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
-        return p + c, (list(p) if loss_on == "all" else [IGNORE] * len(p)) + c
-    return chat_ids(to_messages(row, fmt), tokenizer, template, loss_on)
+        return p + c, (list(p) if cfg.loss_on == "all" else [IGNORE] * len(p)) + c
+    tools = row.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RowError("'tools' must be a list of tool definitions")
+    messages = to_messages(row, fmt, cfg.system_prompt)
+    return chat_ids(messages, tokenizer, template, cfg.loss_on, tools=tools or None)
 
 
 def shift(labels: list[int]) -> list[int]:
@@ -279,7 +370,9 @@ def process_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: DataC
     """One row -> {input_ids, labels (shifted), status}. status is 'ok', 'truncated', or a
     reason the row is dropped ('too long', 'no trained tokens', 'error: ...')."""
     try:
-        ids, labels = tokenize_row(row, fmt, tokenizer, template, cfg.loss_on)
+        ids, labels = tokenize_row(row, fmt, tokenizer, template, cfg)
+    except NothingToTrain as e:
+        return _dropped(str(e))
     except RowError as e:
         return _dropped(f"error: {e}")
     status = "ok"
@@ -300,9 +393,10 @@ KEPT = ("ok", "truncated")
 def row_problem(status: str, cfg: DataConfig) -> str | None:
     """Why a row of this process_row status stops the run (a malformed row, or an
     over-long one under data.overlong=error), for the caller to put after the row's
-    location; None for rows that are kept or dropped."""
-    if status.startswith("error"):
-        return status[len("error: ") :]
+    location; None for rows that are kept or dropped (a malformed one too, under
+    data.bad_rows=skip)."""
+    if status.startswith("error") and cfg.bad_rows == "error":
+        return f"{status[len('error: ') :]}; data.bad_rows=skip would drop malformed rows instead"
     if status.startswith("too long") and cfg.overlong == "error":
         return (
             f"row is {status[len('too long (') : -1]}, above data.max_seq_len={cfg.max_seq_len}; "
@@ -383,9 +477,10 @@ def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg:
         cfg.loss_on,
         str(cfg.max_seq_len),
         cfg.overlong,
+        cfg.system_prompt,
         tok,
         str(tokenizer.eos_token_id),
-        "llmtrain-data-v2",
+        "llmtrain-data-v3",
     ):
         h.update(part.encode())
         h.update(b"\0")
@@ -437,9 +532,12 @@ def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None
         for i, s in enumerate(status):
             if problem := row_problem(s, cfg):
                 raise DataError(f"{key}: {src.where(ds[i], i)}: {problem}")
+            if s.startswith("error"):
+                stats.skip_bad(src.where(ds[i], i), s)
         stats.count(status)
         ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns(["status", LINE][: 1 + src.raw])
         parts.append(ds)
+    stats.check_bad(key, cfg)
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     stats.trained_tokens = sum(ds["n_trained"])
     return ds, stats

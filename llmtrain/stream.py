@@ -35,6 +35,8 @@ from .errors import describe
 from .files import user_cause
 from .packing import join_rows
 
+CHECK_BAD_AFTER = 1000  # rows read by a process before it holds them to data.max_bad_fraction
+
 
 class StreamedRows(torch.utils.data.IterableDataset):
     """This process's share of data.train as tokenized examples (input_ids, labels), or
@@ -116,11 +118,16 @@ class StreamedRows(torch.utils.data.IterableDataset):
                 out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
                 if problem := row_problem(out["status"], cfg):
                     raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
+                if out["status"].startswith("error"):
+                    stats.skip_bad(self._where(src, row), out["status"])
                 stats.count([out["status"]])
+                if stats.rows >= CHECK_BAD_AFTER:  # the fraction of a handful of rows means little
+                    stats.check_bad(self.key, cfg)
                 if out["status"] not in KEPT:
                     continue
                 stats.trained_tokens += out["n_trained"]
                 yield {"input_ids": out["input_ids"], "labels": out["labels"]}
+        stats.check_bad(self.key, cfg)
         if stats.dropped or stats.truncated:
             print(f"process {self.rank}, end of pass: {stats.summary(self.key)}", file=sys.stderr, flush=True)
 

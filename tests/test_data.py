@@ -140,7 +140,8 @@ def test_bad_row_names_file_and_line(tmp_path, tokenizer):
     path = write(
         tmp_path / "rows.jsonl", [CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}]
     )
-    with pytest.raises(DataError, match=r"rows.jsonl line 2: each message needs a string 'role' and 'content'"):
+    problem = r"messages\[1\]: needs a 'content' \(text or a list of text parts\)"
+    with pytest.raises(DataError, match=rf"rows.jsonl line 2: {problem}; data.bad_rows=skip would drop"):
         prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
 
 
@@ -186,3 +187,132 @@ def test_unreachable_hub_data_set_is_one_clear_error(tokenizer, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
     with pytest.raises(DataError, match=r"^data.train: could not load 'nobody/no-such-data:test' as a file or hub"):
         prepare_split("data.train", ["nobody/no-such-data:test"], tokenizer, DataConfig(train="x"))
+
+
+# --- the row policy: nothing to train is dropped; malformed stops, or is skipped and counted
+
+
+def test_rows_with_nothing_to_train_are_dropped_and_counted_with_the_reason(tmp_path, tokenizer):
+    path = write(
+        tmp_path / "rows.jsonl",
+        [
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi"}]},
+            {"messages": []},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "train": False}]},
+            {"prompt": "hi", "completion": ""},
+            {"text": ""},
+        ],
+    )
+    _, stats = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    assert stats.summary("data.train") == (
+        "data.train: 1/7 rows kept, 6 trained tokens; 2 dropped (empty answer); 1 dropped (empty conversation); "
+        "1 dropped (empty text); 1 dropped (every assistant turn has train: false); 1 dropped (no assistant turn)"
+    )
+
+
+BAD = {"messages": [{"role": "robot", "content": "beep"}]}
+
+
+def test_malformed_rows_are_skipped_and_named_under_bad_rows_skip(tmp_path, tokenizer):
+    rows = [CHAT] * 200
+    rows[2], rows[150] = BAD, {"messages": [{"role": "user", "content": 5}]}
+    path = write(tmp_path / "rows.jsonl", rows)
+    cfg = DataConfig(train=path, bad_rows="skip")
+    ds, stats = prepare_split("data.train", [path], tokenizer, cfg)
+    assert len(ds) == stats.kept == 198
+    assert stats.summary("data.train").endswith(
+        f"2 dropped (malformed, data.bad_rows=skip: {path} line 3: messages[0]: needs a 'role' of system, developer, "
+        f"user, assistant, tool, ipython, got {{'role': 'robot', 'content': 'beep'}}; {path} line 151: messages[0]: "
+        "'content' must be a string or a list of parts, got int)"
+    )
+    with pytest.raises(DataError, match=r"line 3: messages\[0\]: needs a 'role'.*data.bad_rows=skip would drop"):
+        prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+
+
+def test_too_many_malformed_rows_stop_the_run_anyway(tmp_path, tokenizer):
+    rows = [CHAT] * 100
+    rows[10] = rows[20] = rows[30] = BAD
+    path = write(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        prepare_split("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.02))
+    message = str(e.value)
+    assert message.startswith(
+        "data.max_bad_fraction: 3 of 100 rows of data.train are malformed (3.0%), more than 0.02; the first: "
+        f"{path} line 11: messages[0]: needs a 'role'"
+    )
+    assert message.endswith("Fix the rows, or raise data.max_bad_fraction") and "\n" not in message
+    prepare_split("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.03))
+
+
+def test_text_content_parts_are_joined_and_other_parts_refused(tokenizer):
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]
+    as_parts = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": [parts[1]]}]}
+    joined = {"messages": [{"role": "user", "content": "What is\n2 + 2?"}, {"role": "assistant", "content": "2 + 2?"}]}
+    ex = row(tokenizer, as_parts, "auto")
+    assert ex["status"] == "ok" and ex == row(tokenizer, joined, "auto")
+    image = {"type": "image_url", "image_url": {"url": "x.png"}}
+    bad = {"messages": [{"role": "user", "content": [parts[0], image]}, {"role": "assistant", "content": "4"}]}
+    assert row(tokenizer, bad, "auto")["status"] == (
+        f"error: messages[0]: content part {image!r} is not supported; only {{type: text, text: ...}} parts can be "
+        "trained"
+    )
+
+
+@pytest.mark.parametrize("flag", [{"train": False}, {"weight": 0}])
+def test_an_assistant_turn_marked_not_to_train_has_no_loss(tokenizer, flag):
+    messages = [dict(m) for m in CHAT["messages"]]
+    messages[2] |= flag
+    ex = row(tokenizer, {"messages": messages}, "chat")
+    assert trained_text(tokenizer, ex) == "6<|im_end|>\n"
+    assert ex["input_ids"] == row(tokenizer, CHAT, "chat")["input_ids"]  # still in the context
+    messages[2] |= {"weight": 0.5}
+    assert row(tokenizer, {"messages": messages}, "chat")["status"].startswith(
+        "error: messages[2]: 'train' must be true or false and 'weight' 0 or 1"
+    )
+
+
+def test_system_prompt_goes_first_in_rows_without_their_own(tmp_path, tokenizer):
+    plain = {"messages": CHAT["messages"][1:]}
+    with_system = row(tokenizer, plain, "chat", system_prompt="Be brief.")
+    assert with_system["input_ids"] == row(tokenizer, CHAT, "chat")["input_ids"]
+    own = {"messages": [{"role": "system", "content": "Be long."}] + plain["messages"]}
+    assert (
+        row(tokenizer, own, "chat", system_prompt="Be brief.")["input_ids"] == row(tokenizer, own, "chat")["input_ids"]
+    )
+    path = write(tmp_path / "rows.jsonl", [plain])
+    a, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    b, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, system_prompt="Be brief."))
+    assert len(b[0]["input_ids"]) > len(a[0]["input_ids"])  # not the cached tokens of the first
+    assert b[0]["input_ids"] == with_system["input_ids"]
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='name') | join(',') }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_calls_are_trained_and_tool_results_and_definitions_are_not(tokenizer):
+    call = {"type": "function", "function": {"name": "add", "arguments": "2,2"}}
+    data = {
+        "tools": [{"name": "add"}],
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "1", "content": "4"},
+            {"role": "assistant", "content": "4"},
+        ],
+    }
+    ex = process_row(data, "auto", tokenizer, TOOLS_TEMPLATE, DataConfig())
+    assert ex["status"] == "ok"
+    assert trained_text(tokenizer, ex) == "<call>add(2,2)</call><|im_end|>\n4<|im_end|>\n"
+    assert tokenizer.decode(ex["input_ids"]).startswith("<|im_start|>system\ntools: add<|im_end|>")
+    data["tools"] = "add"
+    assert process_row(data, "auto", tokenizer, TOOLS_TEMPLATE, DataConfig())["status"] == (
+        "error: 'tools' must be a list of tool definitions"
+    )

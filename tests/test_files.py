@@ -165,7 +165,8 @@ def test_a_conversation_the_chat_template_refuses_is_an_error_naming_its_line(tm
         prepare_split("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=256, chat_template=template))
     assert str(e.value) == (
         f"data.train: {path} line 2: the chat template failed on this conversation (TemplateError: Conversation "
-        "roles must alternate user/assistant); fix the row or set data.chat_template"
+        "roles must alternate user/assistant); fix the row or set data.chat_template; data.bad_rows=skip would "
+        "drop malformed rows instead"
     )
 
 

@@ -89,11 +89,38 @@ def test_packing_a_stream_keeps_every_row_whole_and_within_the_width():
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_bad_row_is_met_as_an_error_naming_file_and_line(tmp_path, tokenizer, world):
     rows = make_rows(6, seed=1)
-    rows[4] = {"messages": []}
+    rows[4] = {"messages": "hi"}
     path = tmp_path / "bad.jsonl"
     write_jsonl(rows, path)
-    with pytest.raises(DataError, match=rf"^data.train: {re.escape(str(path))} line 5: 'messages' must be"):
+    with pytest.raises(DataError, match=rf"^data.train: {re.escape(str(path))} line 5: 'messages' must be a list"):
         shares(path, tokenizer, cfg(shuffle=False), world=world)
+
+
+def test_a_streamed_malformed_row_is_skipped_under_bad_rows_skip_until_too_many_are(tmp_path, tokenizer):
+    rows = make_rows(50, seed=1)
+    rows[4] = {"messages": "hi"}
+    path = tmp_path / "bad.jsonl"
+    write_jsonl(rows, path)
+    stream = StreamedRows(
+        "data.train",
+        [str(path)],
+        tokenizer,
+        None,
+        cfg(shuffle=False, bad_rows="skip", max_bad_fraction=0.05),
+        seed=7,
+        rank=0,
+        world=1,
+    )
+    kept = list(stream)
+    assert stream.stats.rows == 50 and len(kept) == stream.stats.kept == 50 - sum(stream.stats.dropped.values())
+    assert (
+        f"1 dropped (malformed, data.bad_rows=skip: {path} line 5: 'messages' must be a list"
+        in stream.stats.summary("data.train")
+    )
+    rows[20] = rows[30] = rows[40] = rows[4]
+    write_jsonl(rows, path)
+    with pytest.raises(DataError, match=r"^data.max_bad_fraction: 4 of 50 rows of data.train are malformed \(8.0%\)"):
+        shares(path, tokenizer, cfg(shuffle=False, bad_rows="skip", max_bad_fraction=0.05), world=1)
 
 
 def test_a_malformed_line_is_an_error_naming_it(tmp_path, tokenizer):
@@ -161,7 +188,7 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     write_jsonl(rows, good)
     data = tmp_path / "data.jsonl"
     bad_rows = list(rows)
-    bad_rows[90] = {"messages": []}
+    bad_rows[90] = {"messages": "hi"}
     write_jsonl(bad_rows, data)
     extra = [
         "data.packing=true",
@@ -191,8 +218,8 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     stopped = train_rows(out)[-1]["step"]
     assert 5 <= stopped < 30, stopped  # mid-way through the first pass
     assert errors[0] == (
-        f"error: data.train: {data} line 91: 'messages' must be a non-empty list of "
-        f"{{role, content}}. Training stopped after step {stopped} with checkpoint "
+        f"error: data.train: {data} line 91: 'messages' must be a list of {{role, content}}; data.bad_rows=skip would "
+        f"drop malformed rows instead. Training stopped after step {stopped} with checkpoint "
         f"{out}/checkpoints/step-{stopped} complete; fix or remove the row and run the same "
         "command again to continue from it"
     )
