@@ -595,6 +595,7 @@ def validate(cfg: Config) -> list[str]:
     if (problem := chat_template_problem(cfg.data)) is not None:
         p.append(problem)
     lora = cfg.model.lora
+    p += demo_name_problems(cfg)
     if cfg.export.merge_lora and not lora.enabled:
         p.append("export.merge_lora: only applies with model.lora.enabled=true")
     if cfg.export.shard_bytes() is None:
@@ -619,6 +620,25 @@ def validate(cfg: Config) -> list[str]:
         if cfg.data.loss_on != "assistant":
             p.append("data.loss_on: recipes/dpo.py trains the answers only; remove data.loss_on=all")
     return p + number_problems(cfg)
+
+
+def demo_name_problems(cfg: Config) -> list[str]:
+    """A `demo:` name that is none of the demo's assets (a typo would otherwise be looked
+    up on the hub), with the closest one."""
+    from .demo import DEMO_NAMES
+
+    named = [("model.name_or_path", cfg.model.name_or_path), ("dpo.reference", getattr(cfg, "dpo", None))]
+    named = [(k, v.reference if k == "dpo.reference" else v) for k, v in named if v is not None]
+    for key in ("train", "eval"):
+        value = getattr(cfg.data, key)
+        named += [(f"data.{key}", n) for n in ([value] if isinstance(value, str) else value)]
+    problems = []
+    for key, name in named:
+        if isinstance(name, str) and name.startswith("demo:") and name not in DEMO_NAMES:
+            close = _closest(name, list(DEMO_NAMES))
+            hint = f"did you mean {close}? " if close else ""
+            problems.append(f"{key}: {name} is not one of the demo's assets; {hint}they are {', '.join(DEMO_NAMES)}")
+    return problems
 
 
 def number_problems(node, prefix: str = "") -> list[str]:

@@ -105,6 +105,18 @@ def _launch(ac, path: str, cfg) -> Launch:
     return launch
 
 
+def cpu_group_unset(launch: Launch) -> bool:
+    """Whether the accelerate config asks for several CPU processes (DDP or FSDP2 over
+    gloo) while ACCELERATE_USE_CPU is unset, so they would not form one group. DeepSpeed
+    on CPU is the exception: it must run without it."""
+    from accelerate.utils import parse_flag_from_env
+
+    on_cpu = launch.settings.get("use_cpu") or launch.distributed_type == "MULTI_CPU"
+    return bool(
+        on_cpu and launch.num_processes > 1 and not launch.zero_stage and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    )
+
+
 def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool]:
     """(total, trainable, model config, whether the chunked loss can stand in for its
     output layer) from the model built on the meta device (no weights), LoRA adapters
@@ -238,6 +250,11 @@ def plan(argv: list[str]) -> None:
         width = cfg.data.max_seq_len * (2 if dpo else 1)  # whole pairs pack into rows of twice the length
         sequences = len(pack_lengths(lengths, width)) if cfg.data.packing else len(ds)
         steps_per_epoch = t.steps_per_epoch(sequences, world)
+    eval_stats = None
+    if as_list(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
+        _, eval_stats = (prepare_pairs if dpo else prepare_split)(
+            "data.eval", as_list(cfg.data.eval), tokenizer, cfg.data
+        )
     total, trainable, mcfg, chunkable = count_params(cfg, mcfg)
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
@@ -261,6 +278,12 @@ def plan(argv: list[str]) -> None:
     )
     for conflict in launch.conflicts:
         print(f"  CONFLICT: {conflict}")
+    if cpu_group_unset(launch):
+        print(
+            f"  WARNING: this config starts {launch.num_processes} CPU processes, but ACCELERATE_USE_CPU=1 is not "
+            "set: without it they do not join one process group and the recipe stops; run "
+            "`ACCELERATE_USE_CPU=1 accelerate launch ...`"
+        )
     print("\n== batch ==")
     print(f"  world size: {world}")
     print(
@@ -274,6 +297,8 @@ def plan(argv: list[str]) -> None:
     else:
         print(f"  {stats.summary('data.train')}")
         print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.total_steps(steps_per_epoch)}")
+    if eval_stats is not None:
+        print(f"  {eval_stats.summary('data.eval')}")
     print("\n== memory per GPU (rough estimate) ==")
     print(
         f"  parameters: {total:,} ({trainable:,} trainable"
@@ -318,14 +343,28 @@ def reference_source(cfg) -> str:
     return "the starting weights: log-probs for every pair computed once before training (cached in output_dir)"
 
 
+HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo] [key.sub=value ...]
+
+commands:
+  plan   what a run would do, without training: the data (rows kept and dropped, one
+         rendered row), the model, memory per device, the launch and its batch sizes
+
+training runs through the recipes (see README.md):
+  accelerate launch recipes/finetune.py [--config F] [key.sub=value ...]   supervised fine-tuning
+  accelerate launch recipes/dpo.py [--config F] [key.sub=value ...]        preference tuning
+  python recipes/finetune.py --prepare-only --config F                     tokenize into the cache
+  python -m llmtrain.demo score DIR                                        score a model on the demo task
+with no --config, the recipes run the offline demo."""
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo] [key.sub=value ...]"
-    if argv[:1] in (["-h"], ["--help"]):
-        print(f"{usage}\n\nplan: what a run would do (data, model, memory, launch), without training")
+    if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["plan", "-h"], ["plan", "--help"]):
+        print(HELP)
         return
     if not argv or argv[0] != "plan":
-        print(usage, file=sys.stderr)
+        said = f"unknown command {argv[0]!r}; " if argv else ""
+        print(f"error: {said}the command is `llmtrain plan`; `llmtrain --help` lists what there is", file=sys.stderr)
         sys.exit(2)
     with user_errors():
         plan(argv[1:])

@@ -17,19 +17,24 @@ def plan(*args, env=None):
 
 
 def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model, chat_file, cache_env):
-    proc = plan(
+    args = [
         "--config",
         str(base_config),
         "--accelerate-config",
         "accelerate_configs/cpu_ddp.yaml",
         f"model.name_or_path={tiny_model}",
         f"data.train={chat_file}",
+        f"data.eval={chat_file}",
         "train.micro_batch_size=2",
         "train.grad_accum_steps=2",
-        env=cache_env,
-    )
+    ]
+    proc = plan(*args, env=dict(cache_env, ACCELERATE_USE_CPU="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert "data.eval: 20/20 rows kept" in out
+    assert "WARNING: this config" not in out
+    without = plan(*args, env={k: v for k, v in cache_env.items() if k != "ACCELERATE_USE_CPU"}).stdout
+    assert "WARNING: this config starts 2 CPU processes, but ACCELERATE_USE_CPU=1 is not set" in without
     assert "world size: 2" in out
     assert "global batch: 8 sequences = micro_batch_size 2 x grad_accum_steps 2 x 2 process(es)" in out
     assert "steps per epoch: 3" in out  # 20 rows, 8 per step: 8, 8, 4
@@ -179,9 +184,21 @@ def test_an_accelerate_config_that_cannot_be_read_is_one_error(tmp_path, text, w
     assert e.value.problems[0].startswith(f"--accelerate-config: cannot read {path} ({why}")
 
 
-def test_help_lists_the_command_and_succeeds():
-    proc = subprocess.run([LLMTRAIN, "--help"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: llmtrain plan")
+def test_help_lists_the_commands_and_recipes_and_succeeds():
+    for args in (["--help"], ["plan", "-h"]):
+        proc = subprocess.run([LLMTRAIN, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: llmtrain plan")
+        for command in ("plan ", "recipes/finetune.py", "recipes/dpo.py", "llmtrain.demo score"):
+            assert command in proc.stdout
+    for shipped in ("recipes/finetune.py", "recipes/dpo.py"):
+        assert (ROOT / shipped).is_file()
+
+
+@pytest.mark.parametrize("args", [[], ["train"]])
+def test_no_command_or_an_unknown_one_is_one_error_line(args):
+    proc = subprocess.run([LLMTRAIN, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("error: ") and "`llmtrain --help`" in proc.stderr
 
 
 def test_plan_counts_quantized_weights_at_their_width(tiny_model):
@@ -198,3 +215,31 @@ def test_plan_counts_quantized_weights_at_their_width(tiny_model):
     q = quantized_params(load_config(None, [*base, "model.quantization=nf4"]), mcfg)
     assert weights["none"] - weights["nf4"] == pytest.approx(q * 3.5)  # fp32 -> half a byte each
     assert weights["none"] - weights["int8"] == pytest.approx(q * 3.0)
+
+
+def test_plan_checks_the_eval_data_too(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"messages": "hi"}\n')
+    proc = plan(
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train={chat_file}",
+        f"data.eval={bad}",
+        env=cache_env,
+    )
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        f"error: data.eval: {bad} line 1: 'messages' must be a list of {{role, content}}; data.bad_rows=skip would "
+        "drop malformed rows instead"
+    ]
+
+
+def test_a_demo_name_with_a_typo_gets_the_closest_one():
+    from llmtrain.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        load_config(None, ["model.name_or_path=demo:tiny-lama", "data.train=demo:train"])
+    assert str(e.value).startswith(
+        "model.name_or_path: demo:tiny-lama is not one of the demo's assets; did you mean demo:tiny-llama? they are "
+    )
