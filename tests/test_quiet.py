@@ -1,0 +1,44 @@
+"""The third-party lines llmtrain drops (llmtrain.quiet) are gone once llmtrain is imported,
+and only those: another line from the same logger still shows."""
+
+import subprocess
+import sys
+
+import pytest
+
+SHARED = """
+import torch
+{first}
+from accelerate import PartialState
+PartialState()
+from accelerate.utils.other import clean_state_dict_for_safetensors
+t = torch.zeros(3)
+clean_state_dict_for_safetensors({{"embed": t, "lm_head": t}})
+from accelerate.logging import get_logger
+get_logger("accelerate.utils.other").warning("another warning")
+"""
+
+
+def output(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("first", ["import llmtrain", ""], ids=["with_llmtrain", "without"])
+def test_the_tied_weight_line_of_every_checkpoint_is_dropped(first):
+    out = output(SHARED.format(first=first))
+    assert ("Removed shared tensor" in out) == (first == "")
+    assert "another warning" in out
+
+
+@pytest.mark.parametrize("first", ["import llmtrain", ""], ids=["with_llmtrain", "without"])
+def test_deepspeeds_cpu_accelerator_line_is_dropped(first, monkeypatch):
+    pytest.importorskip("deepspeed")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("DeepSpeed finds the GPU and says nothing")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    out = output(f"{first}\nfrom deepspeed.accelerator import get_accelerator\nget_accelerator()")
+    assert ("Setting accelerator to CPU" in out) == (first == "")
