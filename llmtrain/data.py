@@ -258,7 +258,7 @@ def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
         for t in turns:
             if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES or not isinstance(t.get("value"), str):
                 raise RowError(f"each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {t!r}")
-            out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"], "train": True})
+            out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
     elif fmt == "alpaca":
         instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
         if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(extra, str):
@@ -269,7 +269,7 @@ def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
             else []
         )
         user = f"{instruction}\n\n{extra}" if extra else instruction
-        out += [{"role": "user", "content": user}, {"role": "assistant", "content": output, "train": True}]
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
     else:
         raise AssertionError(fmt)
     if not out:

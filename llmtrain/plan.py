@@ -117,10 +117,11 @@ def cpu_group_unset(launch: Launch) -> bool:
     )
 
 
-def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool]:
+def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool, int]:
     """(total, trainable, model config, whether the chunked loss can stand in for its
-    output layer) from the model built on the meta device (no weights), LoRA adapters
-    added as the recipe adds them. `mcfg`: the model's config if already read."""
+    output layer, how many weights model.quantization stores in 4 or 8 bits) from the model
+    built on the meta device (no weights), LoRA adapters added as the recipe adds them:
+    memory_estimate's arguments after the launch. `mcfg`: the model's config if already read."""
     from transformers import AutoConfig
 
     if mcfg is None:
@@ -128,17 +129,15 @@ def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool]:
     model = meta_model(cfg.model, mcfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return total, trainable, mcfg, chunkable_head(model) is not None
+    quantized = quantized_params(model) if cfg.model.quantization != "none" else 0
+    return total, trainable, mcfg, chunkable_head(model) is not None, quantized
 
 
-def quantized_params(cfg, mcfg) -> int:
-    """How many weights model.quantization stores in 4 or 8 bits: the frozen Linear
-    layers' weights, the output layer excepted (bitsandbytes keeps it as it is)."""
+def quantized_params(model) -> int:
+    """The weights bitsandbytes quantizes: the frozen Linear layers', the output layer
+    excepted (it keeps that one as it is)."""
     import torch
 
-    if cfg.model.quantization == "none":
-        return 0
-    model = meta_model(cfg.model, mcfg)
     head = model.get_output_embeddings()
     return sum(
         m.weight.numel()
@@ -223,6 +222,7 @@ def plan(argv: list[str]) -> None:
     template = resolve_chat_template(cfg.data)
     tokenizer = load_tokenizer(cfg.model, template)
     t, world = cfg.train, launch.num_processes
+    prepare = prepare_pairs if dpo else prepare_split
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
             "data.train",
@@ -244,7 +244,6 @@ def plan(argv: list[str]) -> None:
     else:
         from .packing import pack_lengths
 
-        prepare = prepare_pairs if dpo else prepare_split
         ds, stats = prepare("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
         lengths = ds["length"]
         width = cfg.data.max_seq_len * (2 if dpo else 1)  # whole pairs pack into rows of twice the length
@@ -252,18 +251,16 @@ def plan(argv: list[str]) -> None:
         steps_per_epoch = t.steps_per_epoch(sequences, world)
     eval_stats = None
     if as_list(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
-        _, eval_stats = (prepare_pairs if dpo else prepare_split)(
-            "data.eval", as_list(cfg.data.eval), tokenizer, cfg.data
-        )
-    total, trainable, mcfg, chunkable = count_params(cfg, mcfg)
+        _, eval_stats = prepare("data.eval", as_list(cfg.data.eval), tokenizer, cfg.data)
+    counts = count_params(cfg, mcfg)
+    total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
     tokens_per_seq = cfg.data.max_seq_len * (2 if dpo else 1) if cfg.data.packing else mean_len
     items = "sequences"
     if dpo:
         items = "packed sequences of whole pairs" if cfg.data.packing else "pairs"
-    quantized = quantized_params(cfg, mcfg)
-    memory = memory_estimate(cfg, launch, total, trainable, mcfg, chunkable, quantized)
+    memory = memory_estimate(cfg, launch, *counts)
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())

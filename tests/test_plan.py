@@ -134,7 +134,7 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
             "data.max_seq_len=2048",
         ],
     )
-    total, trainable, mcfg, chunkable = count_params(cfg)
+    total, trainable, mcfg, chunkable, _ = count_params(cfg)
     assert total == trainable == pytest.approx(1.236e9, rel=0.01) and chunkable
     single = memory_estimate(cfg, Launch(), total, trainable, mcfg, chunkable)
     assert single["weights"] == 2 * total and single["optimizer state"] == 4 * total
@@ -159,8 +159,8 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
                 f"model.lora.target_modules={targets}",
             ],
         )
-        *counts, ok = count_params(over)
-        lora[targets] = (ok, memory_estimate(over, Launch(), *counts, ok)["activations"])
+        counts = count_params(over)
+        lora[targets] = (counts[3], memory_estimate(over, Launch(), *counts)["activations"])
     assert lora["[q_proj]"][0] and not lora["[q_proj,lm_head]"][0]
     assert lora["[q_proj,lm_head]"][1] - lora["[q_proj]"][1] == 2 * (2048 - 1024) * 128256 * 4
 
@@ -202,17 +202,15 @@ def test_no_command_or_an_unknown_one_is_one_error_line(args):
 
 
 def test_plan_counts_quantized_weights_at_their_width(tiny_model):
-    from llmtrain.plan import quantized_params
-
     base = [f"model.name_or_path={tiny_model}", "data.train=d.jsonl", "model.lora.enabled=true"]
-    weights = {}
+    weights, quantized = {}, {}
     for quant in ("none", "nf4", "int8"):
         cfg = load_config(None, [*base, f"model.quantization={quant}"])
-        total, trainable, mcfg, chunkable = count_params(cfg)
-        quantized = quantized_params(cfg, mcfg)
-        assert (quantized > 0) == (quant != "none") and quantized < total - trainable  # the output layer stays
-        weights[quant] = memory_estimate(cfg, Launch(), total, trainable, mcfg, chunkable, quantized)["weights"]
-    q = quantized_params(load_config(None, [*base, "model.quantization=nf4"]), mcfg)
+        counts = count_params(cfg)
+        total, trainable, _, _, quantized[quant] = counts
+        assert (quantized[quant] > 0) == (quant != "none") and quantized[quant] < total - trainable  # output layer
+        weights[quant] = memory_estimate(cfg, Launch(), *counts)["weights"]
+    q = quantized["nf4"]
     assert weights["none"] - weights["nf4"] == pytest.approx(q * 3.5)  # fp32 -> half a byte each
     assert weights["none"] - weights["int8"] == pytest.approx(q * 3.0)
 
