@@ -81,6 +81,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def recipe_args(config, model, data, out, *extra: str) -> list[str]:
+    """A test run's recipe arguments: its config, model, training data and output directory,
+    then `extra` overrides."""
+    return ["--config", str(config), f"model.name_or_path={model}", f"data.train={data}", f"output_dir={out}", *extra]
+
+
 def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE, precision: str = "no") -> list[str]:
     if nproc == 1:
         return [sys.executable, str(recipe), *args]

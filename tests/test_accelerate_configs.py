@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from .conftest import ROOT, free_port, recipe_command  # noqa: F401
+from .conftest import ROOT, free_port, recipe_args, recipe_command  # noqa: F401
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
@@ -36,12 +36,7 @@ def test_recipe_runs_with_the_config_accelerate_config_writes(base_config, tiny_
             *accelerate,
             "launch",
             "recipes/finetune.py",
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={chat_file}",
-            f"output_dir={out}",
-            "train.max_steps=2",
+            *recipe_args(base_config, tiny_model, chat_file, out, "train.max_steps=2"),
         ],
         env=env,
         cwd=ROOT,

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import launch_deepspeed, launch_fsdp, rewind, run_recipe, train_rows
+from .conftest import launch_deepspeed, launch_fsdp, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -31,19 +31,18 @@ def run_args(base_config, tiny_model, tmp_path_factory):
     write_jsonl(make_rows(48, seed=17), data)
 
     def args(out: Path, *extra: str) -> list[str]:
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={data}",
-            f"output_dir={out}",
+        return recipe_args(
+            base_config,
+            tiny_model,
+            data,
+            out,
             "train.max_steps=6",
             "checkpoint.every_steps=3",
             "checkpoint.keep_last=2",
             "checkpoint.resume=auto",
             "train.spike_factor=0",  # not under DeepSpeed
             *extra,
-        ]
+        )
 
     return args
 

@@ -12,6 +12,8 @@ from llmtrain.checkpoint import (
     manifest,
 )
 
+from .conftest import recipe_args
+
 
 def fake_checkpoint(root, name, complete=True):
     path = root / "checkpoints" / name
@@ -183,17 +185,16 @@ def test_recipe_falls_back_past_a_truncated_checkpoint(base_config, tiny_model, 
     from .conftest import run_recipe, train_rows
 
     out = tmp_path / "run"
-    args = [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={chat_file}",
-        f"output_dir={out}",
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
         "train.micro_batch_size=2",
         "train.max_steps=4",
         "checkpoint.every_steps=2",
         "checkpoint.resume=auto",
-    ]
+    )
     run_recipe(args, cache_env)
     before = [(r["step"], r["loss"]) for r in train_rows(out)]
     weights = out / "checkpoints" / "step-4" / "model.safetensors"
@@ -306,13 +307,7 @@ def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_
 
     (tmp_path / "a_file").write_text("")
     proc = run_recipe(
-        [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={chat_file}",
-            f"output_dir={tmp_path / 'a_file' / 'run'}",
-        ],
+        recipe_args(base_config, tiny_model, chat_file, tmp_path / "a_file" / "run"),
         cache_env,
         nproc=2,
         check=False,
@@ -493,16 +488,15 @@ def test_a_write_that_fails_in_torchs_writer_is_the_documented_error(
         resource.setrlimit(resource.RLIMIT_FSIZE, (700_000, 700_000))  # the weights fit, the optimizer does not
 
     out = tmp_path / "run"
-    args = [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={chat_file}",
-        f"output_dir={out}",
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
         "train.micro_batch_size=2",
         "train.max_steps=2",
         "checkpoint.every_steps=1",
-    ]
+    )
     proc = subprocess.run(
         recipe_command(args),
         env=cache_env,
@@ -582,12 +576,11 @@ def test_a_run_resumes_on_another_process_count_and_split(base_config, tiny_mode
 
     def args(out, layout):
         nproc, micro, accum = layout
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={data}",
-            f"output_dir={out}",
+        return recipe_args(
+            base_config,
+            tiny_model,
+            data,
+            out,
             f"data.packing={str(packing).lower()}",
             "train.epochs=2",
             "checkpoint.every_steps=4",
@@ -595,7 +588,7 @@ def test_a_run_resumes_on_another_process_count_and_split(base_config, tiny_mode
             "checkpoint.resume=auto",
             f"train.micro_batch_size={micro}",
             f"train.grad_accum_steps={accum}",
-        ], nproc
+        ), nproc
 
     firsts = {}
     for name, (first, then) in cases.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import final_weights, launch_deepspeed, metrics, rewind, run_recipe, train_rows
+from .conftest import final_weights, launch_deepspeed, metrics, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +39,9 @@ def run_args(base_config, tiny_model, tmp_path_factory):
     write_jsonl(make_rows(5, seed=13), data / "eval.jsonl")
 
     def args(out: Path) -> list[str]:
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={data / 'train.jsonl'}",
-            f"data.eval={data / 'eval.jsonl'}",
-            f"output_dir={out}",
-            *LAYOUT,
-        ]
+        return recipe_args(
+            base_config, tiny_model, data / "train.jsonl", out, f"data.eval={data / 'eval.jsonl'}", *LAYOUT
+        )
 
     return args
 

@@ -17,6 +17,7 @@ from .conftest import (
     launch_deepspeed,
     launch_fsdp,
     metrics,
+    recipe_args,
     run_recipe,
     start_run,
     train_rows,
@@ -42,16 +43,7 @@ def pair_files(tmp_path_factory) -> tuple[Path, Path]:
 def args(base_config, tiny_model, pair_files):
     def make(out: Path, *extra: str) -> list[str]:
         train, evals = pair_files
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={train}",
-            f"data.eval={evals}",
-            "eval.micro_batch_size=2",
-            f"output_dir={out}",
-            *extra,
-        ]
+        return recipe_args(base_config, tiny_model, train, out, f"data.eval={evals}", "eval.micro_batch_size=2", *extra)
 
     return make
 

@@ -18,6 +18,7 @@ from .conftest import (
     kill_run,
     launch_fsdp,
     metrics,
+    recipe_args,
     rewind,
     run_recipe,
     start,
@@ -35,16 +36,8 @@ def run_args(base_config, tiny_model, tmp_path_factory):
     write_jsonl(make_rows(5, seed=13), data / "eval.jsonl")
 
     def args(out: Path, *extra: str) -> list[str]:
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={data / 'train.jsonl'}",
-            f"data.eval={data / 'eval.jsonl'}",
-            "eval.micro_batch_size=2",
-            f"output_dir={out}",
-            *extra,
-        ]
+        evals = f"data.eval={data / 'eval.jsonl'}"
+        return recipe_args(base_config, tiny_model, data / "train.jsonl", out, evals, "eval.micro_batch_size=2", *extra)
 
     return args
 

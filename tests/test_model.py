@@ -4,7 +4,7 @@ import torch
 from llmtrain.config import ModelConfig
 from llmtrain.model import ModelError, check_model
 
-from .conftest import run_recipe
+from .conftest import recipe_args, run_recipe
 
 
 def test_sequences_within_the_model_positions_pass(tiny_model):
@@ -34,14 +34,13 @@ def test_recipe_refuses_too_long_sequences_before_loading_anything(
 ):
     out = tmp_path / "run"
     proc = run_recipe(
-        [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={chat_file}",
-            f"output_dir={out}",
+        recipe_args(
+            base_config,
+            tiny_model,
+            chat_file,
+            out,
             "data.max_seq_len=4096",
-        ],
+        ),
         cache_env,
         check=False,
     )

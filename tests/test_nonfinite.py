@@ -11,7 +11,7 @@ import torch
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import metrics, run_recipe, train_rows
+from .conftest import metrics, recipe_args, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 POISON = "~"
@@ -46,15 +46,14 @@ def rows_with_poison(path: Path, poisoned: set[int], n: int = 20) -> Path:
 
 
 def args(base_config, model, data, out, *extra):
-    return [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={model}",
-        f"data.train={data}",
-        f"output_dir={out}",
+    return recipe_args(
+        base_config,
+        model,
+        data,
+        out,
         "train.micro_batch_size=2",
         *extra,
-    ]
+    )
 
 
 def test_a_poisoned_step_is_skipped_on_every_process(base_config, poisoned_model, cache_env, tmp_path):

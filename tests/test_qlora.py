@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import rewind, run_recipe, train_rows
+from .conftest import recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")
@@ -18,12 +18,11 @@ def test_qlora_trains_resumes_exactly_and_exports(base_config, tiny_model, chat_
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "qlora"
-    args = [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={chat_file}",
-        f"output_dir={out}",
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
         "model.quantization=nf4",
         "model.lora.enabled=true",
         "model.lora.r=8",
@@ -35,7 +34,7 @@ def test_qlora_trains_resumes_exactly_and_exports(base_config, tiny_model, chat_
         "train.epochs=3",
         "checkpoint.every_steps=4",
         "checkpoint.keep_last=3",
-    ]
+    )
     run_recipe(args, cache_env, nproc=2)
     rows = train_rows(out)
     assert len(rows) == 15 and rows[-1]["loss"] < rows[0]["loss"] - 0.2

@@ -17,7 +17,7 @@ from llmtrain.config import load_config
 from llmtrain.metrics import MetricsLog
 from llmtrain.rundir import changed_settings
 
-from .conftest import ROOT, metrics, recipe_command, run_recipe, train_rows
+from .conftest import ROOT, metrics, recipe_args, recipe_command, run_recipe, train_rows
 
 
 def snapshot(out: Path) -> dict:
@@ -62,16 +62,15 @@ def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
 def finished(base_config, tiny_model, chat_file, cache_env, tmp_path_factory):
     """A finished run, with checkpoints, and the arguments that made it."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    args = [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={chat_file}",
-        f"output_dir={out}",
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
         "train.micro_batch_size=2",
         "train.max_steps=4",
         "checkpoint.every_steps=2",
-    ]
+    )
     run_recipe(args, cache_env)
     return out, args
 
@@ -141,16 +140,15 @@ def test_a_second_run_into_the_same_output_dir_stops_at_once_naming_the_first(
     from .conftest import kill_tree, start_run, wait_for
 
     out = tmp_path / "run"
-    args = [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={chat_file}",
-        f"output_dir={out}",
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
         "train.micro_batch_size=1",
         "train.epochs=1000",
         "checkpoint.every_steps=5",
-    ]
+    )
     first = start_run(args, cache_env, nproc=2)
     try:
         assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 2, first)
@@ -181,13 +179,7 @@ def test_free_space_is_checked_before_data_or_weights_load(base_config, tiny_mod
         "sys.argv = sys.argv[1:]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    args = [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={bad}",
-        f"output_dir={tmp_path / 'run'}",
-    ]
+    args = recipe_args(base_config, tiny_model, bad, tmp_path / "run")
     proc = subprocess.run(
         [sys.executable, "-c", script, *recipe_command(args)[1:]],
         env=cache_env,

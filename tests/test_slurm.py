@@ -12,7 +12,7 @@ import pytest
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import ROOT, run_recipe, train_rows
+from .conftest import ROOT, recipe_args, run_recipe, train_rows
 from .slurm_cluster import LocalSlurm, missing_reason
 
 pytestmark = pytest.mark.slow
@@ -39,16 +39,15 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def args(base_config, tiny_model, data):
     def make(out: Path) -> list[str]:
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={data}",
-            f"output_dir={out}",
+        return recipe_args(
+            base_config,
+            tiny_model,
+            data,
+            out,
             "train.schedule=cosine",
             "checkpoint.every_steps=4",
             "checkpoint.keep_last=2",
-        ]
+        )
 
     return make
 

@@ -7,7 +7,7 @@ import torch
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.spike import SpikeGuard
 
-from .conftest import metrics, run_recipe, train_rows
+from .conftest import metrics, recipe_args, run_recipe, train_rows
 
 
 def test_guard_waits_for_a_full_window_then_compares_with_the_median():
@@ -42,18 +42,17 @@ def test_a_spiking_step_is_skipped_without_a_trace(base_config, tiny_model, cach
 
     def run(out, data, *extra, check=True):
         return run_recipe(
-            [
-                "--config",
-                str(base_config),
-                f"model.name_or_path={tiny_model}",
-                f"data.train={tmp_path / data}",
-                f"output_dir={tmp_path / out}",
+            recipe_args(
+                base_config,
+                tiny_model,
+                tmp_path / data,
+                tmp_path / out,
                 "data.shuffle=false",
                 "train.micro_batch_size=2",
                 "train.lr=3e-3",
                 "train.max_steps=14",
                 *extra,
-            ],
+            ),
             cache_env,
             check=check,
         )

@@ -14,7 +14,7 @@ from llmtrain.data import DataError, process_row
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.stream import StreamedRows, pack_stream
 
-from .conftest import metrics, run_recipe, train_rows
+from .conftest import metrics, recipe_args, run_recipe, train_rows
 
 
 def mixed_rows(n: int, seed: int) -> list[dict]:
@@ -133,16 +133,15 @@ def test_a_malformed_line_is_an_error_naming_it(tmp_path, tokenizer):
 # --- the recipe --------------------------------------------------------------------------------------------------
 
 
-def recipe_args(base_config, tiny_model, data, out, *extra):
-    return [
-        "--config",
-        str(base_config),
-        f"model.name_or_path={tiny_model}",
-        f"data.train={data}",
-        f"output_dir={out}",
+def streamed_args(base_config, tiny_model, data, out, *extra):
+    return recipe_args(
+        base_config,
+        tiny_model,
+        data,
+        out,
         "data.streaming=true",
         *extra,
-    ]
+    )
 
 
 @pytest.mark.slow
@@ -155,7 +154,7 @@ def test_streamed_data_trains_exactly_like_prepared_data(base_config, tiny_model
     for streaming in ("false", "true"):
         out = tmp_path / f"streaming-{streaming}"
         run_recipe(
-            recipe_args(
+            streamed_args(
                 base_config,
                 tiny_model,
                 data,
@@ -201,7 +200,7 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     ]
 
     ref = tmp_path / "ref"
-    proc = run_recipe(recipe_args(base_config, tiny_model, good, ref, *extra), cache_env, nproc=2)
+    proc = run_recipe(streamed_args(base_config, tiny_model, good, ref, *extra), cache_env, nproc=2)
     ref_rows = train_rows(ref)
     assert [r["step"] for r in ref_rows] == list(range(1, 41))
     kept = [process_row(r, "auto", tokenizer, None, cfg()) for r in rows]
@@ -211,7 +210,7 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     assert "dropped (longer than data.max_seq_len)" in proc.stderr
 
     out = tmp_path / "out"
-    proc = run_recipe(recipe_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2, check=False)
+    proc = run_recipe(streamed_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -226,7 +225,7 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     assert not (out / "final").exists()
 
     write_jsonl(rows, data)  # the row fixed
-    proc = run_recipe(recipe_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2)
+    proc = run_recipe(streamed_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2)
     assert f"resumed from {out}/checkpoints/step-{stopped} at step {stopped}" in proc.stdout
     got = train_rows(out)
     assert [r["step"] for r in got] == list(range(1, 41))
@@ -260,7 +259,7 @@ def test_a_resume_after_one_process_ran_out_continues_exactly(base_config, tiny_
         "checkpoint.keep_last=0",
     ]
     ref = tmp_path / "ref"
-    run_recipe(recipe_args(base_config, tiny_model, data, ref, *extra), cache_env, nproc=2)
+    run_recipe(streamed_args(base_config, tiny_model, data, ref, *extra), cache_env, nproc=2)
     ref_rows = train_rows(ref)
     assert [r["epoch"] for r in ref_rows] == [0] * 6 + [1] * 3
     assert [r["tokens"] > 0 for r in ref_rows] == [True] * 9
@@ -270,7 +269,7 @@ def test_a_resume_after_one_process_ran_out_continues_exactly(base_config, tiny_
     shutil.rmtree(out / "final")
     for step in range(5, 10):
         shutil.rmtree(out / "checkpoints" / f"step-{step}")
-    proc = run_recipe(recipe_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2)
+    proc = run_recipe(streamed_args(base_config, tiny_model, data, out, *extra), cache_env, nproc=2)
     assert f"resumed from {out}/checkpoints/step-4 at step 4" in proc.stdout
     got = train_rows(out)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in ref_rows]

@@ -10,7 +10,7 @@ from llmtrain.throughput import (
     step_flops,
 )
 
-from .conftest import run_recipe, train_rows
+from .conftest import recipe_args, run_recipe, train_rows
 
 
 def test_document_sizes_count_each_packed_document_and_skip_padding():
@@ -68,12 +68,6 @@ def test_gpu_run_reports_mfu(common_args, cache_env, tmp_path):
 @pytest.fixture
 def common_args(base_config, tiny_model, chat_file):
     def args(out):
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={chat_file}",
-            f"output_dir={out}",
-        ]
+        return recipe_args(base_config, tiny_model, chat_file, out)
 
     return args

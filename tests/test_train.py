@@ -10,7 +10,7 @@ import torch
 
 from llmtrain.demo import make_rows, write_jsonl
 
-from .conftest import final_weights, kill_run, metrics, run_recipe, start_run, train_rows, wait_for
+from .conftest import final_weights, kill_run, metrics, recipe_args, run_recipe, start_run, train_rows, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def common(base_config, tiny_model):
     def args(data, out) -> list[str]:
-        return [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={data}",
-            f"output_dir={out}",
-        ]
+        return recipe_args(base_config, tiny_model, data, out)
 
     return args
 

@@ -10,7 +10,7 @@ import pytest
 
 from llmtrain.watchdog import EXIT_HUNG
 
-from .conftest import kill_tree, metrics, start_run, wait_for
+from .conftest import kill_tree, metrics, recipe_args, start_run, wait_for
 
 SCRIPT = """
 import sys, time
@@ -59,18 +59,17 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(base_config, tiny_model, ch
 
     out = tmp_path / "run"
     proc = start_run(
-        [
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train={chat_file}",
-            f"output_dir={out}",
+        recipe_args(
+            base_config,
+            tiny_model,
+            chat_file,
+            out,
             "train.micro_batch_size=1",
             "train.epochs=1000",
             "log.every_steps=1",
             "checkpoint.every_steps=2",
             "train.hang_timeout_s=10",
-        ],
+        ),
         cache_env,
     )
     workers = []
