@@ -625,15 +625,10 @@ def validate(cfg: Config) -> list[str]:
 def demo_name_problems(cfg: Config) -> list[str]:
     """A `demo:` name that is none of the demo's assets (a typo would otherwise be looked
     up on the hub), with the closest one."""
-    from .demo import DEMO_NAMES
+    from .demo import DEMO_NAMES, named
 
-    named = [("model.name_or_path", cfg.model.name_or_path), ("dpo.reference", getattr(cfg, "dpo", None))]
-    named = [(k, v.reference if k == "dpo.reference" else v) for k, v in named if v is not None]
-    for key in ("train", "eval"):
-        value = getattr(cfg.data, key)
-        named += [(f"data.{key}", n) for n in ([value] if isinstance(value, str) else value)]
     problems = []
-    for key, name in named:
+    for key, name in named(cfg):
         if isinstance(name, str) and name.startswith("demo:") and name not in DEMO_NAMES:
             close = _closest(name, list(DEMO_NAMES))
             hint = f"did you mean {close}? " if close else ""

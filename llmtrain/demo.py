@@ -322,9 +322,16 @@ DEMO_NAMES = {
 }
 
 
+def named(cfg) -> list[tuple[str, str]]:
+    """(config key, name) of every model and data set a config names."""
+    keys = [("model.name_or_path", cfg.model.name_or_path)]
+    if hasattr(cfg, "dpo"):
+        keys.append(("dpo.reference", cfg.dpo.reference))
+    return keys + [(f"data.{split}", n) for split in ("train", "eval") for n in _as_list(getattr(cfg.data, split))]
+
+
 def _names(cfg) -> list[str]:
-    reference = [cfg.dpo.reference] if hasattr(cfg, "dpo") else []
-    return [cfg.model.name_or_path, *reference] + _as_list(cfg.data.train) + _as_list(cfg.data.eval)
+    return [name for _, name in named(cfg)]
 
 
 def uses_demo(cfg) -> bool:
