@@ -98,5 +98,39 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     # --num_processes 2 would silently become two unrelated single-process runs.
     backend = process_group_backend()
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **({"backend": backend} if backend else {}))
-    with user_errors(state):
-        main(argv)
+    if state.num_processes == 1:
+        with user_errors(state):
+            main(argv)
+        return
+    try:
+        with user_errors(state):
+            main(argv)
+    except SystemExit as e:  # a user error (2) or a stop signal (128 + signal)
+        exit_now(e.code)
+    exit_now(0)
+
+
+def exit_now(code) -> None:
+    """End a multi-process run without the interpreter's own shutdown.
+
+    Written by hand because neither torch nor Accelerate guards against it: a gloo worker
+    thread can free a finished collective a moment after the collective returns, and that
+    frees tensors Python created, which takes the GIL. If the main thread is shutting the
+    interpreter down by then, Python 3.11 ends the thread inside a C++ destructor and the
+    process aborts ("terminate called without an active exception", exit -6) after the
+    run has finished and written everything. So, once the run is over: the atexit handlers
+    run as usual (weakref finalizers, logging), the output is flushed, and the process
+    exits with its code, leaving the interpreter's teardown out."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message") prints it and exits 1
+        sys.stderr.write(f"{code}\n")
+        sys.stderr.flush()
+        code = 1
+    os._exit(code)

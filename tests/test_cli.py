@@ -53,3 +53,61 @@ def test_one_process_reports_without_a_store(capsys):
     with pytest.raises(SystemExit) as exited, cli.user_errors(state(0, world=1)):
         raise DataError("data.train: bad")
     assert exited.value.code == 2 and capsys.readouterr().err == "error: data.train: bad\n"
+
+
+ENDING = """
+import atexit, sys
+from pathlib import Path
+from llmtrain.cli import run_cli
+
+out = Path(sys.argv[1])
+
+
+class Finalized:  # its __del__ runs only if the interpreter tears itself down
+    def __init__(self, path):
+        self.path, self.open = path, open  # builtins are gone by then
+
+    def __del__(self):
+        self.open(self.path, "w").close()
+
+
+def main(argv):
+    global rank, keep
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    keep = Finalized(str(out / f"finalized-{rank}"))
+    atexit.register(lambda: (out / f"atexit-{rank}").write_text(""))
+    print(f"rank {rank} done", end="")  # unflushed
+    if argv[0] != "0":
+        sys.exit(int(argv[0]))
+
+
+run_cli(main, sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_multi_process_run_ends_with_its_code_without_interpreter_teardown(tmp_path, code):
+    """After the run, a gloo worker thread may still free a collective's Python tensors;
+    during interpreter teardown that aborts the process (see cli.exit_now). So a
+    multi-process run exits right after its atexit handlers, with its own code."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port
+
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ACCELERATE_USE_CPU"}
+    env["ACCELERATE_USE_CPU"] = "1"
+    proc = subprocess.run(
+        [*cmd, str(script), str(tmp_path), str(code)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert (proc.returncode == 0) == (code == 0), proc.stderr[-3000:]
+    if code:
+        assert f"exitcode  : {code}" in proc.stderr
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout
+    made = sorted(p.name for p in tmp_path.iterdir() if p.name != "ending.py")
+    assert made == ["atexit-0", "atexit-1"]
