@@ -12,25 +12,33 @@ from itertools import islice
 import torch
 
 from .data import IGNORE
+from .mixture import Mixture
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """A permutation of range(n) drawn from (seed, epoch); sequential if shuffle is off."""
+    """The examples of one epoch, drawn from (seed, epoch): a permutation of range(n), or
+    sequential if shuffle is off. With a `mixture.Mix` whose sources have fractions, the
+    epoch is the mix's draw for (seed, epoch), then shuffled the same way."""
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
+    def __init__(self, n: int, seed: int, shuffle: bool = True, mix=None):
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+        self.mix = mix if mix is not None and mix.mixed else None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.n
+        return sum(self.mix.counts()) if self.mix else self.n
 
     def __iter__(self):
-        if not self.shuffle:
-            return iter(range(self.n))
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+        if self.mix is None:
+            order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else range(self.n)
+            return iter(order)
+        order = self.mix.epoch(g)
+        if self.shuffle:
+            order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+        return iter(order)
 
 
 class Collator:
@@ -79,8 +87,8 @@ class Collator:
 
 def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, num_workers: int):
     """A DataLoader over `dataset`: a datasets.Dataset of the collator's columns or a
-    PackedDataset (ordered by an EpochSampler), or a stream.StreamedRows (which orders
-    itself)."""
+    PackedDataset (ordered by an EpochSampler), either in a mixture.Mixture (whose epochs
+    the sampler draws), or a stream.StreamedRows (which orders itself)."""
     if isinstance(dataset, torch.utils.data.IterableDataset):
         # No persistent workers: each pass must start workers with the pass's shuffle seed.
         return torch.utils.data.DataLoader(
@@ -90,9 +98,12 @@ def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, nu
             num_workers=num_workers,
             pin_memory=torch.cuda.is_available(),
         )
+    mix = None
+    if isinstance(dataset, Mixture):
+        dataset, mix = dataset.examples, dataset.mix
     if hasattr(dataset, "select_columns"):
         dataset = dataset.select_columns(list(collator.columns))
-    sampler = EpochSampler(len(dataset), seed, shuffle)
+    sampler = EpochSampler(len(dataset), seed, shuffle, mix)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from . import demo
 from .config import Config, load_config
-from .data import as_list
 from .errors import UserError
 from .launch import process_group_backend
+from .mixture import names
 from .watchdog import default_store
 
 
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
     cfg = load_config(args.config, args.overrides, schema)
-    own = [cfg.model.name_or_path, *as_list(cfg.data.train)]
+    own = [cfg.model.name_or_path, *names(cfg.data.train)]
     if args.config == default_config and any(name not in demo.DEMO_NAMES for name in own):
         from accelerate import PartialState
 

@@ -105,12 +105,28 @@ class ModelConfig:
 
 
 @dataclass
+class DataSource:
+    """A data.train entry written as a mapping: {path: a.jsonl, fraction: 0.5}."""
+
+    path: str = ""
+    """A file or hub data set, as a plain data.train entry."""
+    fraction: Annotated[float, POSITIVE] = 1.0
+    """How much of the source one epoch takes: below 1 a seeded subset of its rows, drawn
+    again every epoch; above 1 whole repeats plus a seeded subset for the rest."""
+
+
+@dataclass
 class DataConfig:
-    train: str | list[str] = field(default_factory=list)
+    train: str | list[str | DataSource] = field(default_factory=list)
     """Training data: a path (jsonl, json, parquet, csv), a hub data set name
-    ('owner/name' or 'owner/name:split'), or a list of these to mix."""
+    ('owner/name' or 'owner/name:split'), or a list of these; an entry may be a mapping
+    {path: ..., fraction: 0.5} to take a seeded share of that source each epoch (3: three
+    times over). Streamed sources are interleaved in proportion to their fractions."""
     eval: str | list[str] = field(default_factory=list)
-    """Evaluation data, same forms as data.train; empty for no evaluation."""
+    """Evaluation data, same forms as data.train (without fractions); empty for none."""
+    eval_fraction: Annotated[float, BELOW_1] = 0.0
+    """With no data.eval, hold out this share of each training source's rows (seeded by
+    train.seed) as the evaluation set; 0 for none."""
     format: Literal["auto", "text", "prompt_completion", "alpaca", "chat", "sharegpt"] = "auto"
     """Row format; 'auto' takes each row's format from the fields it fills (see README)."""
     chat_template: str = ""
@@ -361,15 +377,34 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(typing.get_args(tp)[0], "values")
+        item = typing.get_args(tp)[0]
+        if typing.get_origin(item) in (Union, types.UnionType):  # data.train: paths or {path, fraction}
+            return "a list of strings or {path: ..., fraction: ...} mappings"
+        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(item, "values")
     return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(tp, str(tp))
 
 
-def _coerce(value: Any, tp: Any) -> Any:
+class _EntryProblems(Exception):
+    """The problems of a mapping inside a list (a data.train entry), each naming its key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+
+
+def _coerce(value: Any, tp: Any, key: str = "") -> Any:
     """Return `value` as type `tp`, or raise TypeError. Strings from the command line
     arrive already parsed by YAML; a few YAML 1.1 quirks (like '2e-5' being a string)
-    are mended here."""
+    are mended here. A mapping inside a list becomes its dataclass (`key`: the list's key,
+    to name the entry's problems)."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError
+        problems: list[str] = []
+        entry = _build(tp, value, f"{key}.", problems)
+        if problems:
+            raise _EntryProblems(problems)
+        return entry
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
@@ -377,14 +412,14 @@ def _coerce(value: Any, tp: Any) -> Any:
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
-                return _coerce(value, arg)
+                return _coerce(value, arg, key)
             except TypeError:
                 continue
         raise TypeError
     if origin is list:
         if not isinstance(value, list):
             raise TypeError
-        return [_coerce(v, typing.get_args(tp)[0]) for v in value]
+        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -443,9 +478,11 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
             kwargs[key] = _build(tp, value, f"{full}.", problems)
             continue
         try:
-            kwargs[key] = _coerce(value, tp)
+            kwargs[key] = _coerce(value, tp, full)
         except TypeError:
             problems.append(f"{full}: expected {_type_name(tp)}, got {value!r}")
+        except _EntryProblems as e:
+            problems += e.problems
     return cls(**kwargs)
 
 
@@ -556,7 +593,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     cfg = _build(schema, raw, "", problems)
-    problems += validate(cfg)
+    # A key whose value was refused keeps its default; validate would call that missing too.
+    refused = {re.split(r"[:\[]", q, maxsplit=1)[0] for q in problems}
+    problems += [q for q in validate(cfg) if q.split(":", 1)[0] not in refused]
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -574,7 +613,19 @@ def validate(cfg: Config) -> list[str]:
         p.append("output_dir: required")
     for key, names in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
         if isinstance(names, list):
-            p += [f"{key}[{i}]: empty; give a file path or a hub data set name" for i, n in enumerate(names) if not n]
+            p += [
+                f"{key}[{i}]{'.path' if isinstance(n, DataSource) else ''}: empty; give a file path or a hub data "
+                "set name"
+                for i, n in enumerate(names)
+                if not getattr(n, "path", n)
+            ]
+    for i, entry in enumerate(cfg.data.train if isinstance(cfg.data.train, list) else []):
+        if isinstance(entry, DataSource):
+            p += [f"data.train[{i}].{why}" for why in number_problems(entry)]
+    if cfg.data.eval_fraction and cfg.data.eval:
+        p.append("data.eval_fraction: data.eval is set too; give one of them (data.eval_fraction=0 keeps data.eval)")
+    if cfg.data.eval_fraction and cfg.data.streaming:
+        p.append("data.eval_fraction: a stream cannot hold rows out ahead; give data.eval, or set data.eval_fraction=0")
     if cfg.data.streaming and t.max_steps == 0:
         p.append("data.streaming: a stream's length is not known ahead; set train.max_steps")
     if t.max_steps == 0 and t.epochs == 0:
@@ -588,8 +639,8 @@ def validate(cfg: Config) -> list[str]:
             f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), "
             f"got {t.profile_steps!r}"
         )
-    if cfg.eval.every_steps and not cfg.data.eval:
-        p.append("eval.every_steps: set data.eval too, or set eval.every_steps=0")
+    if cfg.eval.every_steps and not (cfg.data.eval or cfg.data.eval_fraction):
+        p.append("eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0")
     from .data import chat_template_problem
 
     if (problem := chat_template_problem(cfg.data)) is not None:

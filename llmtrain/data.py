@@ -61,6 +61,7 @@ class DataStats:
     truncated: int = 0
     trained_tokens: int = 0
     bad: list[str] = field(default_factory=list)  # where the first malformed rows are, and why
+    per_source: list[tuple[str, int, int]] = field(default_factory=list)  # (name, kept rows, trained tokens)
 
     def count(self, statuses) -> None:
         """Count rows by their process_row status (kept, truncated, or why dropped)."""
@@ -536,8 +537,9 @@ def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None
                 stats.skip_bad(src.where(ds[i], i), s)
         stats.count(status)
         ds = ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns(["status", LINE][: 1 + src.raw])
+        stats.per_source.append((name, len(ds), sum(ds["n_trained"])))
         parts.append(ds)
     stats.check_bad(key, cfg)
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    stats.trained_tokens = sum(ds["n_trained"])
+    stats.trained_tokens = sum(n for _, _, n in stats.per_source)
     return ds, stats

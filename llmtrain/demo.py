@@ -9,6 +9,7 @@ path a user's model takes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -327,7 +328,8 @@ def named(cfg) -> list[tuple[str, str]]:
     keys = [("model.name_or_path", cfg.model.name_or_path)]
     if hasattr(cfg, "dpo"):
         keys.append(("dpo.reference", cfg.dpo.reference))
-    return keys + [(f"data.{split}", n) for split in ("train", "eval") for n in _as_list(getattr(cfg.data, split))]
+    entries = [(f"data.{split}", e) for split in ("train", "eval") for e in _as_list(getattr(cfg.data, split))]
+    return keys + [(key, getattr(e, "path", e)) for key, e in entries]  # a data.train entry may be {path, fraction}
 
 
 def _names(cfg) -> list[str]:
@@ -353,10 +355,13 @@ def resolve_demo_names(cfg) -> None:
     def fix(name: str) -> str:
         return str(root / DEMO_NAMES[name]) if name in DEMO_NAMES else name
 
+    def fix_entry(entry):
+        return dataclasses.replace(entry, path=fix(entry.path)) if hasattr(entry, "path") else fix(entry)
+
     cfg.model.name_or_path = fix(cfg.model.name_or_path)
     if hasattr(cfg, "dpo"):
         cfg.dpo.reference = fix(cfg.dpo.reference)
-    cfg.data.train = [fix(n) for n in _as_list(cfg.data.train)]
+    cfg.data.train = [fix_entry(e) for e in _as_list(cfg.data.train)]
     cfg.data.eval = [fix(n) for n in _as_list(cfg.data.eval)]
 
 

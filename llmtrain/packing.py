@@ -36,13 +36,30 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-class PackedDataset(torch.utils.data.Dataset):
-    """A view of a tokenized data set (input_ids, labels, length) as packed sequences."""
+def pack_sources(lengths: list[int], capacity: int, sizes: list[int] | None) -> tuple[list[list[int]], list[int]]:
+    """`pack_lengths` over all rows, or with `sizes` (rows of each source, in order) over
+    each source's rows alone, so a packed sequence holds one source's rows (mixture.Mix
+    takes sources by their sequences). Returns (bins, sequences per source)."""
+    if sizes is None:
+        bins = pack_lengths(lengths, capacity)
+        return bins, [len(bins)]
+    bins, counts, start = [], [], 0
+    for n in sizes:
+        part = pack_lengths(lengths[start : start + n], capacity)
+        bins += [[start + i for i in b] for b in part]
+        counts.append(len(part))
+        start += n
+    return bins, counts
 
-    def __init__(self, rows, capacity: int):
+
+class PackedDataset(torch.utils.data.Dataset):
+    """A view of a tokenized data set (input_ids, labels, length) as packed sequences,
+    packed source by source when given `sizes` (see `pack_sources`)."""
+
+    def __init__(self, rows, capacity: int, sizes: list[int] | None = None):
         self.rows = rows
         self.capacity = capacity
-        self.bins = pack_lengths(rows["length"], capacity)
+        self.bins, self.sizes = pack_sources(rows["length"], capacity, sizes)
 
     def __len__(self) -> int:
         return len(self.bins)

@@ -22,7 +22,7 @@ import torch
 from .batches import Collator
 from .config import DataConfig
 from .data import IGNORE, RowError, _with_eos, chat_ids, shift
-from .packing import join_rows, pack_lengths
+from .packing import join_rows, pack_sources
 
 
 def _messages(value, what: str) -> list[dict]:
@@ -157,29 +157,29 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
 def build_pair_datasets(cfg, accelerator, tokenizer):
     """Tokenize the train and eval pairs once (main process first; the others read its
-    cache), number them (`pair_index`: train 0..n-1, eval after), and pack them if asked.
-    Returns (train_set, eval_set or None)."""
-    from .data import as_list
+    cache), hold out data.eval_fraction and take sources by their fractions as
+    train.build_datasets does, number the pairs (`pair_index`: train 0..n-1, eval after),
+    and pack them if asked. Returns (train_set, eval_set or None)."""
     from .launch import main_first
+    from .mixture import names, packer, split_and_mix, training_set
 
-    sets, first = [], 0
     with main_first(accelerator):
-        for key, names in (("data.train", as_list(cfg.data.train)), ("data.eval", as_list(cfg.data.eval))):
-            if not names:
-                sets.append(None)
-                continue
-            ds, stats = prepare_pairs(key, names, tokenizer, cfg.data)
-            accelerator.print(stats.summary(key))
-            ds = ds.add_column("pair_index", list(range(first, first + len(ds))))
-            first += len(ds)
+        rows, stats = prepare_pairs("data.train", names(cfg.data.train), tokenizer, cfg.data)
+        rows, mix, eval_set, lines = split_and_mix(cfg, rows, stats, tokenizer, prepare_pairs, "pairs")
+        for line in lines:
+            accelerator.print(line)
+        rows = rows.add_column("pair_index", list(range(len(rows))))
+        width = 2 * cfg.data.max_seq_len  # every pair fits
+
+        def pack(key):
+            return packer(PackedPairs, width, key, "pairs", accelerator.print)
+
+        train_set = training_set(rows, mix, pack("data.train") if cfg.data.packing else None, "pairs")
+        if eval_set is not None:
+            eval_set = eval_set.add_column("pair_index", list(range(len(rows), len(rows) + len(eval_set))))
             if cfg.data.packing:
-                ds = PackedPairs(ds, 2 * cfg.data.max_seq_len)
-                accelerator.print(
-                    f"{key}: packed {stats.kept} pairs into {len(ds)} sequences of {ds.capacity} tokens "
-                    f"({ds.efficiency():.1%} filled)"
-                )
-            sets.append(ds)
-    return sets[0], sets[1]
+                eval_set = pack("data.eval")(eval_set, None)
+    return train_set, eval_set
 
 
 class PackedPairs(torch.utils.data.Dataset):
@@ -189,9 +189,9 @@ class PackedPairs(torch.utils.data.Dataset):
     a pair never straddles sequences or micro-batches and no padding is computed. The
     capacity is twice data.max_seq_len, so every pair fits."""
 
-    def __init__(self, pairs, capacity: int):
+    def __init__(self, pairs, capacity: int, sizes: list[int] | None = None):
         self.pairs, self.capacity = pairs, capacity
-        self.bins = pack_lengths(pairs["length"], capacity)
+        self.bins, self.sizes = pack_sources(pairs["length"], capacity, sizes)
 
     def __len__(self) -> int:
         return len(self.bins)

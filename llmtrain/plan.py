@@ -20,12 +20,15 @@ from pathlib import Path
 import yaml
 
 from . import demo
+from .batches import EpochSampler
 from .cli import user_errors
 from .config import Config, ConfigError, DPOConfig, load_config, to_yaml
-from .data import IGNORE, DataError, as_list, prepare_split, resolve_chat_template
+from .data import IGNORE, DataError, prepare_split, resolve_chat_template
 from .errors import describe
+from .mixture import names, packer, sources, split_and_mix, training_set
 from .model import check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
-from .pairs import prepare_pairs
+from .packing import PackedDataset
+from .pairs import PackedPairs, prepare_pairs
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -223,10 +226,11 @@ def plan(argv: list[str]) -> None:
     tokenizer = load_tokenizer(cfg.model, template)
     t, world = cfg.train, launch.num_processes
     prepare = prepare_pairs if dpo else prepare_split
+    data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
             "data.train",
-            as_list(cfg.data.train),
+            sources(cfg.data.train),
             tokenizer,
             template,
             dataclasses.replace(cfg.data, shuffle=False),
@@ -240,18 +244,19 @@ def plan(argv: list[str]) -> None:
                 f"data.train: no usable row in the first {stream.stats.rows} rows of the stream: "
                 f"{stream.stats.summary('data.train')}"
             )
-        lengths, stats, steps_per_epoch = [len(r["input_ids"]) for r in ds], stream.stats, None
+        lengths, steps_per_epoch = [len(r["input_ids"]) for r in ds], None
+        data_lines.append(f"streamed; the first rows read: {stream.stats.summary('data.train')}")
+        if names(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
+            data_lines.append(prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)[1].summary("data.eval"))
     else:
-        from .packing import pack_lengths
-
-        ds, stats = prepare("data.train", as_list(cfg.data.train), tokenizer, cfg.data)
+        ds, stats = prepare("data.train", names(cfg.data.train), tokenizer, cfg.data)
+        ds, mix, _, data_lines = split_and_mix(cfg, ds, stats, tokenizer, prepare, "pairs" if dpo else "rows")
         lengths = ds["length"]
         width = cfg.data.max_seq_len * (2 if dpo else 1)  # whole pairs pack into rows of twice the length
-        sequences = len(pack_lengths(lengths, width)) if cfg.data.packing else len(ds)
-        steps_per_epoch = t.steps_per_epoch(sequences, world)
-    eval_stats = None
-    if as_list(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
-        _, eval_stats = prepare("data.eval", as_list(cfg.data.eval), tokenizer, cfg.data)
+        pack = packer(PackedPairs if dpo else PackedDataset, width, "", "", lambda line: None)
+        examples = training_set(ds, mix, pack if cfg.data.packing else None)
+        sampler = EpochSampler(len(examples), t.seed, mix=getattr(examples, "mix", None))
+        steps_per_epoch = t.steps_per_epoch(len(sampler), world)
     counts = count_params(cfg, mcfg)
     total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)
@@ -288,14 +293,12 @@ def plan(argv: list[str]) -> None:
         f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
         + (" (packed)" if cfg.data.packing else f" (mean {'pair' if dpo else 'row'} {mean_len:.0f} tokens)")
     )
+    for line in data_lines:
+        print(f"  {line}")
     if steps_per_epoch is None:
-        print(f"  streamed; the first rows read: {stats.summary('data.train')}")
         print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")
     else:
-        print(f"  {stats.summary('data.train')}")
         print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.total_steps(steps_per_epoch)}")
-    if eval_stats is not None:
-        print(f"  {eval_stats.summary('data.eval')}")
     print("\n== memory per GPU (rough estimate) ==")
     print(
         f"  parameters: {total:,} ({trainable:,} trainable"

@@ -5,9 +5,11 @@ Each process reads its own part of every source (datasets' `split_dataset_by_nod
 shards when a source has a multiple of the process count, else every N-th row), so ranks
 can run out at different times; the training loop's windows then run empty micro-batches
 on the ranks that are done until all are (see `window.draw_window`). Sources are read in turn,
-a row from each, and shuffled through a buffer of data.shuffle_buffer rows, reseeded every
-pass. The order depends only on (seed, pass, process count), so a resumed run reads the
-stream again up to its saved position and continues with exactly the rows it would have had.
+a row from each (or, when data.train entries have fractions, each next row from a source
+drawn with probability proportional to its fraction among those not yet run out), and
+shuffled through a buffer of data.shuffle_buffer rows, reseeded every pass. The order depends
+only on (seed, pass, process count), so a resumed run reads the stream again up to its saved
+position and continues with exactly the rows it would have had.
 
 Bad rows stop the run as they do for prepared data, but mid-run: the error names the
 file and line and rides the per-step agreement, so every process stops after the same
@@ -16,11 +18,12 @@ step with a complete checkpoint (see `train.train`).
 
 from __future__ import annotations
 
+import random
 import sys
 
 import torch
 
-from .config import DataConfig
+from .config import DataConfig, DataSource
 from .data import (
     KEPT,
     DataError,
@@ -33,6 +36,7 @@ from .data import (
 )
 from .errors import describe
 from .files import user_cause
+from .mixture import sources
 from .packing import join_rows
 
 CHECK_BAD_AFTER = 1000  # rows read by a process before it holds them to data.max_bad_fraction
@@ -45,7 +49,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
     def __init__(
         self,
         key: str,
-        names: list[str],
+        entries: list[str | DataSource],  # data.train's entries
         tokenizer,
         template: str | None,
         cfg: DataConfig,
@@ -56,9 +60,12 @@ class StreamedRows(torch.utils.data.IterableDataset):
         from datasets.distributed import split_dataset_by_node
 
         self.key, self.tokenizer, self.template, self.cfg, self.rank = key, tokenizer, template, cfg, rank
+        self.seed, self.epoch = seed, 0
+        entries = sources(entries)
+        self.fractions = [e.fraction for e in entries]
         self.streams: list[tuple[Source, object]] = []
-        for name in names:
-            src = load_source(name, key, streaming=True)
+        for entry in entries:
+            src = load_source(entry.path, key, streaming=True)
             src.columns = src.columns or list(self._first_row(src))  # a hub stream may not know its columns
             check_source(src, tokenizer, template, cfg)
             # A local text file's rows carry their line; others get their index in the source,
@@ -77,7 +84,8 @@ class StreamedRows(torch.utils.data.IterableDataset):
             raise self._read_error(src, e) from None
 
     def set_epoch(self, epoch: int) -> None:
-        """Reseed the shuffle buffer for pass `epoch`."""
+        """Reseed the shuffle buffer (and the draw of sources) for pass `epoch`."""
+        self.epoch = epoch
         for _, ds in self.streams:
             ds.set_epoch(epoch)
 
@@ -104,32 +112,48 @@ class StreamedRows(torch.utils.data.IterableDataset):
             yield row
 
     def rows(self):
-        """Tokenized rows (input_ids, labels), a row from each source in turn."""
+        """Tokenized rows (input_ids, labels), from the sources in turn (`_turns`)."""
         cfg, stats = self.cfg, DataStats()
         self.stats = stats  # counts so far, for a reader that stops early (llmtrain plan)
-        readers = [(src, self._read(src, ds)) for src, ds in self.streams]
-        while readers:
-            for reader in list(readers):
-                src, it = reader
-                row = next(it, None)
-                if row is None:
-                    readers.remove(reader)
-                    continue
-                out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
-                if problem := row_problem(out["status"], cfg):
-                    raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
-                if out["status"].startswith("error"):
-                    stats.skip_bad(self._where(src, row), out["status"])
-                stats.count([out["status"]])
-                if stats.rows >= CHECK_BAD_AFTER:  # the fraction of a handful of rows means little
-                    stats.check_bad(self.key, cfg)
-                if out["status"] not in KEPT:
-                    continue
-                stats.trained_tokens += out["n_trained"]
-                yield {"input_ids": out["input_ids"], "labels": out["labels"]}
+        for src, row in self._turns():
+            out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
+            if problem := row_problem(out["status"], cfg):
+                raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
+            if out["status"].startswith("error"):
+                stats.skip_bad(self._where(src, row), out["status"])
+            stats.count([out["status"]])
+            if stats.rows >= CHECK_BAD_AFTER:  # the fraction of a handful of rows means little
+                stats.check_bad(self.key, cfg)
+            if out["status"] not in KEPT:
+                continue
+            stats.trained_tokens += out["n_trained"]
+            yield {"input_ids": out["input_ids"], "labels": out["labels"]}
         stats.check_bad(self.key, cfg)
         if stats.dropped or stats.truncated:
             print(f"process {self.rank}, end of pass: {stats.summary(self.key)}", file=sys.stderr, flush=True)
+
+    def _turns(self):
+        """(source, row) until every source has run out: a row from each in turn, or with
+        fractions, from a source drawn in proportion to its fraction (seeded by seed, pass
+        and process, so a resumed run draws the same)."""
+        readers = [(src, self._read(src, ds), f) for (src, ds), f in zip(self.streams, self.fractions)]
+        if all(f == 1 for f in self.fractions):
+            while readers:
+                for reader in list(readers):
+                    row = next(reader[1], None)
+                    if row is None:
+                        readers.remove(reader)
+                    else:
+                        yield reader[0], row
+            return
+        draw = random.Random(f"{self.seed}/{self.epoch}/{self.rank}")
+        while readers:
+            reader = draw.choices(readers, weights=[f for _, _, f in readers])[0]
+            row = next(reader[1], None)
+            if row is None:
+                readers.remove(reader)
+            else:
+                yield reader[0], row
 
     def __iter__(self):
         rows = self.rows()

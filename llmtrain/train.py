@@ -22,11 +22,12 @@ from .backend import Backend
 from .batches import Collator, TrainBatches, make_loader
 from .checkpoint import CheckpointError
 from .config import Config, flat_dict, to_yaml
-from .data import DataError, as_list, prepare_split, resolve_chat_template
+from .data import DataError, prepare_split, resolve_chat_template
 from .errors import UserError, warn
 from .evaluate import evaluate
 from .launch import main_first
 from .metrics import MetricsLog, tracker_name
+from .mixture import names, packer, sources, split_and_mix, training_set
 from .model import compile_blocks, pad_id
 from .objective import Objective
 from .optim import build_optimizer, learning_rate
@@ -50,43 +51,42 @@ class TrainingError(UserError):
 
 
 def build_datasets(cfg: Config, accelerator, tokenizer):
-    """Tokenize train/eval once (main process first; the others read its cache) and pack
-    them if asked; with data.streaming, data.train is a StreamedRows read during training.
+    """Tokenize train/eval once (main process first; the others read its cache), hold out
+    data.eval_fraction, take sources by their fractions (mixture) and pack if asked; with
+    data.streaming, data.train is a StreamedRows read during training.
     Returns (train_set, eval_set or None)."""
-    sets: list = []
+    data = cfg.data
     with main_first(accelerator):
-        for key, names in (("data.train", as_list(cfg.data.train)), ("data.eval", as_list(cfg.data.eval))):
-            if not names:
-                sets.append(None)
-                continue
-            if key == "data.train" and cfg.data.streaming:
-                sets.append(
-                    StreamedRows(
-                        key,
-                        names,
-                        tokenizer,
-                        resolve_chat_template(cfg.data),
-                        cfg.data,
-                        cfg.train.seed,
-                        accelerator.process_index,
-                        accelerator.num_processes,
-                    )
-                )
-                accelerator.print(
-                    f"{key}: streaming {len(names)} source(s); rows are tokenized"
-                    f"{' and packed' if cfg.data.packing else ''} as they are read"
-                )
-                continue
-            ds, stats = prepare_split(key, names, tokenizer, cfg.data)
-            accelerator.print(stats.summary(key))
-            if cfg.data.packing:
-                ds = PackedDataset(ds, cfg.data.max_seq_len)
-                accelerator.print(
-                    f"{key}: packed {stats.kept} rows into {len(ds)} sequences of "
-                    f"{cfg.data.max_seq_len} tokens ({ds.efficiency():.1%} filled)"
-                )
-            sets.append(ds)
-    return sets[0], sets[1]
+        if data.streaming:
+            entries = sources(data.train)
+            train_set = StreamedRows(
+                "data.train",
+                entries,
+                tokenizer,
+                resolve_chat_template(data),
+                data,
+                cfg.train.seed,
+                accelerator.process_index,
+                accelerator.num_processes,
+            )
+            accelerator.print(
+                f"data.train: streaming {len(entries)} source(s); rows are tokenized"
+                f"{' and packed' if data.packing else ''} as they are read"
+            )
+            eval_set = None
+            if names(data.eval):
+                eval_set, stats = prepare_split("data.eval", names(data.eval), tokenizer, data)
+                accelerator.print(stats.summary("data.eval"))
+        else:
+            rows, stats = prepare_split("data.train", names(data.train), tokenizer, data)
+            rows, mix, eval_set, lines = split_and_mix(cfg, rows, stats, tokenizer, prepare_split)
+            for line in lines:
+                accelerator.print(line)
+            pack = packer(PackedDataset, data.max_seq_len, "data.train", "rows", accelerator.print)
+            train_set = training_set(rows, mix, pack if data.packing else None)
+        if eval_set is not None and data.packing:
+            eval_set = packer(PackedDataset, data.max_seq_len, "data.eval", "rows", accelerator.print)(eval_set, None)
+    return train_set, eval_set
 
 
 def check_metric_names(objective: Objective) -> None:
@@ -165,7 +165,7 @@ def setup(
     if eval_set is not None:
         eval_micro = cfg.eval.micro_batch_size or t.micro_batch_size
         eval_loader = make_loader(eval_set, eval_micro, collator, t.seed, False, cfg.data.num_workers)
-    per_epoch = None if streaming else t.steps_per_epoch(len(train_set), world)
+    per_epoch = None if streaming else t.steps_per_epoch(len(sampler), world)  # a mixture's epoch size
 
     backend = Backend(accelerator, t.grad_accum_steps)
     model = backend.place(model)
