@@ -202,41 +202,42 @@ class NothingToTrain(RowError):
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # ipython: Llama 3's tool results
 
 
-def message(m, i: int) -> dict:
+def message(m, i: int, field: str = "messages") -> dict:
     """Message `i` of a chat row as the chat template takes it: its content parts joined
-    as text, its tool calls kept, and whether its assistant turn is trained (`train`)."""
+    as text, its tool calls kept, and whether its assistant turn is trained (`train`).
+    Errors name it as `field`[i] (a preference pair's messages are 'chosen', ...)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise RowError(f"messages[{i}]: needs a 'role' of {', '.join(ROLES)}, got {m!r}")
-    out = {"role": m["role"], "content": content_text(m.get("content"), i)}
+        raise RowError(f"{field}[{i}]: needs a 'role' of {', '.join(ROLES)}, got {m!r}")
+    out = {"role": m["role"], "content": content_text(m.get("content"), i, field)}
     if m.get("tool_calls") is not None:
         if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
-            raise RowError(f"messages[{i}]: 'tool_calls' must be a list, on an assistant message")
+            raise RowError(f"{field}[{i}]: 'tool_calls' must be a list, on an assistant message")
         out["tool_calls"] = m["tool_calls"]
     elif m.get("content") is None:
-        raise RowError(f"messages[{i}]: needs a 'content' (text or a list of text parts)")
+        raise RowError(f"{field}[{i}]: needs a 'content' (text or a list of text parts)")
     for name in ("tool_call_id", "name"):
         if m.get(name) is not None:
             out[name] = m[name]
     train, weight = m.get("train", True), m.get("weight", 1)
     if not isinstance(train, bool) or weight not in (0, 1) or isinstance(weight, bool):
-        raise RowError(f"messages[{i}]: 'train' must be true or false and 'weight' 0 or 1, got {train!r}, {weight!r}")
+        raise RowError(f"{field}[{i}]: 'train' must be true or false and 'weight' 0 or 1, got {train!r}, {weight!r}")
     out["train"] = train and weight == 1
     return out
 
 
-def content_text(content, i: int) -> str:
+def content_text(content, i: int, field: str = "messages") -> str:
     """A message's content as text: a string, or OpenAI-style parts of type text joined
     by newlines (as the chat APIs read them). Other part types cannot be trained here."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise RowError(f"messages[{i}]: 'content' must be a string or a list of parts, got {type(content).__name__}")
+        raise RowError(f"{field}[{i}]: 'content' must be a string or a list of parts, got {type(content).__name__}")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise RowError(
-                f"messages[{i}]: content part {part!r} is not supported; only {{type: text, text: ...}} parts "
+                f"{field}[{i}]: content part {part!r} is not supported; only {{type: text, text: ...}} parts "
                 "can be trained"
             )
         texts.append(part["text"])

@@ -9,6 +9,9 @@ Shapes, told apart by their fields:
   and `rejected` lists of assistant messages (or one such message, or a string);
 - `chosen` and `rejected` whole conversations without a `prompt`: the prompt is their
   longest common prefix of messages (UltraFeedback's layout).
+Messages are read as SFT chat rows' are (`data.message`: content parts, tool calls and
+tool results, a `tools` column), and data.system_prompt goes first in a conversational
+prompt without a system message.
 
 An over-long pair is cut from the left of its prompt (both sequences alike, keeping at
 least one prompt token), then its answers on the right, or dropped or refused, by
@@ -21,7 +24,7 @@ import torch
 
 from .batches import Collator
 from .config import DataConfig
-from .data import IGNORE, RowError, _with_eos, chat_ids, shift
+from .data import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, message, shift
 from .packing import join_rows, pack_sources
 
 
@@ -32,10 +35,8 @@ def _messages(value, what: str) -> list[dict]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise RowError(f"'{what}' must be a string or a non-empty list of {{role, content}} messages")
-    for m in value:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RowError(f"each message of '{what}' needs a string 'role' and 'content', got {m!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    messages = [message(m, i, what) for i, m in enumerate(value)]
+    return [{k: v for k, v in m.items() if k != "train" or not v} for m in messages]  # train: true is the default
 
 
 def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
@@ -60,15 +61,15 @@ def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[d
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def _answer_ids(prompt, answer, tokenizer, template: str | None) -> tuple[list[int], list[int], int]:
+def _answer_ids(prompt, answer, tokenizer, template: str | None, tools=None) -> tuple[list[int], list[int], int]:
     """(input_ids, labels before shifting, prompt length in tokens) of one answer."""
     if isinstance(prompt, str):
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         a = _with_eos(tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer) if answer else []
         return p + a, [IGNORE] * len(p) + a, len(p)
-    if not answer or not any(m["role"] == "assistant" and m["content"] for m in answer):
+    if not answer or not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in answer):
         return [], [], 0
-    ids, labels = chat_ids(prompt + answer, tokenizer, template, "assistant", train_from=len(prompt))
+    ids, labels = chat_ids(prompt + answer, tokenizer, template, "assistant", train_from=len(prompt), tools=tools)
     first = next(i for i, t in enumerate(labels) if t != IGNORE)
     return ids, labels, first
 
@@ -89,7 +90,14 @@ def process_pair(row: dict, tokenizer, template: str | None, cfg: DataConfig) ->
             chosen, rejected = ([{"role": "assistant", "content": a}] for a in (chosen, rejected))
         if chosen == rejected:
             return _dropped("identical answers")
-        (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, template) for a in (chosen, rejected))
+        if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
+            prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+        tools = row.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RowError("'tools' must be a list of tool definitions")
+        (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, template, tools) for a in (chosen, rejected))
+    except NothingToTrain as e:
+        return _dropped(str(e))
     except RowError as e:
         return _dropped(f"error: {e}")
     if not ci or not ri or all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
@@ -144,7 +152,7 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
                 f"{key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
                 f"whole conversations); found columns {sorted(src.columns)}"
             )
-        return "pairs-v2"
+        return "pairs-v3"
 
     def process(src, row: dict) -> dict:
         return process_pair(row, tokenizer, template, cfg)

@@ -8,6 +8,8 @@ from llmtrain.config import DataConfig
 from llmtrain.data import IGNORE
 from llmtrain.pairs import pair_messages, process_pair
 
+from .test_data import TOOLS_TEMPLATE
+
 CFG = DataConfig(max_seq_len=256)
 
 
@@ -87,6 +89,38 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
 )  # fmt: skip
 def test_pairs_with_nothing_to_compare_are_dropped_and_malformed_ones_are_errors(tokenizer, row, status):
     assert process_pair(row, tokenizer, None, CFG)["status"].startswith(status)
+
+
+def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
+    """Content parts, tool calls with a tools column, roles checked with the pair's own
+    field named, and data.system_prompt before a prompt without a system message."""
+    parts = {
+        "prompt": [{"role": "user", "content": [{"type": "text", "text": "3+4="}]}],
+        "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "7"}]}],
+        "rejected": [{"role": "assistant", "content": "8"}],
+    }
+    plain = {"prompt": "3+4=", "chosen": "7", "rejected": "8"}
+    assert process_pair(parts, tokenizer, None, CFG) == process_pair(plain, tokenizer, None, CFG)
+
+    call = {"type": "function", "function": {"name": "add", "arguments": "3,4"}}
+    row = {
+        "prompt": [{"role": "user", "content": "3+4?"}],
+        "chosen": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        "rejected": [{"role": "assistant", "content": "8"}],
+        "tools": [{"name": "add"}],
+    }
+    out = process_pair(row, tokenizer, TOOLS_TEMPLATE, CFG)
+    assert out["status"] == "ok", out["status"]
+    assert trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"]) == "<call>add(3,4)</call><|im_end|>\n"
+    assert tokenizer.decode(out["chosen_input_ids"]).startswith("<|im_start|>system\ntools: add<|im_end|>")
+
+    bad = dict(plain, chosen=[{"role": "bot", "content": "7"}])
+    assert process_pair(bad, tokenizer, None, CFG)["status"].startswith("error: chosen[0]: needs a 'role' of system")
+
+    system = DataConfig(max_seq_len=256, system_prompt="be brief")
+    out = process_pair(plain, tokenizer, None, system)
+    assert tokenizer.decode(out["chosen_input_ids"]).startswith("<|im_start|>system\nbe brief<|im_end|>")
+    assert process_pair(plain, tokenizer, None, CFG)["chosen_input_ids"] != out["chosen_input_ids"]
 
 
 def test_an_over_long_pair_loses_its_prompt_from_the_left_first(tokenizer):
