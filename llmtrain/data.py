@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import DataConfig
 from .errors import DataError, describe
-from .files import LINE, RAW, TEXT_FILES, first_rows, row_dataset
+from .files import BAD, LINE, RAW, TEXT_FILES, first_rows, row_dataset
 
 IGNORE = -100
 FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
@@ -179,6 +179,12 @@ def detect_format(columns: list[str], wanted: str, source: str, key: str) -> str
     return "auto"
 
 
+def check_line(row: dict) -> None:
+    """A line of a JSON Lines file that is not a row (files.BadLine) is a malformed row."""
+    if BAD in row:
+        raise RowError(row[BAD])
+
+
 def row_format(row: dict) -> str:
     for fmt, need in REQUIRED.items():
         if all(row.get(c) is not None for c in need):
@@ -337,6 +343,7 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
 
 def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> tuple[list[int], list[int]]:
     """Return (input_ids, labels) before shifting; labels are IGNORE where no loss is taken."""
+    check_line(row)
     if fmt == "auto":
         fmt = row_format(row)
     elif missing := [c for c in REQUIRED[fmt] if row.get(c) is None]:

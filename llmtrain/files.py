@@ -8,6 +8,13 @@ line for text that is not UTF-8, and unify each column's type across the whole f
 row that is valid as written. Here every row reaches the data pipeline as the user wrote
 it, as JSON text (column RAW) with its file line (column LINE); the tokenizing `map` and
 the stream parse it back, and every error names the line.
+
+A JSON Lines file's lines stand alone, so a line that cannot be read as a row (invalid
+JSON, not an object, not UTF-8, a lone surrogate) does not stop the reading: it becomes a
+row that carries only its fault (`BadLine`), and the data pipeline treats it as any
+malformed row (an error naming the line, or dropped and counted under
+data.bad_rows=skip). In a .json array or a CSV file such a fault leaves the rest of the
+file unreadable, and stops the run.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ from .errors import DataError, UserError, describe
 TEXT_FILES = (".jsonl", ".json", ".csv")
 TOO_DEEP = "JSON nested too deeply to read; flatten the row"
 RAW, LINE = "__raw", "__line"
+BAD = "__bad_line"  # the key of a parsed row that is a line's fault, not a row (see data.Source.parse)
+
+
+class BadLine(str):
+    """What is wrong with a line of a JSON Lines file that is not a row."""
 
 
 def read_rows(path: Path, key: str) -> Iterator[tuple[int, dict]]:
@@ -33,7 +45,7 @@ def read_rows(path: Path, key: str) -> Iterator[tuple[int, dict]]:
         if suffix == ".json":
             rows = _json_array(_decode(path.read_bytes(), path, key), path, key)
         elif suffix == ".jsonl":
-            rows = _jsonl(_lines(path, key), path, key)
+            rows = _jsonl(path)
         else:
             rows = _csv(_lines(path, key), path, key)
         yield from rows
@@ -43,18 +55,18 @@ def read_rows(path: Path, key: str) -> Iterator[tuple[int, dict]]:
         ) from None
 
 
-def _as_text(row: dict, path: Path, key: str, line: int) -> str:
-    """The row as JSON text, if all its text can be written as UTF-8: JSON's \\uXXXX
-    escapes can spell a lone UTF-16 surrogate, which no tokenizer or Arrow table takes."""
+def as_text(row: dict) -> str | BadLine:
+    """The row as JSON text, or what is wrong if some of its text cannot be written as
+    UTF-8: JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate, which no tokenizer or
+    Arrow table takes."""
     text = json.dumps(row, ensure_ascii=False)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise DataError(
-            f"{key}: {path} line {line}: text with a lone UTF-16 surrogate ({ascii(e.object[e.start : e.end])}), "
-            "which is not a character; "
+        return BadLine(
+            f"text with a lone UTF-16 surrogate ({ascii(e.object[e.start : e.end])}), which is not a character; "
             "fix the \\u escape (a surrogate pair needs both halves)"
-        ) from None
+        )
     return text
 
 
@@ -81,22 +93,28 @@ def _decode(data: bytes, path: Path, key: str) -> str:
         ) from None
 
 
-def _jsonl(lines: Iterator[str], path: Path, key: str):
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{key}: {path} line {number}: invalid JSON ({e.msg} at column {e.colno}); "
-                "each line must be one JSON object"
-            ) from None
-        except RecursionError:
-            raise DataError(f"{key}: {path} line {number}: {TOO_DEEP}") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{key}: {path} line {number}: expected a JSON object, got {type(row).__name__}")
-        yield number, row
+def _jsonl(path: Path):
+    """(line, row or BadLine) for every line of a JSON Lines file that is not blank."""
+    with open(path, "rb") as f:
+        for number, data in enumerate(f, 1):
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield number, BadLine(f"not UTF-8 text (byte {data[e.start]:#04x}); save the file as UTF-8")
+                continue
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark is not data
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                row = BadLine(f"invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON object")
+            except RecursionError:
+                row = BadLine(TOO_DEEP)
+            if not isinstance(row, (dict, BadLine)):
+                row = BadLine(f"expected a JSON object, got {type(row).__name__}")
+            yield number, row
 
 
 def _json_array(text: str, path: Path, key: str):
@@ -167,17 +185,25 @@ def _csv(lines: Iterator[str], path: Path, key: str):
 
 
 def first_rows(path: Path, key: str, n: int = 100) -> list[dict]:
-    rows = []
-    for _, row in read_rows(path, key):
+    """The first `n` rows (lines that are not rows left out); if the file has lines but
+    none of them is a row, the first line's fault, as an error."""
+    rows, first_bad = [], None
+    for line, row in read_rows(path, key):
+        if isinstance(row, BadLine):
+            first_bad = first_bad or (line, row)
+            continue
         rows.append(row)
         if len(rows) == n:
             break
+    if not rows and first_bad is not None:
+        raise DataError(f"{key}: {path} line {first_bad[0]}: {first_bad[1]}; no line of the file is a row")
     return rows
 
 
 def _generate(path: str, key: str, stamp: str):
     for line, row in read_rows(Path(path), key):
-        yield {LINE: line, RAW: _as_text(row, Path(path), key, line)}
+        text = row if isinstance(row, BadLine) else as_text(row)
+        yield {LINE: line, RAW: json.dumps({BAD: str(text)}) if isinstance(text, BadLine) else text}
 
 
 def row_dataset(path: Path, key: str, streaming: bool = False):
@@ -188,7 +214,7 @@ def row_dataset(path: Path, key: str, streaming: bool = False):
     import datasets
 
     stat = path.stat()
-    kwargs = {"path": str(path.resolve()), "key": key, "stamp": f"{stat.st_size}-{stat.st_mtime_ns}"}
+    kwargs = {"path": str(path.resolve()), "key": key, "stamp": f"v2-{stat.st_size}-{stat.st_mtime_ns}"}
     features = datasets.Features({LINE: datasets.Value("int64"), RAW: datasets.Value("string")})
     if streaming:
         return datasets.IterableDataset.from_generator(_generate, features=features, gen_kwargs=kwargs)

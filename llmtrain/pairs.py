@@ -24,7 +24,7 @@ import torch
 
 from .batches import Collator
 from .config import DataConfig
-from .data import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, message, shift
+from .data import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, check_line, message, shift
 from .packing import join_rows, pack_sources
 
 
@@ -42,6 +42,7 @@ def _messages(value, what: str) -> list[dict]:
 def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
     """(prompt, chosen, rejected): three strings for plain-text pairs, else message lists
     where the answers hold only what follows the prompt."""
+    check_line(row)
     missing = [k for k in ("chosen", "rejected") if row.get(k) is None]
     if missing:
         raise RowError(f"a preference pair needs 'chosen' and 'rejected'; this row has no {missing}")

@@ -43,13 +43,6 @@ def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path)
 @pytest.mark.parametrize(
     "name, content, message",
     [
-        (
-            "bad.jsonl",
-            b'{"text": "a"}\n{"text": oops}\n',
-            r"bad.jsonl line 2: invalid JSON \(Expecting value at column 10\)",
-        ),
-        ("list.jsonl", b'{"text": "a"}\n\n[1, 2]\n', r"list.jsonl line 3: expected a JSON object, got list"),
-        ("latin1.jsonl", '{"text": "a"}\n{"text": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl line 2: not UTF-8 "),
         ("latin1.csv", "prompt,completion\na,b\nx,caf\xe9\n".encode("latin-1"), r"latin1.csv line 3: not UTF-8 text"),
         ("wide.csv", b"prompt,completion\na,b\nx,y,z\n", r"wide.csv line 3: 3 fields but the header has 2"),
         ("bad.json", b'[\n {"text": "a"},\n {"text": }\n]', r"bad.json line 3: invalid JSON \(Expecting value\)"),
@@ -59,6 +52,26 @@ def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path)
         ("lead.json", b'\n\n[\n {"text": "a"},\n {"text": }\n]', r"lead.json line 5: invalid JSON \(Expecting value\)"),
         ("open.csv", b'prompt,completion\na,b\n"x,y\nz,w\n', r"open.csv line 3: not valid CSV \(a quoted field is not"),
         ("quote.csv", b'prompt,completion\na,"b"c\n', r"quote.csv line 2: not valid CSV \(',' expected after"),
+        ("deep.json", b'[\n{"x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}]", r"deep.json line 2: JSON nested too deeply"),
+    ],
+)
+def test_an_unreadable_file_is_one_error_naming_its_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/{message}"):
+        load_source(str(path), "data.train")
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "bad.jsonl",
+            b'{"text": "a"}\n{"text": oops}\n',
+            r"bad.jsonl line 2: invalid JSON \(Expecting value at column 10\)",
+        ),
+        ("list.jsonl", b'{"text": "a"}\n\n[1, 2]\n', r"list.jsonl line 3: expected a JSON object, got list"),
+        ("latin1.jsonl", '{"text": "a"}\n{"text": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl line 2: not UTF-8 "),
         (
             "lone.jsonl",
             b'{"text": "a"}\n{"text": "\\ud800 b"}\n',
@@ -69,13 +82,28 @@ def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path)
             b'{"text": "a"}\n{"x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n",
             r"deep.jsonl line 2: JSON nested",
         ),
-        ("deep.json", b'[\n{"x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}]", r"deep.json line 2: JSON nested too deeply"),
     ],
 )
-def test_an_unreadable_file_is_one_error_naming_its_line(tmp_path, name, content, message):
+def test_a_jsonl_line_that_is_not_a_row_is_a_malformed_row(tmp_path, tokenizer, name, content, message):
+    """Its lines stand alone, so the rest of the file is read: the line stops the run as
+    a malformed row does, or is dropped and counted under data.bad_rows=skip."""
     path = tmp_path / name
     path.write_bytes(content)
-    with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/{message}"):
+    config = DataConfig(train=str(path))
+    with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/{message}.*data.bad_rows=skip would drop"):
+        prepare_split("data.train", [str(path)], tokenizer, config)
+    config = DataConfig(train=str(path), bad_rows="skip", max_bad_fraction=0.5)
+    ds, stats = prepare_split("data.train", [str(path)], tokenizer, config)
+    assert len(ds) == stats.kept == 1 and stats.rows == 2
+    assert f"1 dropped (malformed, data.bad_rows=skip: {path} line {message.split(' line ')[1].split(':')[0]}" in (
+        stats.summary("data.train")
+    )
+
+
+def test_a_jsonl_file_with_no_row_is_an_error_naming_its_first_line(tmp_path):
+    path = tmp_path / "none.jsonl"
+    path.write_bytes(b"\n{oops\n[1]\n")
+    with pytest.raises(DataError, match=rf"^data.train: {path} line 2: invalid JSON .*; no line of the file is a row"):
         load_source(str(path), "data.train")
 
 

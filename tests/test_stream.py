@@ -126,8 +126,12 @@ def test_a_streamed_malformed_row_is_skipped_under_bad_rows_skip_until_too_many_
 def test_a_malformed_line_is_an_error_naming_it(tmp_path, tokenizer):
     path = tmp_path / "broken.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in make_rows(30, seed=1)) + '\n{"text": "cut off\n')
-    with pytest.raises(DataError, match=r"broken.jsonl line 31: invalid JSON"):
+    with pytest.raises(DataError, match=r"broken.jsonl line 31: invalid JSON.*data.bad_rows=skip would drop"):
         shares(path, tokenizer, cfg(shuffle=False))
+    skip = cfg(shuffle=False, bad_rows="skip", max_bad_fraction=0.05)
+    good = tmp_path / "good.jsonl"
+    write_jsonl(make_rows(30, seed=1), good)
+    assert shares(path, tokenizer, skip, world=1) == shares(good, tokenizer, skip, world=1)  # only the line is dropped
 
 
 # --- the recipe --------------------------------------------------------------------------------------------------
