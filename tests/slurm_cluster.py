@@ -3,6 +3,12 @@
 Debian's slurm-wlm is built with MULTIPLE_SLURMD, so two slurmd daemons (n1, n2) on one
 host make two nodes. Both have NodeAddr 127.0.0.1, which is what the templates read for
 the head node's address. munged needs a key in /etc/munge; a key is created if missing.
+
+AuthInfo=cred_expire=10: a requeued job waits out its old credentials' lifetime before it may
+start again (Slurm sets its BeginTime that far ahead; the default is 120 s). Starting it sooner,
+e.g. with `scontrol update StartTime=now`, fails it: "Job credential revoked". A BeginTime that
+passes wakes no scheduler; bf_interval=1 has the backfill pass find the job within a second
+(default 30 s).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=cred_expire=10
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
@@ -82,6 +89,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
 InactiveLimit=0
 KillWait=30
 MinJobAge=600
