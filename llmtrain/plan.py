@@ -237,6 +237,7 @@ def plan(argv: list[str]) -> None:
             t.seed,
             0,
             1,
+            report=False,
         )
         ds = list(islice(stream.rows(), STREAM_SAMPLE))
         if not ds:
@@ -246,6 +247,7 @@ def plan(argv: list[str]) -> None:
             )
         lengths, steps_per_epoch = [len(r["input_ids"]) for r in ds], None
         data_lines.append(f"streamed; the first rows read: {stream.stats.summary('data.train')}")
+        data_lines += stream.source_lines()
         if names(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
             data_lines.append(prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)[1].summary("data.eval"))
     else:

@@ -56,12 +56,15 @@ class StreamedRows(torch.utils.data.IterableDataset):
         seed: int,
         rank: int,
         world: int,
+        report: bool = True,  # print each pass's counts at its end (llmtrain plan, reading a sample, does not)
     ):
         from datasets.distributed import split_dataset_by_node
 
         self.key, self.tokenizer, self.template, self.cfg, self.rank = key, tokenizer, template, cfg, rank
+        self.report = report
         self.seed, self.epoch = seed, 0
         entries = sources(entries)
+        self.entries = entries
         self.fractions = [e.fraction for e in entries]
         self.streams: list[tuple[Source, object]] = []
         for entry in entries:
@@ -115,7 +118,8 @@ class StreamedRows(torch.utils.data.IterableDataset):
         """Tokenized rows (input_ids, labels), from the sources in turn (`_turns`)."""
         cfg, stats = self.cfg, DataStats()
         self.stats = stats  # counts so far, for a reader that stops early (llmtrain plan)
-        for src, row in self._turns():
+        self.per_source = [[0, 0, 0] for _ in self.streams]  # rows read, kept, trained tokens
+        for i, src, row in self._turns():
             out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
             if problem := row_problem(out["status"], cfg):
                 raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
@@ -124,36 +128,55 @@ class StreamedRows(torch.utils.data.IterableDataset):
             stats.count([out["status"]])
             if stats.rows >= CHECK_BAD_AFTER:  # the fraction of a handful of rows means little
                 stats.check_bad(self.key, cfg)
+            counts = self.per_source[i]
+            counts[0] += 1
             if out["status"] not in KEPT:
                 continue
             stats.trained_tokens += out["n_trained"]
+            counts[1] += 1
+            counts[2] += out["n_trained"]
             yield {"input_ids": out["input_ids"], "labels": out["labels"]}
         stats.check_bad(self.key, cfg)
-        if stats.dropped or stats.truncated:
-            print(f"process {self.rank}, end of pass: {stats.summary(self.key)}", file=sys.stderr, flush=True)
+        if self.report and (stats.dropped or stats.truncated or len(self.streams) > 1):
+            lines = [f"process {self.rank}, end of pass {self.epoch}: {stats.summary(self.key)}", *self.source_lines()]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def source_lines(self) -> list[str]:
+        """One line per source for the rows read so far (by `rows`): read, kept, trained
+        tokens, and its share of the kept rows. Empty with a single source."""
+        if len(self.streams) == 1:
+            return []
+        kept = sum(k for _, k, _ in self.per_source) or 1
+        lines = []
+        for entry, (read, k, tokens) in zip(self.entries, self.per_source):
+            fraction = f" (fraction {entry.fraction:g})" if entry.fraction != 1 else ""
+            lines.append(
+                f"  {entry.path}{fraction}: {k}/{read} rows kept, {tokens} trained tokens, {k / kept:.1%} of the rows"
+            )
+        return lines
 
     def _turns(self):
-        """(source, row) until every source has run out: a row from each in turn, or with
-        fractions, from a source drawn in proportion to its fraction (seeded by seed, pass
-        and process, so a resumed run draws the same)."""
-        readers = [(src, self._read(src, ds), f) for (src, ds), f in zip(self.streams, self.fractions)]
+        """(source index, source, row) until every source has run out: a row from each in
+        turn, or with fractions, from a source drawn in proportion to its fraction (seeded by
+        seed, pass and process, so a resumed run draws the same)."""
+        readers = [(i, src, self._read(src, ds)) for i, (src, ds) in enumerate(self.streams)]
         if all(f == 1 for f in self.fractions):
             while readers:
                 for reader in list(readers):
-                    row = next(reader[1], None)
+                    row = next(reader[2], None)
                     if row is None:
                         readers.remove(reader)
                     else:
-                        yield reader[0], row
+                        yield reader[0], reader[1], row
             return
         draw = random.Random(f"{self.seed}/{self.epoch}/{self.rank}")
         while readers:
-            reader = draw.choices(readers, weights=[f for _, _, f in readers])[0]
-            row = next(reader[1], None)
+            reader = draw.choices(readers, weights=[self.fractions[i] for i, _, _ in readers])[0]
+            row = next(reader[2], None)
             if row is None:
                 readers.remove(reader)
             else:
-                yield reader[0], row
+                yield reader[0], reader[1], row
 
     def __iter__(self):
         rows = self.rows()

@@ -4,6 +4,7 @@ streamed sources drawn by fraction, and what the summary and `llmtrain plan` say
 
 import subprocess
 from collections import Counter
+from itertools import islice
 
 import pytest
 import torch
@@ -182,6 +183,17 @@ def test_streamed_sources_are_drawn_in_proportion_to_their_fractions(tmp_path, t
     assert sorted(first) == sorted([f"a{i}" for i in range(400)] + [f"b{i}" for i in range(400)])  # a pass reads all
     assert [t for t in first if t.startswith("a")] == [f"a{i}" for i in range(400)]  # each source in its order
     assert read() == first and read(e=1) != first  # the same draw again (resume), another each pass
+
+    # Per-source counts of what was read so far, as llmtrain plan shows for a stream's start
+    stream = StreamedRows("data.train", entries, tokenizer, None, config, seed=7, rank=0, world=1)
+    start = list(islice(stream.rows(), 200))
+    source = [t[0] for t in texts(start, tokenizer)]
+    n_a = source.count("a")
+    tokens = [sum(sum(x != -100 for x in e["labels"]) for e, s in zip(start, source) if s == name) for name in "ab"]
+    assert stream.source_lines() == [
+        f"  {a} (fraction 3): {n_a}/{n_a} rows kept, {tokens[0]} trained tokens, {n_a / 200:.1%} of the rows",
+        f"  {b}: {200 - n_a}/{200 - n_a} rows kept, {tokens[1]} trained tokens, {(200 - n_a) / 200:.1%} of the rows",
+    ]
 
 
 def test_plan_counts_rows_and_tokens_per_source_and_the_mixed_epoch(base_config, tiny_model, cache_env, tmp_path):

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config import load_config
+from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.plan import Launch, count_params, memory_estimate
 
 from .conftest import ROOT
@@ -67,18 +68,23 @@ def test_plan_of_a_preference_run_shows_a_pair_and_its_reference(base_config, ti
     assert sft.returncode == 2 and "Traceback" not in sft.stderr
 
 
-def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env):
+def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    more = tmp_path / "more.jsonl"
+    write_jsonl(make_rows(10, seed=4), more)
     proc = plan(
         "--config",
         str(base_config),
         f"model.name_or_path={tiny_model}",
-        f"data.train={chat_file}",
+        f"data.train=[{{path: {chat_file}, fraction: 2}}, {more}]",
         "data.streaming=true",
         "train.max_steps=50",
         env=cache_env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "streamed; the first rows read: data.train: 20/20 rows kept" in proc.stdout
+    assert "streamed; the first rows read: data.train: 30/30 rows kept" in proc.stdout
+    assert f"  {chat_file} (fraction 2): 20/20 rows kept, " in proc.stdout  # each source's counts
+    assert f"  {more}: 10/10 rows kept, " in proc.stdout
+    assert "end of pass" not in proc.stderr  # a sample, not a pass of a run
     assert "steps per pass: not known ahead (streamed); total steps: 50" in proc.stdout
     assert "<|im_start|>assistant\n\u27e6" in proc.stdout.split("the rest masked) ==\n", 1)[1]
 
