@@ -37,21 +37,32 @@ to its longest sequence.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import platform
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from harness import (
+    PEERS,
+    ROOT,
+    command,
+    has,
+    heading,
+    parser,
+    peak_memory_gib,
+    publish,
+    run_ours,
+    run_peer,
+    save_llama,
+    step_timer,
+    sync,
+    worker_result,
+)
+
 BETA, LR = 0.1, 1e-5
 WORKLOADS = {
     # hidden, layers, heads, kv heads, ffn, vocab (None: the tokenizer's), max length, pairs,
@@ -108,9 +119,6 @@ def make_pairs(n: int, seed: int, seq: int) -> list[dict]:
 
 def prepare(workload: str, root: Path) -> dict:
     """Write the model directory, the pairs and llmtrain's config; returns paths and settings."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from llmtrain.demo import build_tokenizer, write_jsonl
 
     w = WORKLOADS[workload]
@@ -118,22 +126,7 @@ def prepare(workload: str, root: Path) -> dict:
     write_jsonl(pairs, root / "pairs.jsonl")
     tokenizer = build_tokenizer([m["content"] for p in pairs[:200] for k in ("prompt", "chosen") for m in p[k]])
     tokenizer.model_max_length = w["seq"]
-    config = LlamaConfig(
-        vocab_size=w["vocab"] or len(tokenizer),
-        hidden_size=w["hidden"],
-        intermediate_size=w["ffn"],
-        num_hidden_layers=w["layers"],
-        num_attention_heads=w["heads"],
-        num_key_value_heads=w["kv"],
-        max_position_embeddings=max(2048, w["seq"]),
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)  # the same starting weights on every invocation
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_llama(w, tokenizer, root / "model")
     (root / "llmtrain_dpo.yaml").write_text(OURS_CONFIG)
     return {
         "model": str(root / "model"),
@@ -143,13 +136,10 @@ def prepare(workload: str, root: Path) -> dict:
     }
 
 
-def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
+def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     args = [
-        sys.executable,
-        str(ROOT / "recipes" / "dpo.py"),
         "--config",
         setup["config"],
-        f"output_dir={out}",
         f"model.name_or_path={setup['model']}",
         f"data.train={setup['data']}",
         f"data.max_seq_len={setup['seq']}",
@@ -160,15 +150,10 @@ def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
         "dpo.loss=sigmoid",
         *overrides,
     ]
-    env = dict(os.environ, ACCELERATE_MIXED_PRECISION=setup["precision"])
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r for r in rows if "loss" in r]
+    steps, printed = run_ours("dpo.py", setup, out, args)
     # The recipe prints this line after computing the reference log-probs before training
     # (a full fine-tune); a LoRA run (the adapters switched off in each step) prints none.
-    found = re.search(r"reference log-probs: (\d+) pairs in ([\d.]+) s", proc.stdout + proc.stderr)
+    found = re.search(r"reference log-probs: (\d+) pairs in ([\d.]+) s", printed)
     return {
         "seconds": sum(r["pairs"] / r["pairs_per_s"] for r in steps),
         "reference_seconds": float(found.group(2)) if found else None,
@@ -180,29 +165,10 @@ def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
 
 def run_trl(setup: dict, out: Path, best: bool) -> dict:
     """Runs in its own process (see --worker)."""
-    import resource
-
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-
-    gpu = torch.cuda.is_available()
-
-    def sync():
-        if gpu:
-            torch.cuda.synchronize()
-
-    class StepTimer(TrainerCallback):
-        seconds = 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            sync()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            sync()
-            self.seconds += time.perf_counter() - self.start
 
     class TimedDPOTrainer(DPOTrainer):
         """Times the reference pass that precompute_ref_log_probs runs in __init__."""
@@ -237,34 +203,27 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         precompute_ref_log_probs=best,
         gradient_checkpointing=not best,  # TRL's default is on
         bf16=dtype == torch.bfloat16,  # TRL's default is on, also on CPU
-        use_cpu=not gpu,
+        use_cpu=not torch.cuda.is_available(),
         report_to=[],
         save_strategy="no",
         logging_steps=10**6,
         seed=0,
-        use_liger_kernel=best and _has("liger_kernel"),
+        use_liger_kernel=best and has("liger_kernel"),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    timer = StepTimer()
+    timer = step_timer()
     trainer = TimedDPOTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer]
     )
     result = trainer.train()
-    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "seconds": timer.seconds,
         "reference_seconds": trainer.reference_seconds if best else None,
         "steps": trainer.state.global_step,
         "loss": result.training_loss,
-        "peak_mem_gib": peak / 2**30,
+        "peak_mem_gib": peak_memory_gib(),
     }
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def data_counts(setup: dict) -> dict:
@@ -286,29 +245,15 @@ def data_counts(setup: dict) -> dict:
     return {"pairs": len(done), "trained": sum(d["n_trained"] for d in done), "tokens": sum(d["length"] for d in done)}
 
 
-SYSTEMS = ("llmtrain", "trl-default", "trl-best")
+SYSTEMS = ("llmtrain", *PEERS)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench-dpo")
-    parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument(
-        "--ours",
-        nargs="*",
-        default=[],
-        metavar="key=value",
-        help="overrides for llmtrain's side (shown in the results)",
-    )
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
-    parser.add_argument("--worker", choices=["trl-default", "trl-best"], help=argparse.SUPPRESS)
-    parser.add_argument("--setup", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    options = parser(__doc__, WORKLOADS, ROOT / "runs" / "bench-dpo")
+    options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
+    args = options.parse_args()
     if args.worker:  # one TRL run, in its own process
-        setup = json.loads(args.setup)
-        print("RESULT " + json.dumps(run_trl(setup, args.dir, args.worker == "trl-best")))
+        worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
         return
 
     root = args.dir / args.workload
@@ -321,22 +266,12 @@ def main() -> None:
             out = root / f"{name}-{repeat}"
             shutil.rmtree(out, ignore_errors=True)  # a fresh run: nothing resumed, no cached reference log-probs
             if name == "llmtrain":
-                r = run_ours(setup, out, args.ours)
+                r = ours(setup, out, args.ours)
             else:
                 # Its own datasets cache, so that TRL computes the reference log-probs
                 # again instead of reading an earlier run's.
                 env = dict(os.environ, HF_DATASETS_CACHE=str(out / "datasets-cache"))
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup), "--dir", str(out)],
-                    capture_output=True,
-                    text=True,
-                    cwd=ROOT,
-                    env=env,
-                )
-                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                if proc.returncode != 0 or not line:
-                    raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-                r = json.loads(line[0][len("RESULT ") :])
+                r = run_peer(__file__, name, setup, out, env)
             reference = f", reference pass {r['reference_seconds']:.1f} s" if r["reference_seconds"] is not None else ""
             print(f"{name} run {repeat + 1}: {r['seconds']:.1f} s over {r['steps']} steps{reference}", flush=True)
             results[name].append(r)
@@ -344,7 +279,7 @@ def main() -> None:
 
 
 def report(args, setup: dict, counts: dict, results: dict) -> None:
-    import torch
+    import trl
 
     def total(r):  # the steps and the reference pass before them, where there is one
         return r["seconds"] + (r["reference_seconds"] or 0.0)
@@ -354,20 +289,11 @@ def report(args, setup: dict, counts: dict, results: dict) -> None:
 
     pairs = counts["pairs"]
     ours = best_of(results["llmtrain"]) if "llmtrain" in results else None
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    )
-    import trl
-
+    systems = f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
     lines = [
-        f"### DPO, {args.workload}: {time.strftime('%Y-%m-%d')}, {device}",
+        heading(f"DPO, {args.workload}"),
         "",
-        f"`python benchmarks/dpo_vs_trl.py --workload {args.workload} --repeats {args.repeats}"
-        + (f" --ours {' '.join(args.ours)}" if args.ours else "")
-        + (f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else "")
-        + "`; "
+        command("dpo_vs_trl.py", args, systems) + "; "
         f"{pairs} pairs, {counts['trained']:,} trained / {counts['tokens']:,} tokens per epoch, "
         f"max length {setup['seq']}, {setup['micro']} pairs per step, beta {BETA}, lr {LR}, "
         f"precision {setup['precision']}; TRL {trl.__version__}.",
@@ -388,10 +314,7 @@ def report(args, setup: dict, counts: dict, results: dict) -> None:
             f"| {name} | {pairs / r['seconds']:.2f} | {pairs / total(r):.2f} | {ref} | {r['peak_mem_gib']:.2f} GiB | "
             f"{r['steps']} | {r['loss']:.4f} | {steps_ratio} | {total_ratio} |"
         )
-    table = "\n".join(lines) + "\n"
-    print("\n" + table)
-    with open(args.results, "a") as f:
-        f.write("\n" + table)
+    publish(lines, args.results)
 
 
 if __name__ == "__main__":

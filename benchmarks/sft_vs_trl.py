@@ -16,19 +16,27 @@ memory, and ours / peer. Peers: TRL's defaults (padding to the longest row), and
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import platform
 import random
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from harness import (
+    HERE,
+    ROOT,
+    command,
+    has,
+    heading,
+    parser,
+    peak_memory_gib,
+    publish,
+    run_ours,
+    run_peer,
+    save_llama,
+    step_timer,
+    worker_result,
+)
+
 # ChatML with TRL's generation markers around what the assistant says, so TRL's
 # assistant_only_loss trains the same tokens llmtrain does (content + end of turn).
 TEMPLATE = (
@@ -79,8 +87,6 @@ def make_rows(n: int, seed: int, seq: int) -> list[dict]:
 
 def prepare(workload: str, root: Path) -> dict:
     """Write the model directory and data; returns paths and settings."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from llmtrain.demo import build_tokenizer, write_jsonl
 
     w = WORKLOADS[workload]
@@ -89,31 +95,14 @@ def prepare(workload: str, root: Path) -> dict:
     tokenizer = build_tokenizer([m["content"] for r in rows[:200] for m in r["messages"]])
     tokenizer.chat_template = TEMPLATE
     tokenizer.model_max_length = w["seq"]
-    config = LlamaConfig(
-        vocab_size=w["vocab"] or len(tokenizer),
-        hidden_size=w["hidden"],
-        intermediate_size=w["ffn"],
-        num_hidden_layers=w["layers"],
-        num_attention_heads=w["heads"],
-        num_key_value_heads=w["kv"],
-        max_position_embeddings=max(2048, w["seq"]),
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_llama(w, tokenizer, root / "model")
     return {"model": str(root / "model"), "data": str(root / "train.jsonl"), **w}
 
 
-def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
+def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     args = [
-        sys.executable,
-        str(ROOT / "recipes" / "finetune.py"),
         "--config",
         str(HERE / "llmtrain_bench.yaml"),
-        f"output_dir={out}",
         f"model.name_or_path={setup['model']}",
         f"data.train={setup['data']}",
         f"data.max_seq_len={setup['seq']}",
@@ -121,12 +110,7 @@ def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
         "model.dtype=float32",
         *overrides,
     ]
-    env = dict(os.environ, ACCELERATE_MIXED_PRECISION=setup["precision"])
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "loss" in r]
+    steps, _ = run_ours("finetune.py", setup, out, args)
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps)
     mfu = [r["mfu"] for r in steps if "mfu" in r]
     return {
@@ -139,27 +123,11 @@ def run_ours(setup: dict, out: Path, overrides: list[str]) -> dict:
 
 def run_trl(setup: dict, out: Path, best: bool) -> dict:
     """Runs in its own process (see --worker)."""
-    import resource
-
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    class StepTimer(TrainerCallback):
-        seconds = 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.seconds += time.perf_counter() - self.start
-
-    gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if setup["precision"] == "bf16" else torch.float32
     # fp32 master weights with bf16 autocast, as in llmtrain; sdpa for both (flash-attn is not installed)
     model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32, attn_implementation="sdpa")
@@ -181,26 +149,24 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         packing=best,
         padding_free=best,
         bf16=dtype == torch.bfloat16,
-        use_cpu=not gpu,
+        use_cpu=not torch.cuda.is_available(),
         report_to=[],
         save_strategy="no",
         logging_steps=10**6,
         seed=0,
-        use_liger_kernel=best and _has("liger_kernel"),
+        use_liger_kernel=best and has("liger_kernel"),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    timer = StepTimer()
+    timer = step_timer()
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": timer.seconds, "steps": trainer.state.global_step, "peak_mem_gib": peak / 2**30, "mfu": None}
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
+    return {
+        "seconds": timer.seconds,
+        "steps": trainer.state.global_step,
+        "peak_mem_gib": peak_memory_gib(),
+        "mfu": None,
+    }
 
 
 def data_tokens(setup: dict) -> tuple[int, int]:
@@ -217,24 +183,9 @@ def data_tokens(setup: dict) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench")
-    parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument(
-        "--ours",
-        nargs="*",
-        default=[],
-        metavar="key=value",
-        help="overrides for llmtrain's side (shown in the results)",
-    )
-    parser.add_argument("--worker", choices=["trl-default", "trl-best"], help=argparse.SUPPRESS)
-    parser.add_argument("--setup", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser(__doc__, WORKLOADS, ROOT / "runs" / "bench").parse_args()
     if args.worker:  # one TRL run, in its own process
-        setup = json.loads(args.setup)
-        print("RESULT " + json.dumps(run_trl(setup, args.dir / f"{args.worker}", args.worker == "trl-best")))
+        worker_result(run_trl(json.loads(args.setup), args.dir / f"{args.worker}", args.worker == "trl-best"))
         return
 
     root = args.dir / args.workload
@@ -246,42 +197,21 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in results:
             out = root / f"{name}-{repeat}"
-            if name == "llmtrain":
-                r = run_ours(setup, out, args.ours)
-            else:
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup), "--dir", str(out)],
-                    capture_output=True,
-                    text=True,
-                    cwd=ROOT,
-                )
-                line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                if proc.returncode != 0 or not line:
-                    raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-                r = json.loads(line[0][len("RESULT ") :])
+            r = ours(setup, out, args.ours) if name == "llmtrain" else run_peer(__file__, name, setup, out)
             print(f"{name} run {repeat + 1}: {r['seconds']:.1f} s over {r['steps']} steps", flush=True)
             results[name].append(r)
     report(args, setup, trained, total, results)
 
 
 def report(args, setup: dict, trained: int, total: int, results: dict) -> None:
-    import torch
-
     def best_of(runs):  # the fastest repeat: the least disturbed by the machine
         return min(runs, key=lambda r: r["seconds"])
 
     ours = trained / best_of(results["llmtrain"])["seconds"]
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    )
     lines = [
-        f"### {args.workload}: {time.strftime('%Y-%m-%d')}, {device}",
+        heading(args.workload),
         "",
-        f"`python benchmarks/sft_vs_trl.py --workload {args.workload} --repeats {args.repeats}"
-        + (f" --ours {' '.join(args.ours)}" if args.ours else "")
-        + "`; "
+        command("sft_vs_trl.py", args) + "; "
         f"{WORKLOADS[args.workload]['rows']} chat rows, {trained:,} trained / {total:,} tokens per epoch, "
         f"max length {setup['seq']}, precision {setup['precision']}.",
         "",
@@ -296,10 +226,7 @@ def report(args, setup: dict, trained: int, total: int, results: dict) -> None:
             f"| {name} | {tps:,.0f} | {total / r['seconds']:,.0f} | {mfu} | {r['peak_mem_gib']:.2f} GiB | "
             f"{r['steps']} | {ours / tps:.2f}x |"
         )
-    text = "\n".join(lines) + "\n"
-    print("\n" + text)
-    with open(args.results, "a") as f:
-        f.write("\n" + text)
+    publish(lines, args.results)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ tokens that transformers' assistant mask (what TRL's assistant_only_loss uses) m
 on the DPO benchmark's pairs the sequences and answer tokens of TRL's DPOTrainer."""
 
 import importlib.util
+import sys
 
 import pytest
 
@@ -14,6 +15,9 @@ from .conftest import ROOT
 
 
 def load(name: str):
+    """A benchmark script as a module; its folder goes on sys.path as when it is run."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

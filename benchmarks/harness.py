@@ -1,0 +1,155 @@
+"""What the side-by-side benchmarks (sft_vs_trl.py, dpo_vs_trl.py) share: the model both
+systems train, the timer of TRL's steps, a peer run in a process of its own, and the
+results file. The scripts import it from their own folder (python puts a script's folder
+first on sys.path)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEERS = ("trl-default", "trl-best")
+
+
+def save_llama(w: dict, tokenizer, path: Path) -> None:
+    """A randomly initialized Llama of workload `w`'s shape (same weights every time), saved
+    with `tokenizer` where both systems load it with from_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=w["vocab"] or len(tokenizer),
+        hidden_size=w["hidden"],
+        intermediate_size=w["ffn"],
+        num_hidden_layers=w["layers"],
+        num_attention_heads=w["heads"],
+        num_key_value_heads=w["kv"],
+        max_position_embeddings=max(2048, w["seq"]),
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work, so that a timer measures it (a no-op on CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step_timer():
+    """A TrainerCallback adding up the time of the optimizer steps (in `.seconds`)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        seconds = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            self.seconds += time.perf_counter() - self.start
+
+    return StepTimer()
+
+
+def peak_memory_gib() -> float:
+    """Peak GPU memory allocated, or on CPU the process's peak resident set."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def parser(doc: str, workloads: dict, default_dir: Path) -> argparse.ArgumentParser:
+    """The options both scripts take; --worker/--setup run one peer (see `run_peer`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(workloads), default="cpu")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dir", type=Path, default=default_dir)
+    p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--ours", nargs="*", default=[], metavar="key=value", help="overrides for llmtrain's side")
+    p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    p.add_argument("--setup", help=argparse.SUPPRESS)
+    return p
+
+
+def run_ours(recipe: str, setup: dict, out: Path, args: list[str]) -> tuple[list[dict], str]:
+    """One llmtrain run of `recipe` with `args` (--config first) in a fresh process, writing
+    to `out`: its training rows of metrics.jsonl, and what it printed."""
+    env = dict(os.environ, ACCELERATE_MIXED_PRECISION=setup["precision"])
+    cmd = [sys.executable, str(ROOT / "recipes" / recipe), *args, f"output_dir={out}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in rows if "loss" in r], proc.stdout + proc.stderr
+
+
+def run_peer(script: str, name: str, setup: dict, out: Path, env: dict | None = None) -> dict:
+    """One peer run (`script --worker name`) in a fresh process; the dict it printed."""
+    proc = subprocess.run(
+        [sys.executable, script, "--worker", name, "--setup", json.dumps(setup), "--dir", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT ") :])
+
+
+def worker_result(result: dict) -> None:
+    """What a --worker process prints for `run_peer`."""
+    print("RESULT " + json.dumps(result))
+
+
+def heading(title: str) -> str:
+    import torch
+
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+    )
+    return f"### {title}: {time.strftime('%Y-%m-%d')}, {device}"
+
+
+def command(script: str, args, extra: str = "") -> str:
+    """The command line that reproduces these results."""
+    ours = f" --ours {' '.join(args.ours)}" if args.ours else ""
+    return f"`python benchmarks/{script} --workload {args.workload} --repeats {args.repeats}{ours}{extra}`"
+
+
+def publish(lines: list[str], results: Path) -> None:
+    """Print the results table and append it to `results`."""
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    with open(results, "a") as f:
+        f.write("\n" + text)
