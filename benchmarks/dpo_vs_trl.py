@@ -46,22 +46,7 @@ import shutil
 import time
 from pathlib import Path
 
-from harness import (
-    PEERS,
-    ROOT,
-    command,
-    has,
-    heading,
-    parser,
-    peak_memory_gib,
-    publish,
-    run_ours,
-    run_peer,
-    save_llama,
-    step_timer,
-    sync,
-    worker_result,
-)
+import harness
 
 BETA, LR = 0.1, 1e-5
 WORKLOADS = {
@@ -72,7 +57,7 @@ WORKLOADS = {
         hidden=2048, layers=16, heads=32, kv=8, ffn=8192, vocab=128256, seq=2048, pairs=2000, micro=4, precision="bf16"
     ),
 }
-# llmtrain's side: what the command line does not set (see run_ours).
+# llmtrain's side: what the command line does not set (see ours).
 OURS_CONFIG = """\
 # llmtrain's side of benchmarks/dpo_vs_trl.py (written by it; model, data, length,
 # batch, lr, beta and loss come on the command line)
@@ -126,7 +111,7 @@ def prepare(workload: str, root: Path) -> dict:
     write_jsonl(pairs, root / "pairs.jsonl")
     tokenizer = build_tokenizer([m["content"] for p in pairs[:200] for k in ("prompt", "chosen") for m in p[k]])
     tokenizer.model_max_length = w["seq"]
-    save_llama(w, tokenizer, root / "model")
+    harness.save_llama(w, tokenizer, root / "model")
     (root / "llmtrain_dpo.yaml").write_text(OURS_CONFIG)
     return {
         "model": str(root / "model"),
@@ -150,7 +135,7 @@ def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
         "dpo.loss=sigmoid",
         *overrides,
     ]
-    steps, printed = run_ours("dpo.py", setup, out, args)
+    steps, printed = harness.run_ours("dpo.py", setup, out, args)
     # The recipe prints this line after computing the reference log-probs before training
     # (a full fine-tune); a LoRA run (the adapters switched off in each step) prints none.
     found = re.search(r"reference log-probs: (\d+) pairs in ([\d.]+) s", printed)
@@ -176,12 +161,12 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         reference_seconds = 0.0
 
         def _precompute_ref_logps(self, *args, **kwargs):
-            sync()
+            harness.sync()
             start = time.perf_counter()
             try:
                 return super()._precompute_ref_logps(*args, **kwargs)
             finally:
-                sync()
+                harness.sync()
                 self.reference_seconds += time.perf_counter() - start
 
     dtype = torch.bfloat16 if setup["precision"] == "bf16" else torch.float32
@@ -208,11 +193,11 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         save_strategy="no",
         logging_steps=10**6,
         seed=0,
-        use_liger_kernel=best and has("liger_kernel"),
+        use_liger_kernel=best and harness.has("liger_kernel"),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    timer = step_timer()
+    timer = harness.step_timer()
     trainer = TimedDPOTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer]
     )
@@ -222,7 +207,7 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         "reference_seconds": trainer.reference_seconds if best else None,
         "steps": trainer.state.global_step,
         "loss": result.training_loss,
-        "peak_mem_gib": peak_memory_gib(),
+        "peak_mem_gib": harness.peak_memory_gib(),
     }
 
 
@@ -245,15 +230,15 @@ def data_counts(setup: dict) -> dict:
     return {"pairs": len(done), "trained": sum(d["n_trained"] for d in done), "tokens": sum(d["length"] for d in done)}
 
 
-SYSTEMS = ("llmtrain", *PEERS)
+SYSTEMS = ("llmtrain", *harness.PEERS)
 
 
 def main() -> None:
-    options = parser(__doc__, WORKLOADS, ROOT / "runs" / "bench-dpo")
+    options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-dpo")
     options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
     args = options.parse_args()
     if args.worker:  # one TRL run, in its own process
-        worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
+        harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
         return
 
     root = args.dir / args.workload
@@ -271,7 +256,7 @@ def main() -> None:
                 # Its own datasets cache, so that TRL computes the reference log-probs
                 # again instead of reading an earlier run's.
                 env = dict(os.environ, HF_DATASETS_CACHE=str(out / "datasets-cache"))
-                r = run_peer(__file__, name, setup, out, env)
+                r = harness.run_peer(__file__, name, setup, out, env)
             reference = f", reference pass {r['reference_seconds']:.1f} s" if r["reference_seconds"] is not None else ""
             print(f"{name} run {repeat + 1}: {r['seconds']:.1f} s over {r['steps']} steps{reference}", flush=True)
             results[name].append(r)
@@ -291,9 +276,9 @@ def report(args, setup: dict, counts: dict, results: dict) -> None:
     ours = best_of(results["llmtrain"]) if "llmtrain" in results else None
     systems = f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
     lines = [
-        heading(f"DPO, {args.workload}"),
+        harness.heading(f"DPO, {args.workload}"),
         "",
-        command("dpo_vs_trl.py", args, systems) + "; "
+        harness.command("dpo_vs_trl.py", args, systems) + "; "
         f"{pairs} pairs, {counts['trained']:,} trained / {counts['tokens']:,} tokens per epoch, "
         f"max length {setup['seq']}, {setup['micro']} pairs per step, beta {BETA}, lr {LR}, "
         f"precision {setup['precision']}; TRL {trl.__version__}.",
@@ -314,7 +299,7 @@ def report(args, setup: dict, counts: dict, results: dict) -> None:
             f"| {name} | {pairs / r['seconds']:.2f} | {pairs / total(r):.2f} | {ref} | {r['peak_mem_gib']:.2f} GiB | "
             f"{r['steps']} | {r['loss']:.4f} | {steps_ratio} | {total_ratio} |"
         )
-    publish(lines, args.results)
+    harness.publish(lines, args.results)
 
 
 if __name__ == "__main__":

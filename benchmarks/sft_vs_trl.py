@@ -21,21 +21,7 @@ import math
 import random
 from pathlib import Path
 
-from harness import (
-    HERE,
-    ROOT,
-    command,
-    has,
-    heading,
-    parser,
-    peak_memory_gib,
-    publish,
-    run_ours,
-    run_peer,
-    save_llama,
-    step_timer,
-    worker_result,
-)
+import harness
 
 # ChatML with TRL's generation markers around what the assistant says, so TRL's
 # assistant_only_loss trains the same tokens llmtrain does (content + end of turn).
@@ -95,14 +81,14 @@ def prepare(workload: str, root: Path) -> dict:
     tokenizer = build_tokenizer([m["content"] for r in rows[:200] for m in r["messages"]])
     tokenizer.chat_template = TEMPLATE
     tokenizer.model_max_length = w["seq"]
-    save_llama(w, tokenizer, root / "model")
+    harness.save_llama(w, tokenizer, root / "model")
     return {"model": str(root / "model"), "data": str(root / "train.jsonl"), **w}
 
 
 def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     args = [
         "--config",
-        str(HERE / "llmtrain_bench.yaml"),
+        str(harness.HERE / "llmtrain_bench.yaml"),
         f"model.name_or_path={setup['model']}",
         f"data.train={setup['data']}",
         f"data.max_seq_len={setup['seq']}",
@@ -110,7 +96,7 @@ def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
         "model.dtype=float32",
         *overrides,
     ]
-    steps, _ = run_ours("finetune.py", setup, out, args)
+    steps, _ = harness.run_ours("finetune.py", setup, out, args)
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steps)
     mfu = [r["mfu"] for r in steps if "mfu" in r]
     return {
@@ -154,17 +140,17 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         save_strategy="no",
         logging_steps=10**6,
         seed=0,
-        use_liger_kernel=best and has("liger_kernel"),
+        use_liger_kernel=best and harness.has("liger_kernel"),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    timer = step_timer()
+    timer = harness.step_timer()
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     return {
         "seconds": timer.seconds,
         "steps": trainer.state.global_step,
-        "peak_mem_gib": peak_memory_gib(),
+        "peak_mem_gib": harness.peak_memory_gib(),
         "mfu": None,
     }
 
@@ -183,9 +169,9 @@ def data_tokens(setup: dict) -> tuple[int, int]:
 
 
 def main() -> None:
-    args = parser(__doc__, WORKLOADS, ROOT / "runs" / "bench").parse_args()
+    args = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench").parse_args()
     if args.worker:  # one TRL run, in its own process
-        worker_result(run_trl(json.loads(args.setup), args.dir / f"{args.worker}", args.worker == "trl-best"))
+        harness.worker_result(run_trl(json.loads(args.setup), args.dir / f"{args.worker}", args.worker == "trl-best"))
         return
 
     root = args.dir / args.workload
@@ -197,7 +183,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in results:
             out = root / f"{name}-{repeat}"
-            r = ours(setup, out, args.ours) if name == "llmtrain" else run_peer(__file__, name, setup, out)
+            r = ours(setup, out, args.ours) if name == "llmtrain" else harness.run_peer(__file__, name, setup, out)
             print(f"{name} run {repeat + 1}: {r['seconds']:.1f} s over {r['steps']} steps", flush=True)
             results[name].append(r)
     report(args, setup, trained, total, results)
@@ -209,9 +195,9 @@ def report(args, setup: dict, trained: int, total: int, results: dict) -> None:
 
     ours = trained / best_of(results["llmtrain"])["seconds"]
     lines = [
-        heading(args.workload),
+        harness.heading(args.workload),
         "",
-        command("sft_vs_trl.py", args) + "; "
+        harness.command("sft_vs_trl.py", args) + "; "
         f"{WORKLOADS[args.workload]['rows']} chat rows, {trained:,} trained / {total:,} tokens per epoch, "
         f"max length {setup['seq']}, precision {setup['precision']}.",
         "",
@@ -226,7 +212,7 @@ def report(args, setup: dict, trained: int, total: int, results: dict) -> None:
             f"| {name} | {tps:,.0f} | {total / r['seconds']:,.0f} | {mfu} | {r['peak_mem_gib']:.2f} GiB | "
             f"{r['steps']} | {ours / tps:.2f}x |"
         )
-    publish(lines, args.results)
+    harness.publish(lines, args.results)
 
 
 if __name__ == "__main__":

@@ -63,9 +63,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.key, self.tokenizer, self.template, self.cfg, self.rank = key, tokenizer, template, cfg, rank
         self.report = report
         self.seed, self.epoch = seed, 0
-        entries = sources(entries)
-        self.entries = entries
-        self.fractions = [e.fraction for e in entries]
+        self.entries = entries = sources(entries)
         self.streams: list[tuple[Source, object]] = []
         for entry in entries:
             src = load_source(entry.path, key, streaming=True)
@@ -160,7 +158,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         turn, or with fractions, from a source drawn in proportion to its fraction (seeded by
         seed, pass and process, so a resumed run draws the same)."""
         readers = [(i, src, self._read(src, ds)) for i, (src, ds) in enumerate(self.streams)]
-        if all(f == 1 for f in self.fractions):
+        if all(e.fraction == 1 for e in self.entries):
             while readers:
                 for reader in list(readers):
                     row = next(reader[2], None)
@@ -171,7 +169,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
             return
         draw = random.Random(f"{self.seed}/{self.epoch}/{self.rank}")
         while readers:
-            reader = draw.choices(readers, weights=[self.fractions[i] for i, _, _ in readers])[0]
+            reader = draw.choices(readers, weights=[self.entries[i].fraction for i, _, _ in readers])[0]
             row = next(reader[2], None)
             if row is None:
                 readers.remove(reader)
