@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .attention import Attention
+from .attention import choose as choose_attention
 from .config import ModelConfig
 from .errors import UserError, describe
 
@@ -86,18 +88,22 @@ def meta_model(cfg: ModelConfig, mcfg):
     """The model as training will have it (dtype, LoRA adapters), built on the meta device
     from its config: no weights, so its parameter counts and sizes cost nothing to read
     (`llmtrain plan`, and the free-space check before anything loads)."""
+    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else _saved_dtype(mcfg) or torch.float32
+    model = _meta(cfg, mcfg, dtype)
+    return add_lora(model, cfg) if cfg.lora.enabled else model
+
+
+def _meta(cfg: ModelConfig, mcfg, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else _saved_dtype(mcfg) or torch.float32
     try:
         with whole_models(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            return AutoModelForCausalLM.from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # the user's config.json describes no model that can be built
         raise ModelError(
             f"model.name_or_path: cannot build a model from the config of '{cfg.name_or_path}' ({describe(e)}); "
             "check its config.json"
         ) from None
-    return add_lora(model, cfg) if cfg.lora.enabled else model
 
 
 @contextlib.contextmanager
@@ -150,27 +156,14 @@ def _rope_scaled(mcfg) -> bool:
     return False
 
 
-def attention_backend(cfg: ModelConfig, packing: bool, device: torch.device) -> str:
-    """model.attn_implementation with 'auto' resolved: FlexAttention for packed batches
-    on a GPU (a block-sparse document mask), SDPA otherwise."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def attention_backend(cfg: ModelConfig, mcfg, packing: bool, device: torch.device) -> Attention:
+    """model.attn_implementation resolved for this model, data and device (attention.choose)."""
+    return choose_attention(cfg.attn_implementation, model_class(cfg, mcfg), mcfg, packing, device)
 
-    name = cfg.attn_implementation
-    known = ["auto", "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
-    if name not in known and "/" not in name:  # 'owner/repo' names a kernel on the hub
-        raise ModelError(
-            f"model.attn_implementation: unknown backend {name!r}; use one of {', '.join(known)} "
-            "(or a hub kernel as 'owner/repo')"
-        )
-    if name == "auto":
-        name = "flex_attention" if packing and device.type == "cuda" else "sdpa"
-    if name == "flex_attention" and device.type == "cpu":
-        raise ModelError(
-            "model.attn_implementation: flex_attention cannot train on CPU (PyTorch has no "
-            "FlexAttention backward there); use auto or sdpa, whose dense document mask isolates "
-            "packed samples as well"
-        )
-    return name
+
+def model_class(cfg: ModelConfig, mcfg) -> type:
+    """The class training will load, read from a model built on the meta device."""
+    return type(_meta(cfg, mcfg, torch.float32))
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .attention import packed_mask, transformers_model
 from .data import IGNORE
 from .model import chunkable_head
-from .packing import document_mask
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,11 @@ class TokenLoss:
     """Supervised fine-tuning: the summed cross-entropy of the trained tokens (labels are
     already shifted: labels[t] is the target of position t, or -100 for none).
 
-    Packed batches get a document mask (packing.document_mask) in the form the attention
-    backend takes. With `chunk_tokens` > 0 and a `head` (the model's `chunkable_head`),
-    the loss is computed inside the output layer's forward, `chunk_tokens` at a time and
-    only at trained positions, so the full [tokens, vocab] fp32 logits never exist; it
-    runs inside the model's forward, so DDP, FSDP and ZeRO-3 see the layer used as usual."""
+    Packed batches get each layer's own mask within each sample (attention.packed_mask).
+    With `chunk_tokens` > 0 and a `head` (the model's `chunkable_head`), the loss is
+    computed inside the output layer's forward, `chunk_tokens` at a time and only at
+    trained positions, so the full [tokens, vocab] fp32 logits never exist; it runs inside
+    the model's forward, so DDP, FSDP and ZeRO-3 see the layer used as usual."""
 
     unit = "tokens"
     metric_names = ()
@@ -108,15 +108,16 @@ class TokenLoss:
 
 def model_inputs(model, batch: dict, attn_implementation: str) -> dict:
     """The model's keyword arguments for a padded batch (attention_mask) or a packed one
-    (position_ids and the document mask in the backend's form)."""
+    (position_ids restarting at 0 for each sample, and the model's own attention pattern
+    within each sample: attention.packed_mask)."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
-    if "doc_ids" in batch:
-        kwargs["position_ids"] = batch["position_ids"]
-        # The parameters' dtype after prepare (DeepSpeed may have cast them): a cheap lookup.
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        kwargs["attention_mask"] = document_mask(batch["doc_ids"], attn_implementation, dtype)
-    else:
+    if "doc_ids" not in batch:
         kwargs["attention_mask"] = batch["attention_mask"]
+        return kwargs
+    # The parameters' dtype after prepare (DeepSpeed may have cast them): a cheap lookup.
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    kwargs["position_ids"] = batch["position_ids"]
+    kwargs["attention_mask"] = packed_mask(transformers_model(model).config, batch["position_ids"], dtype)
     return kwargs
 
 

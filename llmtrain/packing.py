@@ -1,10 +1,9 @@
 """Packing rows into fixed-length sequences with no attention across samples.
 
 Positions restart at 0 for every sample, and each sequence carries `doc_ids` (which
-sample a token belongs to, -1 for padding). `document_mask` turns them into a
-block-diagonal causal mask in the form each attention backend takes. Position ids alone
-are not enough: with the SDPA and eager backends a plain causal mask would still let a
-sample attend to the ones packed before it.
+sample a token belongs to, -1 for padding). From the positions, `attention.packed_mask`
+builds each layer's own mask within each sample. Position ids alone are not enough: a
+model given them but no mask would let a sample attend to the ones packed before it.
 """
 
 from __future__ import annotations
@@ -84,39 +83,3 @@ def join_rows(rows: list[dict]) -> dict:
         position_ids += range(n)
         doc_ids += [d] * n
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
-
-
-def document_mask(doc_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
-    """The attention mask that only lets a token see earlier tokens of its own sample, in
-    the form the attention backend wants:
-
-    - flash_attention_*: None; transformers finds the samples from position_ids (each
-      restarts at 0) and runs the varlen kernel over them.
-    - flex_attention: a block-sparse BlockMask; blocks that hold no allowed pair are
-      skipped by the kernel, so the cost follows the samples' own lengths.
-    - sdpa: a dense [B, 1, L, L] boolean mask (True = attend).
-    - eager: the same as an additive float mask, which its kernel adds to the scores."""
-    if attn_implementation.startswith("flash"):
-        return None
-    if attn_implementation == "flex_attention":
-        return document_block_mask(doc_ids)
-    L = doc_ids.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
-    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
-    allowed = allowed[:, None]
-    if attn_implementation == "sdpa":
-        return allowed
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def document_block_mask(doc_ids: torch.Tensor):
-    """FlexAttention's BlockMask for causal attention within each sample of `doc_ids`
-    (padding, -1, forms a block of its own)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_sample_causal(b, h, q, kv):
-        return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
-
-    B, L = doc_ids.shape
-    return create_block_mask(same_sample_causal, B, None, L, L, device=doc_ids.device)

@@ -194,7 +194,7 @@ def build_pair_datasets(cfg, accelerator, tokenizer):
 class PackedPairs(torch.utils.data.Dataset):
     """A view of tokenized pairs (with `pair_index`) as packed sequences of `capacity`
     tokens: whole pairs (chosen, then rejected) best-fit packed together, each answer
-    sequence a document of its own under the document mask (packing.document_mask), so
+    sequence a sample of its own under the packed mask (attention.packed_mask), so
     a pair never straddles sequences or micro-batches and no padding is computed. The
     capacity is twice data.max_seq_len, so every pair fits."""
 

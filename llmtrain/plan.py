@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
+import torch
 import yaml
 
 from . import demo
@@ -26,7 +27,7 @@ from .config import Config, ConfigError, DPOConfig, load_config, to_yaml
 from .data import IGNORE, DataError, prepare_split, resolve_chat_template
 from .errors import describe
 from .mixture import names, packer, sources, split_and_mix, training_set
-from .model import check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
+from .model import attention_backend, check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .packing import PackedDataset
 from .pairs import PackedPairs, prepare_pairs
 from .stream import StreamedRows
@@ -106,6 +107,20 @@ def _launch(ac, path: str, cfg) -> Launch:
             f"mixed_precision=fp16 in {path} but model.dtype=bfloat16: use bf16 autocast, or float32 weights with fp16"
         )
     return launch
+
+
+def launch_device(launch: Launch) -> str:
+    """The device type the launch trains on: CPU when its config or ACCELERATE_USE_CPU says
+    so, a GPU when the config asks for several or this machine has one."""
+    from accelerate.utils import parse_flag_from_env
+
+    if (
+        launch.settings.get("use_cpu")
+        or launch.distributed_type == "MULTI_CPU"
+        or parse_flag_from_env("ACCELERATE_USE_CPU")
+    ):
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() or launch.distributed_type == "MULTI_GPU" else "cpu"
 
 
 def cpu_group_unset(launch: Launch) -> bool:
@@ -301,6 +316,11 @@ def plan(argv: list[str]) -> None:
         print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")
     else:
         print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.total_steps(steps_per_epoch)}")
+    device = launch_device(launch)
+    attention = attention_backend(cfg.model, mcfg, cfg.data.packing, torch.device(device))
+    print(f"\n== attention ({'GPU' if device == 'cuda' else 'CPU'}) ==")
+    for line in attention.lines(cfg.data.packing):
+        print(f"  {line}")
     print("\n== memory per GPU (rough estimate) ==")
     print(
         f"  parameters: {total:,} ({trainable:,} trainable"

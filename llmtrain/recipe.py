@@ -60,7 +60,9 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
     sample_tokens = cfg.eval.sample_max_new_tokens if cfg.eval.sample_prompts else 0
     mcfg = check_model(cfg.model, cfg.data.max_seq_len, sample_tokens)
-    cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
+    attention = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device)
+    cfg.model.attn_implementation = attention.name
+    accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     checkpoint.check_writable(cfg.output_dir)
     rundir.lock(cfg.output_dir, accelerator)  # one run per output_dir, until this process ends
     if (step := rundir.already_finished(cfg)) is not None:

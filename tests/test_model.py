@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from llmtrain.config import ModelConfig
 from llmtrain.model import ModelError, check_model
@@ -79,20 +78,6 @@ def test_a_lora_adapted_head_gets_whole_logits(tiny_model):
 # --- attention backend and compilation -------------------------------------------------
 
 
-def test_auto_attention_is_flex_for_packed_data_on_a_gpu_and_sdpa_otherwise():
-    import torch
-
-    from llmtrain.model import attention_backend
-
-    auto = ModelConfig(attn_implementation="auto")
-    assert attention_backend(auto, True, torch.device("cuda")) == "flex_attention"
-    assert attention_backend(auto, False, torch.device("cuda")) == "sdpa"
-    assert attention_backend(auto, True, torch.device("cpu")) == "sdpa"
-    assert attention_backend(ModelConfig(attn_implementation="eager"), True, torch.device("cuda")) == "eager"
-    with pytest.raises(ModelError, match="model.attn_implementation: flex_attention cannot train on CPU"):
-        attention_backend(ModelConfig(attn_implementation="flex_attention"), True, torch.device("cpu"))
-
-
 def test_compile_blocks_compiles_each_transformer_block_in_place(tiny_model):
     from transformers import AutoModelForCausalLM
 
@@ -154,13 +139,3 @@ def test_a_config_json_that_builds_no_model_is_an_error_naming_the_model(tiny_mo
     cfg = ModelConfig(name_or_path=str(bad))
     with pytest.raises(ModelError, match=rf"^model.name_or_path: cannot build a model from the config of '{bad}' \("):
         meta_model(cfg, check_model(cfg, 256))
-
-
-def test_an_unknown_attention_backend_names_the_known_ones():
-    from llmtrain.model import attention_backend
-
-    with pytest.raises(
-        ModelError, match=r"^model.attn_implementation: unknown backend 'bogus'; use one of auto, eager,"
-    ):
-        attention_backend(ModelConfig(attn_implementation="bogus"), False, torch.device("cpu"))
-    assert attention_backend(ModelConfig(attn_implementation="eager"), False, torch.device("cpu")) == "eager"

@@ -222,7 +222,7 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     from accelerate.state import AcceleratorState
 
     from llmtrain.config import load_config
-    from llmtrain.model import attention_backend, load_model, load_tokenizer
+    from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
     from llmtrain.objective import TokenLoss
     from llmtrain.stop import StopRequest
     from llmtrain.train import build_datasets, setup, train
@@ -247,7 +247,8 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="fp16")
         accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
-        cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
+        mcfg = check_model(cfg.model, cfg.data.max_seq_len)
+        cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)
@@ -304,7 +305,7 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
 
     import llmtrain.train as loop
     from llmtrain.config import load_config
-    from llmtrain.model import attention_backend, load_model, load_tokenizer
+    from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
     from llmtrain.objective import TokenLoss
     from llmtrain.stop import StopRequest
     from llmtrain.watchdog import Watchdog
@@ -330,7 +331,8 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator(cpu=True)
-        cfg.model.attn_implementation = attention_backend(cfg.model, cfg.data.packing, accelerator.device)
+        mcfg = check_model(cfg.model, cfg.data.max_seq_len)
+        cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = loop.build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)

@@ -1,11 +1,12 @@
 import pytest
 import torch
 
+from llmtrain.attention import packed_mask
 from llmtrain.batches import Collator
 from llmtrain.config import DataConfig
 from llmtrain.data import process_row
 from llmtrain.demo import make_rows
-from llmtrain.objective import TokenLoss
+from llmtrain.objective import TokenLoss, model_inputs
 from llmtrain.packing import PackedDataset, pack_lengths
 
 
@@ -43,15 +44,12 @@ def load(tiny_model, attn):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_samples_do_not_see_each_other(tiny_model, tokenizer, examples, attn):
     """Each packed sample's logits equal those of the same sample run alone."""
-    from llmtrain.packing import document_mask
-
     model = load(tiny_model, attn)
     packed = PackedDataset(examples, capacity=256)
     assert len(packed) < len(examples)  # several rows per pack
     batch = Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))])
     with torch.no_grad():
-        mask = document_mask(batch["doc_ids"], attn, torch.float32)
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
+        logits = model(**model_inputs(model, batch, attn)).logits
         leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         checked, leaked = 0, 0
         for j, rows in enumerate(packed.bins):
@@ -82,45 +80,63 @@ def test_packed_and_unpacked_give_the_same_summed_loss(tiny_model, tokenizer, ex
     torch.testing.assert_close(p, u, rtol=1e-5, atol=1e-4)
 
 
-def test_flex_block_mask_allows_exactly_what_the_dense_document_mask_allows():
-    """Attention under the BlockMask equals SDPA under the dense mask, for documents whose
-    lengths do not fall on the kernel's 128-token blocks, with padding at the end. (Eager
-    FlexAttention: PyTorch's compiled CPU kernel is wrong for some lengths, and CPU has no
+def positions(lengths: list[list[int]], width: int) -> torch.Tensor:
+    """position_ids of packed rows of samples of `lengths`, padding (positions from 0) to `width`."""
+    rows = [[p for n in row for p in range(n)] for row in lengths]
+    return torch.tensor([r + list(range(width - len(r))) for r in rows])
+
+
+def packed_masks(lengths, width, window=None):
+    """packed_mask of a Llama (or Mistral, with a window) config for each backend."""
+    from transformers import LlamaConfig, MistralConfig
+
+    out = {}
+    for attn in ("sdpa", "flex_attention", "eager"):
+        config = MistralConfig(sliding_window=window) if window else LlamaConfig()
+        config._attn_implementation = attn
+        out[attn] = packed_mask(config, positions(lengths, width), torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7, 200])
+def test_packed_masks_allow_exactly_the_pairs_within_a_sample_and_its_window(window):
+    """Every backend's mask allows (q, k) exactly when both are in one sample, k <= q, and
+    q - k < window: samples whose lengths do not fall on FlexAttention's 128-token blocks,
+    padding at the end. (Eager FlexAttention on CPU is checked forward only: CPU has no
     FlexAttention backward, so CPU training never uses it.)"""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from llmtrain.packing import document_mask
-
-    lengths = [[5, 130, 1, 90, 40], [300, 2, 9]]
-    L = 300
-    doc_ids = torch.full((2, L), -1)
-    for b, row in enumerate(lengths):
-        doc_ids[b, : sum(row[:-1]) + row[-1]] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))[:L]
+    lengths, L = [[5, 130, 1, 90, 40], [299, 1]], 300
+    doc = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] + [-1] * (L - sum(row)) for row in lengths])
+    pos = positions(lengths, L)
+    q_, k_ = torch.arange(L)[:, None], torch.arange(L)[None]
+    expected = (doc[:, :, None] == doc[:, None, :]) & (k_ <= q_)
+    if window:
+        expected &= (pos[:, :, None] - pos[:, None, :]) < window
+    masks = packed_masks(lengths, L, window)
+    assert torch.equal(masks["sdpa"][:, 0][doc >= 0], expected[doc >= 0])
+    assert torch.equal(masks["eager"][:, 0] == 0, masks["sdpa"][:, 0])
     q, k, v = (torch.randn(2, 4, L, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids, "sdpa", torch.float32))
-    flex = flex_attention(q, k, v, block_mask=document_mask(doc_ids, "flex_attention", torch.float32))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=masks["sdpa"])
+    flex = flex_attention(q, k, v, block_mask=masks["flex_attention"])
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
-    # Blocks where nothing is allowed are skipped: with three documents on block bounds each
-    # query block visits one key block, where plain causal attention visits 1, 2 and 3.
-    blocks = document_mask(torch.arange(384)[None] // 128, "flex_attention", torch.float32)
+
+
+def test_flex_block_mask_skips_blocks_no_sample_reaches():
+    """With three samples on 128-token block bounds each query block visits one key block,
+    where plain causal attention visits 1, 2 and 3."""
+    blocks = packed_masks([[128, 128, 128]], 384)["flex_attention"]
     assert (blocks.kv_num_blocks + blocks.full_kv_num_blocks).flatten().tolist() == [1, 1, 1]
 
 
-def test_flex_attention_model_on_packed_batches_matches_sdpa_with_the_dense_mask(tiny_model, tokenizer, examples):
-    """transformers hands our BlockMask to FlexAttention unchanged (forward only on CPU)."""
-    from llmtrain.packing import document_mask
-
+def test_flex_attention_model_on_packed_batches_matches_sdpa(tiny_model, tokenizer, examples):
+    """transformers hands the BlockMask to FlexAttention unchanged (forward only on CPU)."""
     packed = PackedDataset(examples, capacity=256)
     batch = Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))])
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     with torch.no_grad():
-        flex = load(tiny_model, "flex_attention")(
-            **inputs, attention_mask=document_mask(batch["doc_ids"], "flex_attention", torch.float32)
-        ).logits
-        dense = load(tiny_model, "sdpa")(
-            **inputs, attention_mask=document_mask(batch["doc_ids"], "sdpa", torch.float32)
-        ).logits
+        flex, dense = load(tiny_model, "flex_attention"), load(tiny_model, "sdpa")
+        flex, dense = flex(**model_inputs(flex, batch, "")).logits, dense(**model_inputs(dense, batch, "")).logits
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 

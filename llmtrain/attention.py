@@ -1,0 +1,199 @@
+"""Attention: the backend a run uses, the model's attention pattern, and the masks of
+packed batches.
+
+A model's config declares, per layer, full causal attention, a sliding window
+(Mistral, Gemma 2/3, gpt-oss, Cohere 2) or chunks (Llama 4). A packed sequence must get
+exactly that pattern inside each sample and nothing across samples, or packed training
+computes an attention inference never uses.
+
+`packed_mask` builds, for each layer type the config declares (`layer_types`), the mask
+with transformers' own builders (masking_utils: the model's window and chunk sizes, the
+backend's form: boolean for SDPA, additive for eager, a BlockMask for FlexAttention, none
+for the flash kernels, which find the samples in position_ids). Given position_ids that
+restart at 0 for each sample and no padding mask, those builders keep every pair within a
+sample and count window and chunk positions from the sample's start. The model gets the
+mask (one layer type) or the mapping layer type -> mask (several), which transformers'
+models with mixed layers take as prepared. This is done by llmtrain rather than left to
+the model, because not every model passes position_ids to its mask builders (gpt-oss does
+not), and a model that builds no mask from them would let samples see each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserError
+
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+
+
+class AttentionError(UserError):
+    pass
+
+
+def layer_types(mcfg) -> list[str]:
+    """The attention of each layer as the model's config declares it, in transformers'
+    names (full_attention, sliding_attention, chunked_attention, or a model's own)."""
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    n = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 0
+    declared = getattr(text, "layer_types", None)
+    if declared:
+        return list(declared)
+    # Mistral, Mixtral, Phi-3, Starcoder2: one window for every layer when it is set.
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False:
+        return [SLIDING] * n
+    if getattr(text, "attention_chunk_size", None):
+        return [CHUNKED] * n
+    return [FULL] * n
+
+
+def describe_pattern(mcfg) -> str:
+    """e.g. 'sliding window of 128 tokens on 12 layers, full on 12'."""
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    types = layer_types(mcfg)
+    names = {
+        FULL: "full causal",
+        SLIDING: f"sliding window of {getattr(text, 'sliding_window', None)} tokens",
+        CHUNKED: f"chunks of {getattr(text, 'attention_chunk_size', None)} tokens",
+    }
+    counts = {t: types.count(t) for t in dict.fromkeys(types)}
+    if len(counts) == 1:
+        return f"{names.get(types[0], types[0])} on all {len(types)} layers"
+    return ", ".join(f"{names.get(t, t)} on {n} layer{'s' * (n > 1)}" for t, n in counts.items())
+
+
+def packed_mask(config, position_ids: torch.Tensor, dtype: torch.dtype):
+    """The attention mask of a packed batch for a model with this config (see the module's
+    docstring): one mask, None (the backend needs none, or no row holds two samples), or
+    {layer type: mask} for a model with several layer types."""
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_chunked_causal_mask,
+        create_sliding_window_causal_mask,
+    )
+
+    builders = {
+        FULL: create_causal_mask,
+        SLIDING: create_sliding_window_causal_mask,
+        CHUNKED: create_chunked_causal_mask,
+    }
+    B, L = position_ids.shape
+    embeds = torch.empty(B, L, 0, dtype=dtype, device=position_ids.device)  # the builders read its shape and dtype
+    masks = {t: builders[t](config, embeds, None, None, position_ids) for t in dict.fromkeys(layer_types(config))}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def takes_mask_mapping(model_class: type) -> bool:
+    """Whether the model takes {layer type: mask} as its attention_mask, as transformers'
+    models with mixed layer types do (they test `isinstance(attention_mask, dict)`): read
+    from the source of the module that defines the model (transformers has no flag for it)."""
+    try:
+        return "attention_mask, dict)" in inspect.getsource(sys.modules[model_class.__module__])
+    except (KeyError, OSError, TypeError):
+        return False
+
+
+def transformers_model(model):
+    """The transformers model inside `model` (DDP, DeepSpeed, peft wrap it; FSDP2 changes
+    its class in place): the first PreTrainedModel in module order."""
+    from transformers import PreTrainedModel
+
+    return next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What a run's attention will be: `name` (model.attn_implementation resolved), why,
+    and the layers' pattern."""
+
+    name: str
+    reason: str
+    pattern: str
+
+    def lines(self, packing: bool) -> list[str]:
+        out = [f"backend: {self.name} ({self.reason})", f"pattern: {self.pattern}"]
+        if packing:
+            out.append("packed: each sample gets that pattern from its own first token, and sees no other sample")
+        return out
+
+
+# Why transformers refuses SDPA for these models: their attention does what SDPA cannot.
+_NO_SDPA_BECAUSE = {"gemma2": "soft-capped attention scores", "gpt_oss": "attention sinks"}
+
+
+def choose(requested: str, model_class: type, mcfg, packing: bool, device: torch.device) -> Attention:
+    """model.attn_implementation resolved for this model and device, with the reason.
+    'auto' takes FlexAttention for packed batches on a GPU (block-sparse masks that skip
+    what no sample reaches), SDPA where the model supports it, else FlexAttention on a GPU
+    and eager on CPU (PyTorch has no FlexAttention backward on CPU). A backend the model
+    does not support is refused here, naming the ones it does."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    arch = model_class.__name__
+    sdpa = bool(getattr(model_class, "_supports_sdpa", False))
+    flex = bool(getattr(model_class, "_supports_flex_attn", False))
+    supported = ["eager", *(["sdpa"] if sdpa else []), *(["flex_attention"] if flex else [])]
+    known = ["auto", "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if requested not in known and "/" not in requested:  # 'owner/repo' names a kernel on the hub
+        raise AttentionError(
+            f"model.attn_implementation: unknown backend {requested!r}; use one of {', '.join(known)} "
+            "(or a hub kernel as 'owner/repo')"
+        )
+    gpu = device.type == "cuda"
+    if requested == "auto":
+        if packing and gpu and flex:
+            name, reason = (
+                "flex_attention",
+                "auto: packed batches on a GPU; block-sparse masks skip what no sample sees",
+            )
+        elif sdpa:
+            name, reason = (
+                "sdpa",
+                "auto: PyTorch's fused attention"
+                + ("; FlexAttention has no backward on CPU" if packing and flex and not gpu else ""),
+            )
+        else:
+            why = _NO_SDPA_BECAUSE.get(getattr(mcfg, "model_type", ""))
+            because = f"{arch} does not support SDPA" + (f" ({why})" if why else "")
+            name, reason = ("flex_attention", f"auto: {because}") if gpu and flex else ("eager", f"auto: {because}")
+            if name == "eager" and flex:
+                reason += "; FlexAttention has no backward on CPU"
+    else:
+        name, reason = requested, "model.attn_implementation"
+        base = name.split("|")[-1]
+        if base in ("sdpa", "flex_attention") and base not in supported:
+            raise AttentionError(
+                f"model.attn_implementation: {arch} does not support {name}; use auto or one of {', '.join(supported)}"
+            )
+        if base == "flex_attention" and not gpu:
+            raise AttentionError(
+                "model.attn_implementation: flex_attention cannot train on CPU (PyTorch has no "
+                "FlexAttention backward there); use auto, " + " or ".join(s for s in supported if s != "flex_attention")
+            )
+    if packing:
+        _check_packable(model_class, mcfg)
+    return Attention(name, reason, describe_pattern(mcfg))
+
+
+def _check_packable(model_class: type, mcfg) -> None:
+    arch = model_class.__name__
+    if "position_ids" not in inspect.signature(model_class.forward).parameters:
+        raise AttentionError(
+            f"data.packing: {arch} takes no position_ids, so packed samples cannot start their positions at 0; "
+            "set data.packing=false"
+        )
+    types = set(layer_types(mcfg))
+    if unknown := sorted(types - {FULL, SLIDING, CHUNKED}):
+        raise AttentionError(
+            f"data.packing: {arch} has {', '.join(unknown)} layers, which llmtrain cannot keep within packed "
+            "samples; set data.packing=false"
+        )
+    if len(types) > 1 and not takes_mask_mapping(model_class):
+        raise AttentionError(
+            f"data.packing: {arch} mixes layer types ({describe_pattern(mcfg)}) but takes no mask per type, so "
+            "packed samples cannot get each layer's own mask; set data.packing=false"
+        )

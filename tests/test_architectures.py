@@ -1,0 +1,131 @@
+"""Every architecture in tests/architectures.py trains as it infers: packed samples get
+the model's own attention pattern (sliding windows, per-layer types) and nothing of each
+other, in every backend the model supports on CPU; auto picks a backend the model takes."""
+
+import pytest
+import torch
+
+from llmtrain.attention import choose, layer_types
+from llmtrain.batches import Collator
+from llmtrain.config import DataConfig
+from llmtrain.data import process_row
+from llmtrain.demo import make_rows
+from llmtrain.objective import model_inputs
+from llmtrain.packing import PackedDataset
+
+from .architectures import ARCHITECTURES, SLIDING, WINDOW, build
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory, tokenizer):
+    """name -> a saved tiny model of that architecture (built on first use)."""
+    root, built = tmp_path_factory.mktemp("zoo"), {}
+
+    def get(name):
+        if name not in built:
+            built[name] = build(name, root / name, tokenizer)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    import datasets
+
+    rows = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(10, seed=11)]
+    return datasets.Dataset.from_list(rows)
+
+
+def backends(name):
+    return ["eager"] if name in ("gemma2", "gpt_oss") else ["sdpa", "eager"]
+
+
+@pytest.mark.parametrize(
+    "name,attn", [(n, a) for n in ARCHITECTURES for a in backends(n)], ids=lambda x: x if isinstance(x, str) else None
+)
+def test_packed_logits_equal_each_sample_run_alone(zoo, tokenizer, examples, name, attn):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation=attn).eval()
+    assert min(examples["length"]) > WINDOW  # every sample is longer than the window
+    packed = PackedDataset(examples, capacity=256)
+    assert max(len(b) for b in packed.bins) > 1
+    batch = Collator(tokenizer.pad_token_id, pack_width=256)([packed[j] for j in range(len(packed))])
+    with torch.no_grad():
+        logits = model(**model_inputs(model, batch, attn)).logits
+        # A causal mask within each sample that knows no windows (what packing trained before).
+        docs = batch["doc_ids"]
+        causal = (docs[:, :, None] == docs[:, None, :]) & torch.ones(docs.shape[1], docs.shape[1]).tril().bool()
+        causal = (
+            causal[:, None]
+            if attn == "sdpa"
+            else torch.zeros(causal[:, None].shape).masked_fill(~causal[:, None], -1e30)
+        )
+        causal_only = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=causal
+        ).logits
+        differs = 0
+        for j, rows in enumerate(packed.bins):
+            start = 0
+            for i in rows:
+                ids = torch.tensor([examples[i]["input_ids"]])
+                alone = model(input_ids=ids).logits[0]
+                span = slice(start, start + ids.shape[1])
+                torch.testing.assert_close(logits[j, span], alone, atol=2e-5, rtol=1e-5)
+                differs += not torch.allclose(causal_only[j, span], alone, atol=1e-4)
+                start += ids.shape[1]
+    assert (differs > 0) == (name in SLIDING), "the window must matter exactly for the sliding-window models"
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_auto_picks_a_backend_the_model_loads_with(zoo, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mcfg = AutoConfig.from_pretrained(zoo(name))
+    cls = type(AutoModelForCausalLM.from_config(mcfg))
+    for packing in (True, False):
+        attention = choose("auto", cls, mcfg, packing, torch.device("cpu"))
+        assert attention.name == ("eager" if name in ("gemma2", "gpt_oss") else "sdpa")
+        AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation=attention.name)
+    gpu = choose("auto", cls, mcfg, True, torch.device("cuda"))
+    assert gpu.name == ("sdpa" if name == "gpt2" else "flex_attention")  # GPT-2 alone has no FlexAttention
+    types = layer_types(mcfg)
+    assert len(types) == 2 and (set(types) != {"full_attention"}) == (name in SLIDING)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gpt_oss"])
+def test_flex_block_mask_keeps_the_window_on_a_gpu(zoo, tokenizer, examples, name):
+    """FlexAttention's BlockMask (what auto takes for packed data on a GPU) against the
+    dense mask of the model's other backend, with windows shorter than the samples:
+    same logits, same loss and gradients, and each sample's logits as run alone."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.objective import TokenLoss
+
+    packed = PackedDataset(examples, capacity=256)
+    batch = Collator(tokenizer.pad_token_id, pack_width=256)([packed[j] for j in range(len(packed))])
+    batch = {k: v.cuda() for k, v in batch.items()}
+    results = {}
+    for attn in ("flex_attention", backends(name)[0]):
+        model = AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation=attn).cuda()
+        with torch.no_grad():
+            logits = model.eval()(**model_inputs(model, batch, attn)).logits
+        loss = TokenLoss(attn)(model.train(), batch).total
+        loss.backward()
+        grads = {k: p.grad.float() for k, p in model.named_parameters() if p.grad is not None}
+        results[attn] = logits, loss.detach(), grads
+    (flex, l_flex, g_flex), (dense, l_dense, g_dense) = results.values()
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(l_flex, l_dense, atol=1e-3, rtol=1e-5)
+    for key, g in g_dense.items():
+        torch.testing.assert_close(g_flex[key], g, atol=1e-4, rtol=1e-3)
+    start = 0
+    for i in packed.bins[0]:
+        ids = torch.tensor([examples[i]["input_ids"]], device="cuda")
+        with torch.no_grad():
+            alone = model.eval()(input_ids=ids).logits[0]
+        torch.testing.assert_close(flex[0, start : start + ids.shape[1]], alone, atol=1e-4, rtol=1e-4)
+        start += ids.shape[1]
