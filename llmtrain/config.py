@@ -101,6 +101,10 @@ class ModelConfig:
     quantization: Literal["none", "nf4", "fp4", "int8"] = "none"
     """Load the frozen base weights quantized by bitsandbytes (QLoRA): 'nf4' or 'fp4'
     (4-bit) or 'int8'; only with model.lora.enabled. Needs pip install -e ".[qlora]"."""
+    router_aux_loss: Literal["model", "train", "log"] = "model"
+    """Mixture-of-experts models: the router load-balancing loss, times the model's
+    router_aux_loss_coef, is trained as the model's config says (output_router_logits),
+    'train': always, 'log': never; the metrics row logs it (router_aux) in each case."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -35,7 +35,7 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import packed_mask, transformers_model
 from .data import IGNORE
 from .model import chunkable_head
+from .router import RouterBalance
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,27 @@ class TokenLoss:
     metric_names = ()
     progress_metrics: dict[str, str] = {}
 
-    def __init__(self, attn_implementation: str, chunk_tokens: int = 0, head: torch.nn.Linear | None = None):
+    def __init__(
+        self,
+        attn_implementation: str,
+        chunk_tokens: int = 0,
+        head: torch.nn.Linear | None = None,
+        router: RouterBalance | None = None,
+    ):
         self.attn_implementation = attn_implementation
         self.head = head if chunk_tokens > 0 else None
         self.chunk = chunk_tokens if self.head is not None else 0  # whole logits when the head cannot be chunked
+        self.router = router
+        if router is not None:  # mixture of experts: the router's balance, trained or only logged
+            self.metric_names, self.progress_metrics = ("router_aux",), {"router_aux": "aux"}
 
     @classmethod
-    def for_model(cls, model, attn_implementation: str, chunk_tokens: int) -> TokenLoss:
+    def for_model(cls, model, attn_implementation: str, chunk_tokens: int, router_aux: str = "model") -> TokenLoss:
         """Built once, before accelerator.prepare: finds the output layer the chunked loss
-        can stand in for (none for some architectures and LoRA-adapted heads)."""
-        return cls(attn_implementation, chunk_tokens, chunkable_head(model) if chunk_tokens else None)
+        can stand in for (none for some architectures and LoRA-adapted heads), and the
+        router loss of a mixture-of-experts model (router.RouterBalance)."""
+        head = chunkable_head(model) if chunk_tokens else None
+        return cls(attn_implementation, chunk_tokens, head, RouterBalance.for_model(model, router_aux))
 
     def count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE).sum())
@@ -98,12 +110,17 @@ class TokenLoss:
     def __call__(self, model, batch: dict) -> Loss:
         kwargs = model_inputs(model, batch, self.attn_implementation)
         labels = batch["labels"]
-        if self.head is None:
-            logits = model(**kwargs).logits
-            flat = logits.float().flatten(0, 1)
-            return Loss(F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum"))
-        with trained_head(self.head, labels, self.chunk, _chunk_loss, _total):
-            return Loss(model(**kwargs).logits)
+        with self.router.recording() if self.router else nullcontext() as router_logits:
+            if self.head is None:
+                flat = model(**kwargs).logits.float().flatten(0, 1)
+                total = F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            else:
+                with trained_head(self.head, labels, self.chunk, _chunk_loss, _total):
+                    total = model(**kwargs).logits
+        if self.router is None:
+            return Loss(total)
+        aux = self.router.weighted_sum(router_logits, batch)
+        return Loss(total + self.router.coef * aux, {"router_aux": aux.detach()})
 
 
 def model_inputs(model, batch: dict, attn_implementation: str) -> dict:

@@ -46,6 +46,22 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def zoo(tmp_path_factory, tokenizer):
+    """name -> a saved tiny model of that architecture (tests/architectures.py), built on
+    first use with the tiny model's tokenizer."""
+    from .architectures import build
+
+    root, built = tmp_path_factory.mktemp("zoo"), {}
+
+    def get(name):
+        if name not in built:
+            built[name] = build(name, root / name, tokenizer)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 

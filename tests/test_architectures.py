@@ -13,20 +13,7 @@ from llmtrain.demo import make_rows
 from llmtrain.objective import model_inputs
 from llmtrain.packing import PackedDataset
 
-from .architectures import ARCHITECTURES, SLIDING, WINDOW, build
-
-
-@pytest.fixture(scope="session")
-def zoo(tmp_path_factory, tokenizer):
-    """name -> a saved tiny model of that architecture (built on first use)."""
-    root, built = tmp_path_factory.mktemp("zoo"), {}
-
-    def get(name):
-        if name not in built:
-            built[name] = build(name, root / name, tokenizer)
-        return built[name]
-
-    return get
+from .architectures import ARCHITECTURES, SLIDING, WINDOW
 
 
 @pytest.fixture(scope="module")
