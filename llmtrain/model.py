@@ -12,7 +12,7 @@ import torch
 from .attention import Attention
 from .attention import choose as choose_attention
 from .config import ModelConfig
-from .errors import UserError, describe
+from .errors import UserError, describe, warn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -239,22 +239,31 @@ def load_model(cfg: ModelConfig):
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return add_lora(model, cfg) if cfg.lora.enabled else model
+    return add_lora(model, cfg, warn) if cfg.lora.enabled else model
 
 
-def add_lora(model, cfg: ModelConfig):
+def add_lora(model, cfg: ModelConfig, report=None):
     """The model with peft LoRA adapters per model.lora (also on the meta-device model of
-    `llmtrain plan`, which counts what they train)."""
+    `llmtrain plan`, which counts what they train). `report` gets a line when the
+    experts of a mixture-of-experts model are left without adapters (`lora_targets`)."""
     from peft import LoraConfig, get_peft_model
 
     lora = cfg.lora
+    modules, parameters, skipped = lora_targets(model, lora)
+    if skipped and report is not None:
+        report(
+            f"model.lora: the experts' weights ({', '.join(skipped)}) get no adapters: peft adapts fused expert "
+            "weights only without dropout; set model.lora.dropout=0 to adapt them too"
+        )
     adapters = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=modules,
+        target_parameters=parameters or None,
         task_type="CAUSAL_LM",
     )
+    linear = _linear_names(model)  # read now: peft changes the model in place before it may fail
     if is_quantized(model):
         # QLoRA: layer norms and embeddings in fp32, inputs that require grad, and
         # checkpointing set up the way peft's k-bit training expects.
@@ -270,13 +279,47 @@ def add_lora(model, cfg: ModelConfig):
     try:
         return get_peft_model(model, adapters)
     except ValueError as e:  # peft: no module matches target_modules (or a module it cannot adapt)
-        linear = sorted(
-            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        )
         raise ModelError(
             f"model.lora.target_modules: {lora.target_modules!r} cannot be adapted ({describe(e)}); the model's "
             f"linear layers are named {', '.join(linear)}; or use all-linear"
         ) from None
+
+
+def _linear_names(model) -> list[str]:
+    """The last names of the model's linear layers (nn.Linear, GPT-2's Conv1D and their
+    quantized forms), but its output layer."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
+        }
+    )
+
+
+def lora_targets(model, lora) -> tuple[str | list[str], list[str], list[str]]:
+    """(target_modules, target_parameters, expert weights left out) for peft. A list of
+    names is used as given. 'all-linear' is resolved here rather than by peft: peft turns
+    it, on Mixtral- and Qwen-MoE-shaped models, into the router and the fused expert
+    weights as well, which its parameter wrapper adapts only without dropout (and the
+    router is better left alone: adapting it shifts which experts see which tokens). So
+    'all-linear' is every linear layer but the output layer (attention, dense MLPs, shared
+    experts), plus the fused expert weights (3-D parameters such as experts.gate_up_proj)
+    when model.lora.dropout is 0; with dropout they are left out, and named."""
+    if lora.target_modules != "all-linear":
+        return lora.target_modules, [], []
+    experts = sorted(
+        {
+            f"{name.rsplit('.', 1)[-1]}.{p}"
+            for name, module in model.named_modules()
+            for p, weight in module.named_parameters(recurse=False)
+            if weight.ndim == 3
+        }
+    )
+    return _linear_names(model), (experts if lora.dropout == 0 else []), (experts if lora.dropout else [])
 
 
 def compile_blocks(model) -> int:

@@ -64,7 +64,9 @@ class RouterBalance:
         if loss_fn is None or coef is None or not experts or not top_k or target is None:
             return None
         routers = [m for m in model.modules() if isinstance(m, target)]
-        trained = setting == "train" or (setting == "model" and bool(getattr(base.config, "output_router_logits", False)))
+        trained = setting == "train" or (
+            setting == "model" and bool(getattr(base.config, "output_router_logits", False))
+        )
         return cls(loss_fn, experts, top_k, float(coef) if trained else 0.0, routers, recorder.index)
 
     def weighted_sum(self, router_logits: list[torch.Tensor], batch: dict) -> torch.Tensor:

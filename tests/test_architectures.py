@@ -2,6 +2,9 @@
 the model's own attention pattern (sliding windows, per-layer types) and nothing of each
 other, in every backend the model supports on CPU; auto picks a backend the model takes."""
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from llmtrain.demo import make_rows
 from llmtrain.objective import model_inputs
 from llmtrain.packing import PackedDataset
 
-from .architectures import ARCHITECTURES, SLIDING, WINDOW
+from .architectures import ARCHITECTURES, MOE, SLIDING, WINDOW
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +119,77 @@ def test_flex_block_mask_keeps_the_window_on_a_gpu(zoo, tokenizer, examples, nam
             alone = model.eval()(input_ids=ids).logits[0]
         torch.testing.assert_close(flex[0, start : start + ids.shape[1]], alone, atol=1e-4, rtol=1e-4)
         start += ids.shape[1]
+
+
+LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
+MODES = {
+    "full": [],
+    "lora": LORA,  # with dropout: the experts of MoE models get no adapters
+    "lora_experts": [*LORA, "model.lora.dropout=0"],  # MoE models only: the fused expert weights too
+}
+RUNS = [(name, mode) for name in ARCHITECTURES for mode in MODES if mode != "lora_experts" or name in MOE]
+
+
+@pytest.fixture(scope="module")
+def trained(zoo, base_config, chat_file, cache_env, tmp_path_factory):
+    """(architecture, mode) -> its output_dir, after a packed run of 2 steps of each, all
+    in one process (tests/arch_runs.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, recipe_args
+
+    root = tmp_path_factory.mktemp("arch-runs")
+    runs = {
+        f"{name}-{mode}": recipe_args(
+            base_config,
+            zoo(name),
+            chat_file,
+            root / f"{name}-{mode}",
+            "data.packing=true",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            "checkpoint.every_steps=0",
+            *extra,
+        )
+        for name, mode in RUNS
+        for extra in [MODES[mode]]
+    }
+    (root / "runs.json").write_text(json.dumps(runs))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "arch_runs.py"), str(root / "runs.json")],
+        env=cache_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {tuple(key.rsplit("-", 1)): (root / key, outcome) for key, outcome in results.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode", RUNS, ids=[f"{n}-{m}" for n, m in RUNS])
+def test_a_packed_run_trains_and_exports_a_model_transformers_generates_from(trained, tokenizer, name, mode):
+    from transformers import AutoModelForCausalLM
+
+    out, outcome = trained[name, mode]
+    assert outcome == "ok", outcome
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    lora = mode.startswith("lora")
+    assert (out / "final" / ("adapter_config.json" if lora else "config.json")).is_file()
+    if lora:  # the adapters sit where all-linear puts them: never the router, the experts only without dropout
+        adapted = json.loads((out / "final" / "adapter_config.json").read_text())
+        assert "gate" not in adapted["target_modules"] and "router" not in adapted["target_modules"]
+        assert bool(adapted["target_parameters"]) == (mode == "lora_experts"), adapted["target_parameters"]
+    model = AutoModelForCausalLM.from_pretrained(out / "final").eval()  # a LoRA final/ loads through peft
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    new = model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
+    assert len(new) >= 1
