@@ -192,10 +192,11 @@ def pad_id(tokenizer) -> int:
             return tid
 
 
-def quantization_kwargs(cfg: ModelConfig) -> dict:
+def quantization_kwargs(cfg: ModelConfig, report=None) -> dict:
     """from_pretrained's arguments for model.quantization: bitsandbytes' config, and the
     process's own device, where the weights are quantized as they load (a quantized model
-    cannot be moved afterwards)."""
+    cannot be moved afterwards). 4-bit on CPU: the linear layers bitsandbytes' CPU kernels
+    cannot take stay unquantized (`cpu_4bit_unfit`), and `report` gets a line naming them."""
     if cfg.quantization == "none":
         return {}
     try:
@@ -212,10 +213,63 @@ def quantization_kwargs(cfg: ModelConfig) -> dict:
     if cfg.quantization == "int8":
         quant = BitsAndBytesConfig(load_in_8bit=True)
     else:
+        skip = None
+        if PartialState().device.type == "cpu":
+            skip = cpu_4bit_skips(cfg, report)
         quant = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization, bnb_4bit_compute_dtype=compute
+            load_in_4bit=True,
+            bnb_4bit_quant_type=cfg.quantization,
+            bnb_4bit_compute_dtype=compute,
+            llm_int8_skip_modules=skip,
         )
     return {"quantization_config": quant, "device_map": {"": PartialState().device}}
+
+
+# bitsandbytes' CPU 4-bit kernels (its inference path, which evaluation and sampling take)
+# repack each weight in groups of 32 output rows and in its 64-value quantization blocks,
+# and fail mid-run on other widths (an AssertionError or a reshape error, 0.50).
+CPU_4BIT_OUT_MULTIPLE, CPU_4BIT_IN_MULTIPLE = 32, 64
+
+
+def cpu_4bit_unfit(model) -> dict[str, tuple[int, int]]:
+    """{name: (in, out)} of the linear layers transformers would quantize to 4-bit whose
+    widths bitsandbytes' CPU kernels cannot take."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    kept = set(get_keys_to_not_convert(model))
+    return {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and name not in kept
+        and (m.in_features % CPU_4BIT_IN_MULTIPLE or m.out_features % CPU_4BIT_OUT_MULTIPLE)
+    }
+
+
+def cpu_4bit_skips(cfg: ModelConfig, report=None) -> list[str] | None:
+    """llm_int8_skip_modules for a 4-bit load on CPU: transformers' own (the output layer)
+    and the layers of `cpu_4bit_unfit`, or None (transformers' default) when all fit."""
+    import re
+
+    from transformers import AutoConfig
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    meta = _meta(cfg, AutoConfig.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg)), torch.float32)
+    unfit = cpu_4bit_unfit(meta)
+    if not unfit:
+        return None
+    if report is not None:
+        shapes: dict[tuple, int] = {}
+        for name, (i, o) in unfit.items():
+            key = (re.sub(r"\.\d+\.", ".N.", name), i, o)
+            shapes[key] = shapes.get(key, 0) + 1
+        listed = ", ".join(f"{n} ({i} in, {o} out; {k} layer{'s' * (k > 1)})" for (n, i, o), k in shapes.items())
+        report(
+            f"model.quantization: {len(unfit)} linear layer(s) stay unquantized on CPU: bitsandbytes' CPU 4-bit "
+            f"kernels need inputs a multiple of {CPU_4BIT_IN_MULTIPLE} and outputs of {CPU_4BIT_OUT_MULTIPLE} wide: "
+            + listed
+        )
+    return get_keys_to_not_convert(meta) + [re.escape(name) for name in unfit]
 
 
 def is_quantized(model) -> bool:
@@ -225,7 +279,7 @@ def is_quantized(model) -> bool:
 def load_model(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 
-    quantized = quantization_kwargs(cfg)
+    quantized = quantization_kwargs(cfg, warn)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,

@@ -14,6 +14,10 @@ KNOWN_HARMLESS = {
     # second name of the tied weight is left out of the file and tied again on load (every
     # resume test reloads such checkpoints to bit-identical weights).
     "accelerate.utils.other": "Removed shared tensor {",
+    # bitsandbytes, at import (peft imports it in every run, quantized or not), on CPUs with
+    # AVX512-BF16: it looks for an optional kernel package from the hub, which llmtrain
+    # never downloads, and uses its own CPU kernels instead.
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
 }
 
 

@@ -2,6 +2,7 @@
 the model's own attention pattern (sliding windows, per-layer types) and nothing of each
 other, in every backend the model supports on CPU; auto picks a backend the model takes."""
 
+import importlib.util
 import json
 import math
 
@@ -126,8 +127,14 @@ MODES = {
     "full": [],
     "lora": LORA,  # with dropout: the experts of MoE models get no adapters
     "lora_experts": [*LORA, "model.lora.dropout=0"],  # MoE models only: the fused expert weights too
+    "qlora": [*LORA, "model.quantization=nf4"],  # where bitsandbytes is installed
 }
-RUNS = [(name, mode) for name in ARCHITECTURES for mode in MODES if mode != "lora_experts" or name in MOE]
+RUNS = [
+    (name, mode)
+    for name in ARCHITECTURES
+    for mode in MODES
+    if (mode != "lora_experts" or name in MOE) and (mode != "qlora" or importlib.util.find_spec("bitsandbytes"))
+]
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +187,7 @@ def test_a_packed_run_trains_and_exports_a_model_transformers_generates_from(tra
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    lora = mode.startswith("lora")
+    lora = mode != "full"
     assert (out / "final" / ("adapter_config.json" if lora else "config.json")).is_file()
     if lora:  # the adapters sit where all-linear puts them: never the router, the experts only without dropout
         adapted = json.loads((out / "final" / "adapter_config.json").read_text())

@@ -85,3 +85,64 @@ def test_qlora_trains_alike_on_one_process_under_ddp_and_under_fsdp2(
         rows = train_rows(tmp_path / name)
         assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-5), name
         assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4), name
+
+
+def test_layers_bitsandbytes_cpu_kernels_cannot_take_stay_unquantized(base_config, tmp_path, cache_env, tokenizer):
+    """An intermediate width of 340 (not a multiple of 32 or 64): gate, up and down
+    projections stay unquantized with one warning naming them, and the run trains and
+    evaluates (bitsandbytes' inference path failed mid-run on them)."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmtrain.demo import make_rows, write_jsonl
+
+    model = tmp_path / "odd"
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=340,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(make_rows(12, seed=4), data)
+    out = tmp_path / "out"
+    proc = run_recipe(
+        recipe_args(
+            base_config,
+            model,
+            data,
+            out,
+            "model.quantization=nf4",
+            "model.lora.enabled=true",
+            f"data.eval={data}",
+            "eval.every_steps=2",
+            "train.max_steps=2",
+            "train.micro_batch_size=4",
+        ),
+        cache_env,
+    )
+    warning = [line for line in proc.stderr.splitlines() if "stay unquantized" in line]
+    assert len(warning) == 1, proc.stderr[-3000:]
+    assert "6 linear layer(s)" in warning[0] and "model.layers.N.mlp.down_proj (340 in, 64 out; 2 layers)" in warning[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2]
+    assert "Failed to load CPU gemm_4bit_forward" not in proc.stderr  # bitsandbytes' import line is dropped
+
+
+def test_the_4bit_cpu_check_names_exactly_the_layers_of_odd_widths():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmtrain.model import cpu_4bit_unfit
+
+    with torch.device("meta"):
+        fits = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=99))
+        odd = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, vocab_size=99))
+    assert cpu_4bit_unfit(fits) == {}  # the output layer (99 wide) is never quantized
+    assert cpu_4bit_unfit(odd) == {"model.layers.0.mlp.down_proj": (96, 64)}  # 96 out is fine, 96 in is not
