@@ -191,17 +191,20 @@ def demo_pairs(tmp_path_factory, tokenizer):
     return ds.add_column("pair_index", list(range(len(ds))))
 
 
-def test_packed_pairs_give_each_answer_the_log_probs_it_has_alone(tiny_model, tokenizer, demo_pairs):
-    """Whole pairs packed several to a row under the document mask: every answer's summed
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_packed_pairs_give_each_answer_the_log_probs_it_has_alone(tiny_model, zoo, tokenizer, demo_pairs, name):
+    """Whole pairs packed several to a row under the packed mask: every answer's summed
     log-prob and token count equal those of its pair run alone, unpadded, so no answer
-    sees another (nor its own pair's other answer); the same padded."""
+    sees another (nor its own pair's other answer), also with sliding windows shorter
+    than the answers; the same padded."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from llmtrain.pairs import PackedPairs, PairCollator
     from llmtrain.preference import PreferenceLoss
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    path = tiny_model if name == "llama" else zoo(name)  # windows of 8 on every (Mistral) or every other layer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     packed = PackedPairs(demo_pairs, capacity=2 * CFG.max_seq_len)
     assert len(packed) < len(demo_pairs) / 2, "several pairs share a row"
     collate = PairCollator(0, pack_width=2 * CFG.max_seq_len)
@@ -211,6 +214,7 @@ def test_packed_pairs_give_each_answer_the_log_probs_it_has_alone(tiny_model, to
             sums, tokens = PreferenceLoss("sigmoid", 0.1).logps(model, collate([demo_pairs[i]]))
             expected[i] = (sums.tolist(), tokens.tolist())
         for attn in ("sdpa", "eager"):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
             objective = PreferenceLoss("sigmoid", 0.1, attn_implementation=attn)
             seen = []
             for start in range(0, len(packed), 3):
