@@ -77,7 +77,8 @@ class LoraConfig:
     dropout: Annotated[float, BELOW_1] = 0.05
     """Dropout on the LoRA input."""
     target_modules: str | list[str] = "all-linear"
-    """Modules to adapt: 'all-linear' or a list of module names such as [q_proj, v_proj]."""
+    """Modules to adapt: 'all-linear' (every linear layer but the output layer and MoE
+    routers, plus fused expert weights when dropout is 0) or names such as [q_proj, v_proj]."""
 
 
 @dataclass
@@ -92,8 +93,9 @@ class ModelConfig:
     compute with Accelerate's mixed_precision; bfloat16 here halves weight memory."""
     attn_implementation: str = "auto"
     """Attention backend passed to transformers: sdpa, eager, flex_attention,
-    flash_attention_2, ... 'auto' takes flex_attention for packed data on a GPU (a
-    block-sparse document mask) and sdpa otherwise."""
+    flash_attention_2, ... 'auto' takes flex_attention for packed data on a GPU (block-sparse
+    masks), else sdpa where the model supports it, else flex_attention on a GPU and eager
+    on CPU (Gemma 2's soft-capping, gpt-oss's sinks); llmtrain plan says which and why."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False

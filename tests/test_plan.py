@@ -44,6 +44,24 @@ def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model,
     assert "<|im_start|>assistant\n\u27e6" in row and "<|im_end|>\n\u27e7" in row
     assert "<|im_start|>user\n\u27e6" not in row  # user turns are masked
     assert "output_dir:" in out  # the resolved config
+    assert "== attention (CPU) ==\n  backend: sdpa (auto: PyTorch's fused attention" in out
+    assert "pattern: full causal on all 2 layers" in out
+
+
+def test_plan_says_which_attention_a_model_gets_and_why(base_config, zoo, chat_file, cache_env):
+    """Gemma 2 on CPU: eager, because it does not support SDPA; its sliding and full layers."""
+    args = ["--config", str(base_config), f"model.name_or_path={zoo('gemma2')}", f"data.train={chat_file}"]
+    proc = plan(*args, "data.packing=true", env=cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend: eager (auto: Gemma2ForCausalLM does not support SDPA (soft-capped attention scores)" in proc.stdout
+    assert "pattern: sliding window of 8 tokens on 1 layer, full causal on 1 layer" in proc.stdout
+    assert "packed: each sample gets that pattern from its own first token" in proc.stdout
+    refused = plan(*args, "model.attn_implementation=sdpa", env=cache_env)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: model.attn_implementation: Gemma2ForCausalLM does not support sdpa; use auto or one of eager, "
+        "flex_attention"
+    )
 
 
 def test_plan_of_a_preference_run_shows_a_pair_and_its_reference(base_config, tiny_model, cache_env, tmp_path):
