@@ -317,7 +317,7 @@ def add_lora(model, cfg: ModelConfig, report=None):
         target_parameters=parameters or None,
         task_type="CAUSAL_LM",
     )
-    linear = _linear_names(model)  # read now: peft changes the model in place before it may fail
+    linear = _linear_names(model, head=True)  # read now: peft changes the model in place before it may fail
     if is_quantized(model):
         # QLoRA: layer norms and embeddings in fp32, inputs that require grad, and
         # checkpointing set up the way peft's k-bit training expects.
@@ -339,12 +339,12 @@ def add_lora(model, cfg: ModelConfig, report=None):
         ) from None
 
 
-def _linear_names(model) -> list[str]:
+def _linear_names(model, head: bool = False) -> list[str]:
     """The last names of the model's linear layers (nn.Linear, GPT-2's Conv1D and their
-    quantized forms), but its output layer."""
+    quantized forms), with its output layer or without."""
     from transformers.pytorch_utils import Conv1D
 
-    head = model.get_output_embeddings()
+    head = None if head else model.get_output_embeddings()
     return sorted(
         {
             n.rsplit(".", 1)[-1]

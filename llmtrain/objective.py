@@ -82,14 +82,7 @@ class TokenLoss:
     metric_names = ()
     progress_metrics: dict[str, str] = {}
 
-    def __init__(
-        self,
-        attn_implementation: str,
-        chunk_tokens: int = 0,
-        head: torch.nn.Linear | None = None,
-        router: RouterBalance | None = None,
-    ):
-        self.attn_implementation = attn_implementation
+    def __init__(self, chunk_tokens: int = 0, head: torch.nn.Linear | None = None, router: RouterBalance | None = None):
         self.head = head if chunk_tokens > 0 else None
         self.chunk = chunk_tokens if self.head is not None else 0  # whole logits when the head cannot be chunked
         self.router = router
@@ -97,18 +90,18 @@ class TokenLoss:
             self.metric_names, self.progress_metrics = ("router_aux",), {"router_aux": "aux"}
 
     @classmethod
-    def for_model(cls, model, attn_implementation: str, chunk_tokens: int, router_aux: str = "model") -> TokenLoss:
+    def for_model(cls, model, chunk_tokens: int, router_aux: str = "model") -> TokenLoss:
         """Built once, before accelerator.prepare: finds the output layer the chunked loss
         can stand in for (none for some architectures and LoRA-adapted heads), and the
         router loss of a mixture-of-experts model (router.RouterBalance)."""
         head = chunkable_head(model) if chunk_tokens else None
-        return cls(attn_implementation, chunk_tokens, head, RouterBalance.for_model(model, router_aux))
+        return cls(chunk_tokens, head, RouterBalance.for_model(model, router_aux))
 
     def count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE).sum())
 
     def __call__(self, model, batch: dict) -> Loss:
-        kwargs = model_inputs(model, batch, self.attn_implementation)
+        kwargs = model_inputs(model, batch)
         labels = batch["labels"]
         with self.router.recording() if self.router else nullcontext() as router_logits:
             if self.head is None:
@@ -123,10 +116,11 @@ class TokenLoss:
         return Loss(total + self.router.coef * aux, {"router_aux": aux.detach()})
 
 
-def model_inputs(model, batch: dict, attn_implementation: str) -> dict:
+def model_inputs(model, batch: dict) -> dict:
     """The model's keyword arguments for a padded batch (attention_mask) or a packed one
     (position_ids restarting at 0 for each sample, and the model's own attention pattern
-    within each sample: attention.packed_mask)."""
+    within each sample, in the form of the backend the model was loaded with:
+    attention.packed_mask)."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "doc_ids" not in batch:
         kwargs["attention_mask"] = batch["attention_mask"]

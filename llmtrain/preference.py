@@ -3,8 +3,8 @@ objective (see `objective`) whose unit is the pair.
 
 A pair micro-batch (pairs.PairCollator) holds k pairs as 2k answer sequences, each with
 its prompt: answers 0..k-1 are the chosen ones, k..2k-1 the rejected ones in the same
-order. Padded, answer i is row i; packed, several sit in one row under the document mask
-and `answers` says which position belongs to which. `labels` mark the answer tokens (end
+order. Padded, answer i is row i; packed, several sit in one row, each a sample of its
+own under the packed mask, and `answers` says which position belongs to which. `labels` mark the answer tokens (end
 of turn included) and are already shifted, as for SFT; `pair_index` numbers each pair in
 the data (for the reference log-probs computed before training). The loss needs,
 per answer, the sum of its tokens' log-probabilities (and their number, for the
@@ -146,7 +146,6 @@ class PreferenceLoss:
         beta: float,
         simpo_gamma: float = 0.5,
         sft_weight: float = 0.0,
-        attn_implementation: str = "sdpa",
         chunk_tokens: int = 0,
         head: torch.nn.Linear | None = None,
         adapters_off=None,
@@ -154,7 +153,6 @@ class PreferenceLoss:
         if kind not in LOSSES:
             raise ValueError(f"unknown preference loss {kind!r}; one of {LOSSES}")
         self.kind, self.beta, self.simpo_gamma, self.sft_weight = kind, beta, simpo_gamma, sft_weight
-        self.attn_implementation = attn_implementation
         self.head = head if chunk_tokens > 0 else None
         self.chunk = chunk_tokens if self.head is not None else 0
         self.adapters_off = adapters_off  # model -> context manager with the LoRA adapters disabled
@@ -170,7 +168,7 @@ class PreferenceLoss:
     def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per answer (chosen ones first): the summed log-prob of its trained tokens, and
         their number."""
-        kwargs = model_inputs(model, batch, self.attn_implementation)
+        kwargs = model_inputs(model, batch)
         labels, n = batch["labels"], 2 * self.count(batch)
         if self.head is None:
             return row_logps(whole_logits_logps(model(**kwargs).logits, labels), labels, batch["answers"], n)

@@ -33,9 +33,7 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
     if cfg.model.lora.enabled and not d.reference:  # the reference is the base model: no second copy
         adapters_off = lambda m: accelerator.unwrap_model(m).disable_adapter()  # noqa: E731
     head = chunkable_head(model) if chunk else None
-    objective = PreferenceLoss(
-        d.loss, d.beta, d.simpo_gamma, d.sft_weight, cfg.model.attn_implementation, chunk, head, adapters_off
-    )
+    objective = PreferenceLoss(d.loss, d.beta, d.simpo_gamma, d.sft_weight, chunk, head, adapters_off)
     collator = PairCollator(pad_id(tokenizer), 2 * cfg.data.max_seq_len if cfg.data.packing else 0)
     if not objective.needs_reference_pass:
         return Parts(objective, collator)
@@ -46,9 +44,7 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
             replace(cfg.model, name_or_path=d.reference, revision="", gradient_checkpointing=False, lora=off)
         )
         head = chunkable_head(ref) if chunk else None  # its own output layer
-        return ref, PreferenceLoss(
-            d.loss, d.beta, attn_implementation=cfg.model.attn_implementation, chunk_tokens=chunk, head=head
-        )
+        return ref, PreferenceLoss(d.loss, d.beta, chunk_tokens=chunk, head=head)
 
     after = ReferencePass(cfg, objective, [train_set, eval_set], collator, reference_model if d.reference else None)
     return Parts(objective, collator, after)

@@ -44,7 +44,7 @@ def test_packed_logits_equal_each_sample_run_alone(zoo, tokenizer, examples, nam
     assert max(len(b) for b in packed.bins) > 1
     batch = Collator(tokenizer.pad_token_id, pack_width=256)([packed[j] for j in range(len(packed))])
     with torch.no_grad():
-        logits = model(**model_inputs(model, batch, attn)).logits
+        logits = model(**model_inputs(model, batch)).logits
         # A causal mask within each sample that knows no windows (what packing trained before).
         docs = batch["doc_ids"]
         causal = (docs[:, :, None] == docs[:, None, :]) & torch.ones(docs.shape[1], docs.shape[1]).tril().bool()
@@ -103,8 +103,8 @@ def test_flex_block_mask_keeps_the_window_on_a_gpu(zoo, tokenizer, examples, nam
     for attn in ("flex_attention", backends(name)[0]):
         model = AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation=attn).cuda()
         with torch.no_grad():
-            logits = model.eval()(**model_inputs(model, batch, attn)).logits
-        loss = TokenLoss(attn)(model.train(), batch).total
+            logits = model.eval()(**model_inputs(model, batch)).logits
+        loss = TokenLoss()(model.train(), batch).total
         loss.backward()
         grads = {k: p.grad.float() for k, p in model.named_parameters() if p.grad is not None}
         results[attn] = logits, loss.detach(), grads

@@ -29,7 +29,7 @@ def _batch(tokenizer, packed: bool):
 
 def _loss_and_grads(model, batch, chunk):
     model.zero_grad(set_to_none=True)
-    objective = TokenLoss.for_model(model, "sdpa", chunk)
+    objective = TokenLoss.for_model(model, chunk)
     out = objective(model, batch)
     out.total.backward()
     return (
@@ -66,7 +66,7 @@ def test_chunked_loss_makes_logits_only_for_trained_positions_a_chunk_at_a_time(
     rows = []
     real = lo._chunk_loss
     monkeypatch.setattr(lo, "_chunk_loss", lambda h, *a: rows.append(h.shape[0]) or real(h, *a))
-    loss = TokenLoss.for_model(model, "sdpa", 8)(model, batch).total
+    loss = TokenLoss.for_model(model, 8)(model, batch).total
     forward_rows = list(rows)
     assert max(forward_rows) <= 8 and sum(forward_rows) == trained
     loss.backward()
@@ -102,7 +102,7 @@ def test_the_count_is_the_trained_tokens_and_the_objective_matches_it(tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     batch = _batch(tokenizer, packed=False)
-    objective = TokenLoss.for_model(model, "sdpa", 16)
+    objective = TokenLoss.for_model(model, 16)
     assert objective.head is model.lm_head and objective.unit == "tokens" and objective.metric_names == ()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -110,6 +110,6 @@ def test_the_count_is_the_trained_tokens_and_the_objective_matches_it(tiny_model
         count = objective.count(batch)
         assert count == int((batch["labels"] != -100).sum())
         assert float(objective(model, batch).total) == pytest.approx(float(mean) * count, rel=1e-5)
-    assert TokenLoss.for_model(model, "sdpa", 0).head is None
+    assert TokenLoss.for_model(model, 0).head is None
     model.config.model_type = "granite"  # scales logits after the output layer
-    assert TokenLoss.for_model(model, "sdpa", 16).head is None
+    assert TokenLoss.for_model(model, 16).head is None

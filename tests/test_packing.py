@@ -49,7 +49,7 @@ def test_packed_samples_do_not_see_each_other(tiny_model, tokenizer, examples, a
     assert len(packed) < len(examples)  # several rows per pack
     batch = Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))])
     with torch.no_grad():
-        logits = model(**model_inputs(model, batch, attn)).logits
+        logits = model(**model_inputs(model, batch)).logits
         leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         checked, leaked = 0, 0
         for j, rows in enumerate(packed.bins):
@@ -71,7 +71,7 @@ def test_packed_and_unpacked_give_the_same_summed_loss(tiny_model, tokenizer, ex
     model = load(tiny_model, attn)
     collate = Collator(tokenizer.pad_token_id)
     packed = PackedDataset(examples, capacity=256)
-    objective = TokenLoss(attn)
+    objective = TokenLoss()
     packed_batch = collate([packed[j] for j in range(len(packed))])
     padded_batch = collate([examples[i] for i in range(len(examples))])
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_flex_attention_model_on_packed_batches_matches_sdpa(tiny_model, tokeniz
     batch = Collator(tokenizer.pad_token_id)([packed[j] for j in range(len(packed))])
     with torch.no_grad():
         flex, dense = load(tiny_model, "flex_attention"), load(tiny_model, "sdpa")
-        flex, dense = flex(**model_inputs(flex, batch, "")).logits, dense(**model_inputs(dense, batch, "")).logits
+        flex, dense = flex(**model_inputs(flex, batch)).logits, dense(**model_inputs(dense, batch)).logits
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
@@ -172,7 +172,7 @@ def test_flex_attention_trains_like_the_dense_mask_on_a_gpu(tiny_model, tokenize
     for attn in ("flex_attention", "sdpa"):
         model = load(tiny_model, attn).cuda().train()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = TokenLoss.for_model(model, attn, 64)(model, batch).total
+            loss = TokenLoss.for_model(model, 64)(model, batch).total
         loss.backward()
         results[attn] = loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     (flex, g_flex), (dense, g_dense) = results["flex_attention"], results["sdpa"]

@@ -215,7 +215,7 @@ def test_packed_pairs_give_each_answer_the_log_probs_it_has_alone(tiny_model, zo
             expected[i] = (sums.tolist(), tokens.tolist())
         for attn in ("sdpa", "eager"):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
-            objective = PreferenceLoss("sigmoid", 0.1, attn_implementation=attn)
+            objective = PreferenceLoss("sigmoid", 0.1)
             seen = []
             for start in range(0, len(packed), 3):
                 batch = collate([packed[j] for j in range(start, min(start + 3, len(packed)))])

@@ -32,7 +32,7 @@ def test_each_sample_gets_the_models_own_loss_weighted_by_its_trained_tokens(zoo
     """Padded rows, packed rows and one row at a time give the same sum, and it is
     sum(trained tokens x the aux_loss the model itself returns for that row run alone)."""
     model = load(zoo, name)
-    objective = TokenLoss.for_model(model, "eager", 0, "train")
+    objective = TokenLoss.for_model(model, 0, "train")
     collate = Collator(tokenizer.pad_token_id)
     rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
     with torch.no_grad():
@@ -55,16 +55,16 @@ def test_the_loss_trains_the_router_term_as_the_setting_says(zoo, tokenizer, exa
     coef = model.config.router_aux_loss_coef
     batch = Collator(tokenizer.pad_token_id)([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
     with torch.no_grad():
-        losses = {s: TokenLoss.for_model(model, "eager", 0, s)(model, batch) for s in ("model", "train", "log")}
+        losses = {s: TokenLoss.for_model(model, 0, s)(model, batch) for s in ("model", "train", "log")}
     assert not model.config.output_router_logits  # so "model" trains no router term
     aux = losses["log"].metrics["router_aux"]
     assert aux > 0 and torch.equal(losses["model"].total, losses["log"].total)
     torch.testing.assert_close(losses["train"].total, losses["log"].total + coef * aux)
     on_by_config = load(zoo, "qwen3_moe", output_router_logits=True)
-    assert TokenLoss.for_model(on_by_config, "eager", 0, "model").router.coef == coef
+    assert TokenLoss.for_model(on_by_config, 0, "model").router.coef == coef
     dense = load(zoo, "llama")
-    assert TokenLoss.for_model(dense, "eager", 0, "train").router is None
-    assert TokenLoss.for_model(dense, "eager", 0, "train").metric_names == ()
+    assert TokenLoss.for_model(dense, 0, "train").router is None
+    assert TokenLoss.for_model(dense, 0, "train").metric_names == ()
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def step(model, accelerator, batches, objective=None, state=None, lr=1e-2, max_g
     is 1, so that the update is proportional to the gradient: its first step is otherwise
     about lr x sign(gradient), which turns rounding in gradients near zero into lr."""
     model = copy.deepcopy(model)
-    objective = objective or TokenLoss.for_model(model, "sdpa", 0)
+    objective = objective or TokenLoss.for_model(model, 0)
     optimizer = build_optimizer(model, TrainConfig(lr=lr, adam_eps=1.0), accelerator.device)
     model, optimizer = accelerator.prepare(model, optimizer)
     window = draw_window(iter(batches), len(batches), accelerator, objective.count)
@@ -81,7 +81,7 @@ def test_the_step_loss_is_the_mean_over_the_windows_trained_tokens(model, tokeni
     tokens = [int((b["labels"] != -100).sum()) for b in four]
     assert len(set(tokens)) > 1  # the rows train different numbers of tokens
     with torch.no_grad():
-        summed = sum(float(TokenLoss("sdpa")(model, b).total.double()) for b in four)
+        summed = sum(float(TokenLoss()(model, b).total.double()) for b in four)
     accumulated, after_4x1, _ = step(model, accelerator, four)
     whole, after_1x4, _ = step(model, accelerator, micro_batches(tokenizer, 4, 4))
     assert accumulated.count == whole.count == sum(tokens)
@@ -106,7 +106,7 @@ class NaNLoss(TokenLoss):
 
 
 def test_a_non_finite_step_changes_nothing_and_counts_as_a_skip(model, tokenizer, accelerator):
-    result, after, optimizer = step(model, accelerator, micro_batches(tokenizer, 4, 2), objective=NaNLoss("sdpa"))
+    result, after, optimizer = step(model, accelerator, micro_batches(tokenizer, 4, 2), objective=NaNLoss())
     assert result.skip is Skip.NONFINITE and "not finite (loss nan" in result.reason
     for (name, a), (_, b) in zip(after.named_parameters(), model.named_parameters()):
         assert torch.equal(a, b), name
@@ -149,7 +149,7 @@ def test_an_objectives_metrics_are_averaged_over_the_global_count(model, tokeniz
     batches = micro_batches(tokenizer, 6, 2)
     even = sum(int(((b["labels"] != -100) & (b["labels"] % 2 == 0)).sum()) for b in batches)
     trained = sum(int((b["labels"] != -100).sum()) for b in batches)
-    result, _, _ = step(model, accelerator, batches, objective=EvenLabels("sdpa"))
+    result, _, _ = step(model, accelerator, batches, objective=EvenLabels())
     assert 0 < even < trained and result.metrics == {"even_share": pytest.approx(even / trained, rel=1e-6)}
 
 
@@ -160,7 +160,7 @@ def test_empty_micro_batches_add_nothing(model, tokenizer, accelerator):
 
     batches = micro_batches(tokenizer, 2, 2)
     alone, after_alone, _ = step(model, accelerator, batches)
-    objective = TokenLoss.for_model(copy.deepcopy(model), "sdpa", 0)
+    objective = TokenLoss.for_model(copy.deepcopy(model), 0)
     padded_model = copy.deepcopy(model)
     optimizer = build_optimizer(padded_model, TrainConfig(lr=1e-2, adam_eps=1.0), accelerator.device)
     padded_model, optimizer = accelerator.prepare(padded_model, optimizer)
@@ -169,7 +169,7 @@ def test_empty_micro_batches_add_nothing(model, tokenizer, accelerator):
         padded_model,
         optimizer,
         window,
-        TokenLoss("sdpa"),
+        TokenLoss(),
         Backend(accelerator, 3),
         TrainState(),
         lr=1e-2,
@@ -187,9 +187,9 @@ def test_an_objectives_metric_may_not_overwrite_the_loops_fields():
     class Clashing(TokenLoss):
         metric_names = ("accuracy", "loss")
 
-    check_metric_names(EvenLabels("sdpa"))
+    check_metric_names(EvenLabels())
     with pytest.raises(ValueError, match=r"Clashing.metric_names: \['loss'\] are the metrics row's own fields"):
-        check_metric_names(Clashing("sdpa"))
+        check_metric_names(Clashing())
 
 
 def test_skips_in_a_row_count_only_our_skips_and_an_overflow_ends_them():
