@@ -192,11 +192,10 @@ def pad_id(tokenizer) -> int:
             return tid
 
 
-def quantization_kwargs(cfg: ModelConfig, report=None) -> dict:
+def quantization_kwargs(cfg: ModelConfig) -> dict:
     """from_pretrained's arguments for model.quantization: bitsandbytes' config, and the
     process's own device, where the weights are quantized as they load (a quantized model
-    cannot be moved afterwards). 4-bit on CPU: the linear layers bitsandbytes' CPU kernels
-    cannot take stay unquantized (`cpu_4bit_unfit`), and `report` gets a line naming them."""
+    cannot be moved afterwards)."""
     if cfg.quantization == "none":
         return {}
     try:
@@ -213,63 +212,25 @@ def quantization_kwargs(cfg: ModelConfig, report=None) -> dict:
     if cfg.quantization == "int8":
         quant = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        skip = None
-        if PartialState().device.type == "cpu":
-            skip = cpu_4bit_skips(cfg, report)
         quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=cfg.quantization,
-            bnb_4bit_compute_dtype=compute,
-            llm_int8_skip_modules=skip,
+            load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization, bnb_4bit_compute_dtype=compute
         )
     return {"quantization_config": quant, "device_map": {"": PartialState().device}}
 
 
-# bitsandbytes' CPU 4-bit kernels (its inference path, which evaluation and sampling take)
-# repack each weight in groups of 32 output rows and in its 64-value quantization blocks,
-# and fail mid-run on other widths (an AssertionError or a reshape error, 0.50).
-CPU_4BIT_OUT_MULTIPLE, CPU_4BIT_IN_MULTIPLE = 32, 64
+def keep_4bit_trainable_on_cpu(model) -> None:
+    """Turns off bitsandbytes' CPU inference path on every 4-bit layer. On CPUs with
+    AVX512-BF16 (0.50), a 4-bit layer run in eval mode without grad repacks its weight,
+    for good, into a layout only `gemv_4bit` reads: that kernel has no backward, so the
+    training steps after the first evaluation back-propagate through nothing and LoRA
+    gradients come out wrong without an error, and it asserts on widths that are not
+    multiples of its 32-row tiles (an intermediate size of 340). The plain dequantizing
+    path trains and evaluates every width alike; evaluation on such CPUs is slower."""
+    import bitsandbytes as bnb
 
-
-def cpu_4bit_unfit(model) -> dict[str, tuple[int, int]]:
-    """{name: (in, out)} of the linear layers transformers would quantize to 4-bit whose
-    widths bitsandbytes' CPU kernels cannot take."""
-    from transformers.quantizers.base import get_keys_to_not_convert
-
-    kept = set(get_keys_to_not_convert(model))
-    return {
-        name: (m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear)
-        and name not in kept
-        and (m.in_features % CPU_4BIT_IN_MULTIPLE or m.out_features % CPU_4BIT_OUT_MULTIPLE)
-    }
-
-
-def cpu_4bit_skips(cfg: ModelConfig, report=None) -> list[str] | None:
-    """llm_int8_skip_modules for a 4-bit load on CPU: transformers' own (the output layer)
-    and the layers of `cpu_4bit_unfit`, or None (transformers' default) when all fit."""
-    import re
-
-    from transformers import AutoConfig
-    from transformers.quantizers.base import get_keys_to_not_convert
-
-    meta = _meta(cfg, AutoConfig.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg)), torch.float32)
-    unfit = cpu_4bit_unfit(meta)
-    if not unfit:
-        return None
-    if report is not None:
-        shapes: dict[tuple, int] = {}
-        for name, (i, o) in unfit.items():
-            key = (re.sub(r"\.\d+\.", ".N.", name), i, o)
-            shapes[key] = shapes.get(key, 0) + 1
-        listed = ", ".join(f"{n} ({i} in, {o} out; {k} layer{'s' * (k > 1)})" for (n, i, o), k in shapes.items())
-        report(
-            f"model.quantization: {len(unfit)} linear layer(s) stay unquantized on CPU: bitsandbytes' CPU 4-bit "
-            f"kernels need inputs a multiple of {CPU_4BIT_IN_MULTIPLE} and outputs of {CPU_4BIT_OUT_MULTIPLE} wide: "
-            + listed
-        )
-    return get_keys_to_not_convert(meta) + [re.escape(name) for name in unfit]
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def is_quantized(model) -> bool:
@@ -279,7 +240,7 @@ def is_quantized(model) -> bool:
 def load_model(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 
-    quantized = quantization_kwargs(cfg, warn)
+    quantized = quantization_kwargs(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
@@ -291,6 +252,8 @@ def load_model(cfg: ModelConfig):
     except Exception as e:
         raise _load_error("a causal LM", cfg.name_or_path, e) from None
     model.config.use_cache = False
+    if cfg.quantization in ("nf4", "fp4") and model.device.type == "cpu":
+        keep_4bit_trainable_on_cpu(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return add_lora(model, cfg, warn) if cfg.lora.enabled else model
