@@ -272,6 +272,19 @@ def rewind(out: Path, step: int, source: Path | None = None) -> None:
             shutil.rmtree(ckpt)
 
 
+def packed_samples(packed, examples):
+    """(pack index, the sample's span in that pack, its input ids alone as a batch of one)
+    for every sample of a PackedDataset built from `examples`."""
+    import torch
+
+    for j, rows in enumerate(packed.bins):
+        start = 0
+        for i in rows:
+            ids = torch.tensor([examples[i]["input_ids"]])
+            yield j, slice(start, start + ids.shape[1]), ids
+            start += ids.shape[1]
+
+
 def final_weights(directory: Path) -> dict:
     """Every weight a save_pretrained directory holds, from model.safetensors or from the
     shards its model.safetensors.index.json lists (checked to cover them all)."""

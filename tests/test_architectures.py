@@ -18,6 +18,7 @@ from llmtrain.objective import model_inputs
 from llmtrain.packing import PackedDataset
 
 from .architectures import ARCHITECTURES, MOE, SLIDING, WINDOW
+from .conftest import packed_samples
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +58,10 @@ def test_packed_logits_equal_each_sample_run_alone(zoo, tokenizer, examples, nam
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=causal
         ).logits
         differs = 0
-        for j, rows in enumerate(packed.bins):
-            start = 0
-            for i in rows:
-                ids = torch.tensor([examples[i]["input_ids"]])
-                alone = model(input_ids=ids).logits[0]
-                span = slice(start, start + ids.shape[1])
-                torch.testing.assert_close(logits[j, span], alone, atol=2e-5, rtol=1e-5)
-                differs += not torch.allclose(causal_only[j, span], alone, atol=1e-4)
-                start += ids.shape[1]
+        for j, span, ids in packed_samples(packed, examples):
+            alone = model(input_ids=ids).logits[0]
+            torch.testing.assert_close(logits[j, span], alone, atol=2e-5, rtol=1e-5)
+            differs += not torch.allclose(causal_only[j, span], alone, atol=1e-4)
     assert (differs > 0) == (name in SLIDING), "the window must matter exactly for the sliding-window models"
 
 
@@ -113,13 +109,11 @@ def test_flex_block_mask_keeps_the_window_on_a_gpu(zoo, tokenizer, examples, nam
     torch.testing.assert_close(l_flex, l_dense, atol=1e-3, rtol=1e-5)
     for key, g in g_dense.items():
         torch.testing.assert_close(g_flex[key], g, atol=1e-4, rtol=1e-3)
-    start = 0
-    for i in packed.bins[0]:
-        ids = torch.tensor([examples[i]["input_ids"]], device="cuda")
-        with torch.no_grad():
-            alone = model.eval()(input_ids=ids).logits[0]
-        torch.testing.assert_close(flex[0, start : start + ids.shape[1]], alone, atol=1e-4, rtol=1e-4)
-        start += ids.shape[1]
+    for j, span, ids in packed_samples(packed, examples):
+        if j == 0:  # the pack compared above
+            with torch.no_grad():
+                alone = model.eval()(input_ids=ids.cuda()).logits[0]
+            torch.testing.assert_close(flex[0, span], alone, atol=1e-4, rtol=1e-4)
 
 
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]

@@ -9,6 +9,8 @@ from llmtrain.demo import make_rows
 from llmtrain.objective import TokenLoss, model_inputs
 from llmtrain.packing import PackedDataset, pack_lengths
 
+from .conftest import packed_samples
+
 
 def test_pack_lengths_fills_bins_without_overflow():
     import random
@@ -52,16 +54,11 @@ def test_packed_samples_do_not_see_each_other(tiny_model, tokenizer, examples, a
         logits = model(**model_inputs(model, batch)).logits
         leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         checked, leaked = 0, 0
-        for j, rows in enumerate(packed.bins):
-            start = 0
-            for i in rows:
-                ids = torch.tensor([examples[i]["input_ids"]])
-                alone = model(input_ids=ids).logits[0]
-                span = slice(start, start + ids.shape[1])
-                torch.testing.assert_close(logits[j, span], alone, atol=1e-5, rtol=1e-5)
-                leaked += start > 0 and not torch.allclose(leaky[j, span], alone, atol=1e-3)
-                start += ids.shape[1]
-                checked += 1
+        for j, span, ids in packed_samples(packed, examples):
+            alone = model(input_ids=ids).logits[0]
+            torch.testing.assert_close(logits[j, span], alone, atol=1e-5, rtol=1e-5)
+            leaked += span.start > 0 and not torch.allclose(leaky[j, span], alone, atol=1e-3)
+            checked += 1
     assert checked == len(examples)
     assert leaked > 0, "position_ids alone should leak across samples; the mask is what isolates them"
 
