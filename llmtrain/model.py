@@ -252,7 +252,7 @@ def load_model(cfg: ModelConfig):
     except Exception as e:
         raise _load_error("a causal LM", cfg.name_or_path, e) from None
     model.config.use_cache = False
-    if cfg.quantization in ("nf4", "fp4") and model.device.type == "cpu":
+    if is_quantized(model) and model.device.type == "cpu":  # 8-bit layers have no such path: left as they are
         keep_4bit_trainable_on_cpu(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
