@@ -11,24 +11,28 @@ import torch
 from accelerate.utils import DistributedType
 
 from .checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, publish, write_failed
-from .model import is_quantized, whole_models
+from .model import hub_kwargs, is_quantized, whole_models
 
 
-def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str, export, state: dict) -> Path:
+def save_final(
+    accelerator, model, tokenizer, output_dir: str, config_yaml: str, export, state: dict, base=None
+) -> Path:
     """final/: safetensors weights (shards of at most export.max_shard_size with an index
     when bigger), config and tokenizer (with its chat template), the run's config
     (llmtrain_config.yaml) and the TrainState it was exported at (train_state.json, which
     marks the run finished). Every process calls it.
 
     LoRA runs write the adapter to final/, or with export.merge_lora the merged model to
-    final/ and the adapter to final/adapter/. Written beside and renamed into place; a
-    failed write (a full disk) is one CheckpointError on every process."""
+    final/ and the adapter to final/adapter/; `base` (the run's ModelConfig) says how the
+    base weights were loaded, for a merge that must load them again. Written beside and
+    renamed into place; a failed write (a full disk) is one CheckpointError on every
+    process."""
     final, tmp = Path(output_dir) / "final", Path(output_dir) / ".tmp-final"
     error = None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
     try:
-        error = _write(accelerator, accelerator.unwrap_model(model), tokenizer, tmp, config_yaml, export, state)
+        error = _write(accelerator, accelerator.unwrap_model(model), tokenizer, tmp, config_yaml, export, state, base)
     except Exception as e:
         if not write_failed(e):
             raise
@@ -48,7 +52,7 @@ def save_final(accelerator, model, tokenizer, output_dir: str, config_yaml: str,
     return final
 
 
-def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, state: dict) -> str | None:
+def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, state: dict, base) -> str | None:
     """Everything final/ holds, into `tmp`; the main process writes. Returns what failed
     when writing a weight shard failed. Past the gathers, nothing here is a collective, so
     a write that raises on the main process cannot leave the others waiting in one."""
@@ -63,7 +67,9 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
             # A sharded or quantized training copy cannot be merged in place: the base weights
             # are loaded again, whole and in their own dtype, with the adapter folded in.
             merged = (
-                _merged_from_adapter(model, tmp / "adapter") if sharded or is_quantized(model) else _merged_copy(model)
+                _merged_from_adapter(model, tmp / "adapter", base)
+                if sharded or is_quantized(model)
+                else _merged_copy(model)
             )
             merged.save_pretrained(tmp, max_shard_size=export.shard_bytes())
     elif sharded:
@@ -222,27 +228,38 @@ def is_sharded(accelerator) -> bool:
     )
 
 
-def model_for_sampling(accelerator, model, final: Path):
+def model_for_sampling(accelerator, model, final: Path, base):
     """The trained model on the main process: the in-memory one, or, when it is sharded
     across processes (generation on one rank would wait for the others forever), the
-    exported final/ loaded back."""
+    exported final/ loaded back (an adapter onto the base loaded as training loaded it)."""
     if not is_sharded(accelerator):
         return accelerator.unwrap_model(model)
     from transformers import AutoModelForCausalLM
 
     with whole_models():
-        return AutoModelForCausalLM.from_pretrained(final).to(accelerator.device)
+        if (final / "adapter_config.json").is_file():
+            from peft import PeftModel
+
+            return PeftModel.from_pretrained(_base_again(base), final).to(accelerator.device)
+        kw = {"trust_remote_code": base.trust_remote_code}  # final/ holds the model's code, if it has its own
+        return AutoModelForCausalLM.from_pretrained(final, **kw).to(accelerator.device)
 
 
-def _merged_from_adapter(peft_model, adapter_dir: Path):
-    """Merged model when the training copy is only a shard: the base weights loaded again
-    with the adapter just saved folded in."""
-    from peft import PeftModel
+def _base_again(base):
+    """The base model's weights loaded again, whole, from where and as training loaded them
+    (model.revision, model.trust_remote_code), in their own saved dtype and unquantized."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(base.name_or_path, **hub_kwargs(base))
+
+
+def _merged_from_adapter(peft_model, adapter_dir: Path, base):
+    """Merged model when the training copy is only a shard, or quantized: the base weights
+    loaded again with the adapter just saved folded in."""
+    from peft import PeftModel
+
     with whole_models():
-        base = AutoModelForCausalLM.from_pretrained(peft_model.peft_config["default"].base_model_name_or_path)
-        return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        return PeftModel.from_pretrained(_base_again(base), adapter_dir).merge_and_unload()
 
 
 def _merged_copy(peft_model):

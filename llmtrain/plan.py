@@ -30,6 +30,7 @@ from .mixture import names, packer, sources, split_and_mix, training_set
 from .model import attention_backend, check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .packing import PackedDataset
 from .pairs import PackedPairs, prepare_pairs
+from .reference import check_reference
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -239,6 +240,8 @@ def plan(argv: list[str]) -> None:
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
     template = resolve_chat_template(cfg.data)
     tokenizer = load_tokenizer(cfg.model, template)
+    if dpo:
+        check_reference(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
     prepare = prepare_pairs if dpo else prepare_split
     data_lines: list[str] = []

@@ -50,6 +50,8 @@ class Recipe:
     description: str
     datasets: Callable  # (cfg, accelerator, tokenizer) -> (train set, eval set or None)
     parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
+    # The recipe's own start-up checks, before any data or weights load: check(cfg, tokenizer).
+    check: Callable | None = None
 
 
 def run(recipe: Recipe, argv: list[str] | None = None) -> None:
@@ -80,6 +82,8 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         rundir.warn_changes(resume_from, cfg)
 
     tokenizer = load_tokenizer(cfg.model, resolve_chat_template(cfg.data))
+    if recipe.check is not None:
+        recipe.check(cfg, tokenizer)
     train_set, eval_set = recipe.datasets(cfg, accelerator, tokenizer)
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
@@ -112,7 +116,9 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             if outcome is Outcome.FINISHED:
                 watchdog.beat("writing final/")
                 config, state = to_yaml(cfg), run.state.state_dict()
-                final = save_final(accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state)
+                final = save_final(
+                    accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
+                )
     if outcome is Outcome.STOPPED:
         accelerator.end_training()
         sys.exit(stop.exit_code())
@@ -121,7 +127,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         print(f"saved {final}")
         prompts = cfg.eval.sample_prompts
         if prompts:
-            model = model_for_sampling(accelerator, run.model, final)
+            model = model_for_sampling(accelerator, run.model, final, cfg.model)
             answers = sample(model, tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")

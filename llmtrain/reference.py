@@ -23,9 +23,60 @@ from pathlib import Path
 
 import torch
 
+from .errors import describe
+from .model import ModelError, hub_kwargs
 from .window import Outcome, draw_window
 
 CACHE = "reference_logps.pt"
+
+
+def check_reference(cfg, tokenizer) -> None:
+    """dpo.reference must read the policy's token ids as the policy does, or every
+    log-ratio compares two different texts. Checked from the reference's config and
+    tokenizer (no weights) before any data or weights load: its vocabulary must hold
+    every id of the policy's tokenizer (a smaller one ends in an index error mid-pass),
+    and, where the reference directory has a tokenizer, that tokenizer must map tokens
+    to the same ids (a larger vocabulary is accepted only as padding of the same one)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = cfg.dpo.reference
+    if not name:
+        return
+    kw = {"trust_remote_code": cfg.model.trust_remote_code}
+    try:
+        rcfg = AutoConfig.from_pretrained(name, **kw)
+    except Exception as e:
+        raise ModelError(f"dpo.reference: could not load a model config from '{name}' ({describe(e)})") from None
+    policy = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
+    text = rcfg.get_text_config() if hasattr(rcfg, "get_text_config") else rcfg
+    ref_vocab, ids = getattr(text, "vocab_size", None), len(tokenizer)
+    if isinstance(ref_vocab, int) and ref_vocab < ids:
+        raise ModelError(
+            f"dpo.reference: '{name}' has a vocabulary of {ref_vocab} tokens, but the policy's tokenizer uses "
+            f"{ids}; the reference must be a model with the policy's tokenizer (usually the model you fine-tune)"
+        )
+    try:
+        ref_tok = AutoTokenizer.from_pretrained(name, **kw)
+    except Exception:  # a weights-only directory: nothing more to compare
+        ref_tok = None
+    if ref_tok is not None:
+        mine, theirs = tokenizer.get_vocab(), ref_tok.get_vocab()
+        differ = sorted(t for t in mine.keys() | theirs.keys() if mine.get(t) != theirs.get(t))
+        if differ:
+            example = ", ".join(repr(t) for t in differ[:3])
+            raise ModelError(
+                f"dpo.reference: the tokenizer of '{name}' maps {len(differ)} tokens differently from the policy's "
+                f"(e.g. {example}); the reference must share the policy's tokenizer (usually it is the model you "
+                "fine-tune, before training)"
+            )
+        return
+    policy_vocab = (policy.get_text_config() if hasattr(policy, "get_text_config") else policy).vocab_size
+    if ref_vocab != policy_vocab:
+        raise ModelError(
+            f"dpo.reference: '{name}' has a vocabulary of {ref_vocab} tokens and no tokenizer to show it is the "
+            f"policy's ({policy_vocab} tokens); save the policy's tokenizer with the reference model "
+            "(tokenizer.save_pretrained) or use a reference with the policy's vocabulary"
+        )
 
 
 def model_files_key(name_or_path: str, revision: str = "") -> dict:
@@ -66,7 +117,8 @@ def load_cached(path: Path, key: str, pairs: int) -> torch.Tensor | None:
     if not isinstance(saved, dict) or saved.get("key") != key:
         return None
     table = saved.get("logps")
-    return table if isinstance(table, torch.Tensor) and table.shape == (pairs, 2) else None
+    ok = isinstance(table, torch.Tensor) and table.shape == (pairs, 2) and bool(table.isfinite().all())
+    return table if ok else None
 
 
 def save_cached(path: Path, key: str, table: torch.Tensor) -> None:
@@ -104,12 +156,28 @@ def compute(model, objective, sets: list, collator, batch_size: int, accelerator
                 found_logps.append(torch.stack([sums[:k], sums[k:]], 1).float().cpu())
     model.train(was_training)
     pairs = sum(len(getattr(s, "pairs", s)) for s in sets)
-    table = torch.full((pairs, 2), float("nan"))
+    table, got = torch.zeros(pairs, 2), torch.zeros(pairs, dtype=torch.bool)
     for index, logps in gather_object([(torch.cat(found_index), torch.cat(found_logps))] if found_index else []):
-        table[index] = logps
-    if table.isnan().any():
-        raise RuntimeError(f"reference pass: {int(table.isnan().any(1).sum())} of {pairs} pairs got no log-probs")
+        table[index], got[index] = logps, True
+    if not got.all():  # every pair is some process's: a bug, not the user's
+        raise RuntimeError(f"reference pass: {int((~got).sum())} of {pairs} pairs got no log-probs")
     return table
+
+
+def check_finite(table: torch.Tensor, cfg, precision: str) -> None:
+    """Non-finite reference log-probs would make every loss they touch NaN: the reference
+    model's weights hold NaN or inf, or its activations overflow in half precision."""
+    bad = int((~table.isfinite()).any(1).sum())
+    if not bad:
+        return
+    ref = cfg.dpo.reference
+    key, which = ("dpo.reference", f"'{ref}'") if ref else ("model.name_or_path", f"'{cfg.model.name_or_path}'")
+    amp = f", {precision} mixed precision" if precision != "no" else ""
+    raise ModelError(
+        f"{key}: the reference model {which} gives non-finite log-probs for {bad} of {len(table)} pairs "
+        f"(model.dtype={cfg.model.dtype}{amp}); its weights hold NaN or inf, or its activations overflow in half "
+        "precision: check the model's weights, or run with model.dtype=float32 or bfloat16"
+    )
 
 
 class ReferencePass:
@@ -144,6 +212,7 @@ class ReferencePass:
             batch_size = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
             table = compute(ref_model, ref_objective, self.sets, self.collator, batch_size, accelerator, empty, beat)
             del ref_model
+            check_finite(table, cfg, str(accelerator.mixed_precision))  # every process holds the whole table
             if accelerator.is_main_process:
                 save_cached(path, key, table)
             accelerator.wait_for_everyone()

@@ -21,7 +21,7 @@ from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id
 from llmtrain.pairs import PairCollator, build_pair_datasets
 from llmtrain.preference import PreferenceLoss
 from llmtrain.recipe import Parts, Recipe, run
-from llmtrain.reference import ReferencePass
+from llmtrain.reference import ReferencePass, check_reference
 
 
 def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
@@ -56,6 +56,7 @@ RECIPE = Recipe(
     description=__doc__.splitlines()[0],
     datasets=build_pair_datasets,
     parts=dpo_parts,
+    check=check_reference,
 )
 
 

@@ -188,3 +188,63 @@ def test_metrics_that_cannot_be_written_do_not_stop_training(tmp_path, capsys):
     log.log({"step": 2, "loss": 0.9})
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "metrics.jsonl: cannot write (Is a directory); training goes on" in warnings[0]
+
+
+@pytest.fixture(scope="module")
+def remote_code_model(tmp_path_factory, tiny_model):
+    """The tiny Llama as a model that brings its own code (config.json's auto_map), which
+    transformers loads only with trust_remote_code."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("remote") / "tiny-remote"
+    shutil.copytree(tiny_model, root)
+    (root / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tiny_remote'\n"
+    )
+    (root / "modeling_tiny.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+        "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n"
+    )
+    config = json.loads((root / "config.json").read_text())
+    config.update(
+        model_type="tiny_remote",
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+        },
+    )
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapter"])
+def test_a_model_loaded_again_after_training_is_loaded_as_training_loaded_it(
+    remote_code_model, tokenizer, tmp_path, as_if_sharded, merge
+):
+    """A sharded or quantized LoRA run merges by loading the base again, and a sharded
+    run samples from final/ loaded back: both with model.trust_remote_code (and
+    model.revision) as training had them. They used to load the base with neither, so a
+    model with its own code failed its export on every rerun."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.config import ModelConfig
+
+    base = ModelConfig(name_or_path=str(remote_code_model), trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(remote_code_model, trust_remote_code=True)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    want = model(ids).logits
+    accelerator = fake_accelerator(model)
+    accelerator.device = torch.device("cpu")
+    final = save_final(
+        accelerator, model, tokenizer, str(tmp_path), "", ExportConfig(merge_lora=merge), {"step": 1}, base
+    )
+    if merge:
+        merged = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
+        torch.testing.assert_close(merged(ids).logits, want)
+        assert not any("lora" in name for name in final_weights(final))
+    else:
+        loaded = export.model_for_sampling(accelerator, model, final, base)
+        torch.testing.assert_close(loaded(ids).logits, want)

@@ -2,6 +2,7 @@
 log-probs they have under the starting weights, numbered across train and eval, and the
 table is cached in output_dir under a key of the model's files and the data."""
 
+import json
 import os
 
 import pytest
@@ -98,3 +99,102 @@ def test_the_table_is_cached_and_computed_again_when_the_model_files_change(
         assert len(calls) == 3 and torch.equal(objective.reference, first)
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_reference_with_non_finite_log_probs_is_one_error_naming_the_model(
+    model, sets, accelerator, tiny_model, tmp_path
+):
+    """Not "pairs got no log-probs": the cause is the model, and nothing is cached."""
+    import copy
+
+    from llmtrain.errors import UserError
+
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.norm.weight[0] = float("nan")
+    cfg = load_config(
+        None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"output_dir={tmp_path}"], DPOConfig
+    )
+    empty = PairCollator(0).empty_batch()
+    with pytest.raises(UserError) as e:
+        ReferencePass(cfg, PreferenceLoss("sigmoid", 0.1), sets, PairCollator(0))(
+            broken, accelerator, empty, lambda _: None
+        )
+    assert str(e.value).splitlines() == [
+        f"model.name_or_path: the reference model '{tiny_model}' gives non-finite log-probs for 11 of 11 pairs "
+        "(model.dtype=float32); its weights hold NaN or inf, or its activations overflow in half precision: "
+        "check the model's weights, or run with model.dtype=float32 or bfloat16"
+    ]
+    assert not (tmp_path / CACHE).exists()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, tiny_model):
+    """Reference model directories (configs and tokenizers only: the check loads no
+    weights) that do and do not read the policy's token ids as the policy does."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("references")
+    config, tok = AutoConfig.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    n = config.vocab_size
+
+    def save(name, vocab_size, tokenizer=None):
+        config.vocab_size = vocab_size
+        config.save_pretrained(root / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(root / name)
+        return root / name
+
+    def other_tokenizer():  # the policy's, with the ids of two letters swapped
+        path = save("other_tokenizer", n, tok) / "tokenizer.json"
+        data = json.loads(path.read_text())
+        vocab = data["model"]["vocab"]
+        vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+        path.write_text(json.dumps(data))
+        return path.parent
+
+    return {
+        "same": save("same", n, tok),
+        "padded": save("padded", n + 64, tok),  # the same tokenizer, embeddings padded to a round size
+        "weights_only": save("weights_only", n),
+        "smaller": save("smaller", n - 10),
+        "other_tokenizer": other_tokenizer(),
+        "bigger_no_tokenizer": save("bigger_no_tokenizer", n + 50),
+    }
+
+
+@pytest.mark.parametrize("name", ["same", "padded", "weights_only"])
+def test_a_reference_with_the_policys_token_ids_is_accepted(references, tiny_model, tokenizer, name):
+    from llmtrain.reference import check_reference
+
+    cfg = load_config(
+        None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"dpo.reference={references[name]}"], DPOConfig
+    )
+    check_reference(cfg, tokenizer)
+
+
+@pytest.mark.parametrize(
+    "name,says",
+    [
+        ("smaller", "has a vocabulary of {small} tokens, but the policy's tokenizer uses {n}"),
+        ("other_tokenizer", "maps"),
+        ("bigger_no_tokenizer", "and no tokenizer to show it is the policy's"),
+    ],
+)
+def test_a_reference_that_reads_other_token_ids_is_one_error_before_anything_loads(
+    references, tiny_model, tokenizer, name, says
+):
+    """A smaller vocabulary used to end in an IndexError in the reference pass; another
+    tokenizer, or a bigger vocabulary that cannot be shown to be the policy's, trained
+    against log-probs of other texts without a word."""
+    from llmtrain.errors import UserError
+    from llmtrain.reference import check_reference
+
+    cfg = load_config(
+        None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"dpo.reference={references[name]}"], DPOConfig
+    )
+    with pytest.raises(UserError) as e:
+        check_reference(cfg, tokenizer)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dpo.reference: ") and str(references[name]) in lines[0]
+    assert says.format(small=len(tokenizer) - 10, n=len(tokenizer)) in lines[0]
