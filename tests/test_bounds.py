@@ -203,6 +203,18 @@ def test_a_model_template_that_loops_long_is_stopped_in_time(tmp_path, monkeypat
     )
 
 
+def test_a_streamed_row_past_a_template_bound_stops_the_stream_naming_it(tmp_path, monkeypatch, tokenizer):
+    from llmtrain.stream import StreamedRows
+
+    monkeypatch.setattr("llmtrain.template.MAX_RENDERED", 1_000_000)
+    path = chat_rows(tmp_path)
+    body = "{% for m in messages %}{{ m.content * 10**6 }}{% endfor %}"  # 'hi' a million times: 2 million characters
+    cfg = DataConfig(train=path, chat_template=body, shuffle=False, bad_rows="skip")
+    with pytest.raises(DataError) as e:
+        list(StreamedRows("data.train", [path], tokenizer, body, cfg, seed=7, rank=0, world=1))
+    assert one_line(e).startswith(f"data.train: {path} line 1: data.chat_template builds a text of more than 1000000")
+
+
 def test_a_huge_constant_is_not_folded_while_the_template_compiles():
     from llmtrain.data import chat_template_problem
     from llmtrain.template import MAX_RENDERED
