@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import math
+import os
 import re
 import types
 import typing
@@ -640,9 +642,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     problems: list[str] = []
     if path is not None:
         path = Path(path)
-        if not path.exists():
+        try:
+            exists, regular = path.exists(), path.is_file()
+        except (OSError, ValueError):  # a name too long for a path, or with a null character
+            why = f"--config: {shown(str(path))} cannot be a path; give the path of a YAML file"
+            raise ConfigError([why]) from None
+        if not exists:
             raise ConfigError([f"--config: no such file: {path}"])
-        if not path.is_file():
+        if not regular:
             raise ConfigError([f"--config: {path} is not a regular file; give a YAML file"])
         try:
             with open(path, "rb") as f:
@@ -730,7 +737,10 @@ def validate(cfg: Config) -> list[str]:
         p.append("eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0")
     from .data import chat_template_problem
 
-    if (problem := chat_template_problem(cfg.data)) is not None:
+    paths = path_problems(cfg)
+    p += paths
+    looked_up = not any(q.startswith("data.chat_template:") for q in paths)
+    if looked_up and (problem := chat_template_problem(cfg.data)) is not None:
         p.append(problem)
     lora = cfg.model.lora
     p += demo_name_problems(cfg)
@@ -771,6 +781,36 @@ def demo_name_problems(cfg: Config) -> list[str]:
             close = _closest(name, list(DEMO_NAMES))
             hint = f"did you mean {close}? " if close else ""
             problems.append(f"{key}: {name} is not one of the demo's assets; {hint}they are {', '.join(DEMO_NAMES)}")
+    return problems
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """A name the config gives as a path (or hub name) that no filesystem can look up: too
+    long (a part over 255 bytes, or the whole over 4096, on Linux) or holding a null
+    character. Every later look-up (exists, is_file) would raise on it."""
+    from .demo import named
+
+    template = cfg.data.chat_template
+    names = [
+        *named(cfg),
+        ("output_dir", cfg.output_dir),
+        ("checkpoint.resume", cfg.checkpoint.resume),
+        ("data.chat_template", template if "{" not in template else ""),
+    ]
+    problems = []
+    for key, name in names:
+        if not isinstance(name, str) or not name:
+            continue
+        try:
+            os.stat(os.path.expanduser(name))
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                problems.append(
+                    f"{key}: a name of {len(name)} characters ({shown(name)}), longer than a path may be; "
+                    "give a shorter path or name"
+                )
+        except ValueError:  # a null character
+            problems.append(f"{key}: {shown(name)} holds a null character, which no path may; remove it")
     return problems
 
 

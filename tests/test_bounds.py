@@ -95,6 +95,26 @@ def test_an_oversized_config_file_is_not_read(tmp_path, monkeypatch):
     assert one_line(e).startswith(f"--config: {path} is larger than 1000 bytes, more than any config needs")
 
 
+@pytest.mark.parametrize("key", ["data.train", "model.name_or_path", "data.chat_template", "output_dir"])
+def test_a_name_too_long_for_a_path_is_one_error_line(key):
+    base = ["model.name_or_path=m", "data.train=a.jsonl", "output_dir=o"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f"{key}={'x' * 5000}"])
+    assert one_line(e).startswith(f"{key}: a name of 5000 characters ('xxxx")
+    assert str(e.value).endswith("), longer than a path may be; give a shorter path or name")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f'{key}="a\\0b"'])
+    assert one_line(e) == f"{key}: 'a\\x00b' holds a null character, which no path may; remove it"
+
+
+def test_a_config_path_too_long_is_one_error_line():
+    with pytest.raises(ConfigError) as e:
+        load_config("x" * 5000)
+    assert one_line(e).startswith("--config: 'xxx") and str(e.value).endswith(
+        "cannot be a path; give the path of a YAML file"
+    )
+
+
 # --- data files ------------------------------------------------------------------------------
 
 
