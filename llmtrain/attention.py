@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, shown
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
@@ -140,7 +140,7 @@ def choose(requested: str, model_class: type, mcfg, packing: bool, device: torch
     known = ["auto", "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if requested not in known and "/" not in requested:  # 'owner/repo' names a kernel on the hub
         raise AttentionError(
-            f"model.attn_implementation: unknown backend {requested!r}; use one of {', '.join(known)} "
+            f"model.attn_implementation: unknown backend {shown(requested)}; use one of {', '.join(known)} "
             "(or a hub kernel as 'owner/repo')"
         )
     gpu = device.type == "cuda"

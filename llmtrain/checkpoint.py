@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 
 from .errors import UserError, describe
+from .files import load_json
 from .state import TrainState
 from .throughput import full_numel
 
@@ -166,7 +167,7 @@ def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
     cut short or unreadable (Accelerate would skip an unreadable one silently), as
     (file, fault)."""
     try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
+        state = load_json(Path(path) / STATE_FILE)
     except (OSError, ValueError) as e:
         return f"{STATE_FILE} is unreadable ({type(e).__name__})", []
     if (why := state_problem(state)) is not None:
@@ -226,7 +227,7 @@ def state_problem(state) -> str | None:
 def content_damage(path: Path, accelerator=None) -> list[tuple[str, str]]:
     """(file, fault) for each file whose content no longer matches the checksum written
     with it (a same-size corruption). A collective with several processes."""
-    files = json.loads((Path(path) / STATE_FILE).read_text())["files"]
+    files = load_json(Path(path) / STATE_FILE)["files"]
     expected = {  # files `damage` found missing or of another size are its to report
         rel: e["crc32"]
         for rel, e in files.items()
@@ -474,7 +475,7 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> None:
     whatever the split, and the saved position converts exactly. Not under DeepSpeed with
     another process count (its optimizer state is partitioned per process), nor for a
     stream (each process reads its own share of the sources)."""
-    saved = json.loads((Path(path) / STATE_FILE).read_text())
+    saved = load_json(Path(path) / STATE_FILE)
     was = dict(saved["settings"])
     was.setdefault("global_batch", math.prod(was.get(k, 1) for k in LAYOUT_KEYS))  # written before it was saved
     now = position_settings(cfg, accelerator.num_processes)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import math
+import os
 import re
 import types
 import typing
@@ -20,7 +22,8 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 
-from .errors import UserError
+from .errors import UserError, shown
+from .files import size_text
 
 
 class ConfigError(UserError):
@@ -479,14 +482,14 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
-                problems.append(f"{full}: expected a section (mapping), got {value!r}")
+                problems.append(f"{full}: expected a section (mapping), got {shown(value)}")
                 continue
             kwargs[key] = _build(tp, value, f"{full}.", problems)
             continue
         try:
             kwargs[key] = _coerce(value, tp, full)
         except TypeError:
-            problems.append(f"{full}: expected {_type_name(tp)}, got {value!r}")
+            problems.append(f"{full}: expected {_type_name(tp)}, got {shown(value)}")
         except _EntryProblems as e:
             problems += e.problems
     return cls(**kwargs)
@@ -498,20 +501,20 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     mapping never replaces a section, nor is a section made inside one."""
     parts = dotted.split(".")
     if not all(parts):
-        raise ConfigError([f"{dotted or '(empty)'}={value!r}: the key has an empty part; write key.sub=value"])
+        raise ConfigError([f"{dotted or '(empty)'}={shown(value)}: the key has an empty part; write key.sub=value"])
     node = tree
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             above = ".".join(parts[: i + 1])
-            raise ConfigError([f"{dotted}: {above} is set to {child!r}, not a section; set {above} as a section"])
+            raise ConfigError([f"{dotted}: {above} is set to {shown(child)}, not a section; set {above} as a section"])
         node = child
     last, old = parts[-1], node.get(parts[-1])
     if isinstance(old, dict) and isinstance(value, dict):
         for key, sub in value.items():
             _set_dotted(old, str(key), sub)
     elif isinstance(old, dict) and value != old:
-        raise ConfigError([f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {value!r}"])
+        raise ConfigError([f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {shown(value)}"])
     else:
         node[last] = value
 
@@ -523,10 +526,80 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError([f"{text}: overrides look like key.sub=value (e.g. train.lr=2e-5)"])
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.load(raw, Loader=BoundedLoader) if raw != "" else ""
+    except TooLarge as e:
+        raise ConfigError([f"{key.strip()}: the value given on the command line {e}"]) from None
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config file; long texts (a chat template) belong in files of their own
+MAX_YAML_DEPTH = 32  # mappings and lists inside each other; a config needs 3 or 4
+MAX_YAML_SIZE = 4 << 20  # nodes plus characters of a document, counted with its aliases expanded
+
+
+class TooLarge(yaml.YAMLError):
+    """A YAML document past a bound: nested too deeply, or too large once its aliases are
+    expanded (a "billion laughs" document: a few lines whose aliases repeat each other)."""
+
+    def __init__(self, message: str, line: int):
+        self.line = line
+        super().__init__(message)
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """YAML's safe loader with bounds checked on the composed node graph, before any
+    Python object is built: nesting at most MAX_YAML_DEPTH levels (the composer recurses,
+    so a deeper document would end in a RecursionError), and at most MAX_YAML_SIZE nodes
+    and characters once aliases are expanded (the constructor shares an aliased value, but
+    whatever walks the result, an error message quoting it, a comparison, walks it
+    expanded). PyYAML bounds neither."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_YAML_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise TooLarge(f"is nested more than {MAX_YAML_DEPTH} levels deep; flatten it", line)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node, sizes: dict, open_: set) -> int:
+    """Nodes plus scalar characters under `node`, aliases counted each time they occur;
+    memoized per node, so it takes time linear in the document as written."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    line = node.start_mark.line + 1
+    if key in open_:
+        raise TooLarge("holds an alias (*name) inside the value it names; write it out", line)
+    open_.add(key)
+    if isinstance(node, yaml.ScalarNode):
+        size = 1 + len(node.value)
+    else:
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+        size = 1
+        for child in children:
+            size += _expanded_size(child, sizes, open_)
+            if size > MAX_YAML_SIZE:
+                raise TooLarge(
+                    f"is larger than {MAX_YAML_SIZE} nodes and characters once its aliases (*name) are expanded; "
+                    "write the values out instead of repeating aliases",
+                    line,
+                )
+    open_.discard(key)
+    sizes[key] = size
+    return size
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -542,7 +615,7 @@ class BadKey(yaml.YAMLError):
         super().__init__(f"a key here is {kind}, not a name; keys are plain names such as lr")
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(BoundedLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error: the
     plain loader keeps the last, so a second `train:` block would silently replace the
     first. Keys merged in with `<<: *anchor` may be overridden, as YAML intends."""
@@ -569,14 +642,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     problems: list[str] = []
     if path is not None:
         path = Path(path)
-        if not path.exists():
+        try:
+            exists, regular = path.exists(), path.is_file()
+        except (OSError, ValueError):  # a name too long for a path, or with a null character
+            why = f"--config: {shown(str(path))} cannot be a path; give the path of a YAML file"
+            raise ConfigError([why]) from None
+        if not exists:
             raise ConfigError([f"--config: no such file: {path}"])
-        if not path.is_file():
+        if not regular:
             raise ConfigError([f"--config: {path} is not a regular file; give a YAML file"])
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
             raise ConfigError([f"--config: cannot read {path} ({e.strerror}); check its permissions"]) from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                [
+                    f"--config: {path} is larger than {size_text(MAX_CONFIG_BYTES)}, more than any config needs; "
+                    "put long texts (data.chat_template) in files of their own and give their paths"
+                ]
+            )
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -586,6 +672,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             loaded = yaml.load(text, Loader=UniqueKeyLoader)
         except (DuplicateKey, BadKey) as e:
             raise ConfigError([f"{path}:{e.line}: {e}"]) from None
+        except TooLarge as e:
+            raise ConfigError([f"{path}:{e.line}: the document {e}"]) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -643,13 +731,16 @@ def validate(cfg: Config) -> list[str]:
     except ValueError:
         p.append(
             f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), "
-            f"got {t.profile_steps!r}"
+            f"got {shown(t.profile_steps)}"
         )
     if cfg.eval.every_steps and not (cfg.data.eval or cfg.data.eval_fraction):
         p.append("eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0")
     from .data import chat_template_problem
 
-    if (problem := chat_template_problem(cfg.data)) is not None:
+    paths = path_problems(cfg)
+    p += paths
+    looked_up = not any(q.startswith("data.chat_template:") for q in paths)
+    if looked_up and (problem := chat_template_problem(cfg.data)) is not None:
         p.append(problem)
     lora = cfg.model.lora
     p += demo_name_problems(cfg)
@@ -690,6 +781,36 @@ def demo_name_problems(cfg: Config) -> list[str]:
             close = _closest(name, list(DEMO_NAMES))
             hint = f"did you mean {close}? " if close else ""
             problems.append(f"{key}: {name} is not one of the demo's assets; {hint}they are {', '.join(DEMO_NAMES)}")
+    return problems
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """A name the config gives as a path (or hub name) that no filesystem can look up: too
+    long (a part over 255 bytes, or the whole over 4096, on Linux) or holding a null
+    character. Every later look-up (exists, is_file) would raise on it."""
+    from .demo import named
+
+    template = cfg.data.chat_template
+    names = [
+        *named(cfg),
+        ("output_dir", cfg.output_dir),
+        ("checkpoint.resume", cfg.checkpoint.resume),
+        ("data.chat_template", template if "{" not in template else ""),
+    ]
+    problems = []
+    for key, name in names:
+        if not isinstance(name, str) or not name:
+            continue
+        try:
+            os.stat(os.path.expanduser(name))
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                problems.append(
+                    f"{key}: a name of {len(name)} characters ({shown(name)}), longer than a path may be; "
+                    "give a shorter path or name"
+                )
+        except ValueError:  # a null character
+            problems.append(f"{key}: {shown(name)} holds a null character, which no path may; remove it")
     return problems
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import DataConfig
-from .errors import DataError, describe
+from .errors import DataError, describe, shown
 from .files import BAD, LINE, RAW, TEXT_FILES, first_rows, row_dataset
+from .template import MAX_RENDERED, MAX_TEMPLATE_CHARS, TemplateLimit, install, template_source, time_limit
 
 IGNORE = -100
 FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
@@ -213,7 +214,7 @@ def message(m, i: int, field: str = "messages") -> dict:
     as text, its tool calls kept, and whether its assistant turn is trained (`train`).
     Errors name it as `field`[i] (a preference pair's messages are 'chosen', ...)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise RowError(f"{field}[{i}]: needs a 'role' of {', '.join(ROLES)}, got {m!r}")
+        raise RowError(f"{field}[{i}]: needs a 'role' of {', '.join(ROLES)}, got {shown(m)}")
     out = {"role": m["role"], "content": content_text(m.get("content"), i, field)}
     if m.get("tool_calls") is not None:
         if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
@@ -226,7 +227,9 @@ def message(m, i: int, field: str = "messages") -> dict:
             out[name] = m[name]
     train, weight = m.get("train", True), m.get("weight", 1)
     if not isinstance(train, bool) or weight not in (0, 1) or isinstance(weight, bool):
-        raise RowError(f"{field}[{i}]: 'train' must be true or false and 'weight' 0 or 1, got {train!r}, {weight!r}")
+        raise RowError(
+            f"{field}[{i}]: 'train' must be true or false and 'weight' 0 or 1, got {shown(train)}, {shown(weight)}"
+        )
     out["train"] = train and weight == 1
     return out
 
@@ -243,7 +246,7 @@ def content_text(content, i: int, field: str = "messages") -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise RowError(
-                f"{field}[{i}]: content part {part!r} is not supported; only {{type: text, text: ...}} parts "
+                f"{field}[{i}]: content part {shown(part)} is not supported; only {{type: text, text: ...}} parts "
                 "can be trained"
             )
         texts.append(part["text"])
@@ -265,7 +268,9 @@ def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
         out = []
         for t in turns:
             if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES or not isinstance(t.get("value"), str):
-                raise RowError(f"each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {t!r}")
+                raise RowError(
+                    f"each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {shown(t)}"
+                )
             out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
     elif fmt == "alpaca":
         instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
@@ -297,15 +302,23 @@ def chat_ids(
     The span of assistant turn i runs from the end of render(messages[:i], generation prompt)
     to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
 
+    install()  # bounds rendering in size (llmtrain.template), in this process too
+
     def render(msgs, gen=False):
         try:
-            return tokenizer.apply_chat_template(
-                msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen
-            )
+            with time_limit():
+                text = tokenizer.apply_chat_template(
+                    msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen
+                )
+        except TemplateLimit:
+            raise
         except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
             raise RowError(
                 f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
             ) from None
+        if isinstance(text, str) and len(text) > MAX_RENDERED:
+            raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
+        return text
 
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
     if not trained:
@@ -426,8 +439,15 @@ def resolve_chat_template(cfg: DataConfig) -> str | None:
     `{`), or None for the tokenizer's own. Checked at start-up by `chat_template_problem`."""
     t = cfg.chat_template
     if t and "{" not in t:
-        return Path(t).expanduser().read_text(encoding="utf-8")
+        return _read_template(Path(t).expanduser())
     return t or None
+
+
+def _read_template(path: Path) -> str:
+    """A template file's text, read with a limit (one more character than a template may
+    have, for `chat_template_problem` to refuse)."""
+    with open(path, encoding="utf-8") as f:
+        return f.read(MAX_TEMPLATE_CHARS + 1)
 
 
 def chat_template_problem(cfg: DataConfig) -> str | None:
@@ -443,11 +463,16 @@ def chat_template_problem(cfg: DataConfig) -> str | None:
             return f"data.chat_template: no such file: {t}; give a Jinja template file, or the template text itself"
         where = t
         try:
-            t = path.read_text(encoding="utf-8")
+            t = _read_template(path)
         except (OSError, UnicodeDecodeError) as e:
             return f"data.chat_template: cannot read {where} ({describe(e)}); give a UTF-8 Jinja template file"
+    if len(t) > MAX_TEMPLATE_CHARS:
+        return (
+            f"data.chat_template: {where} is longer than {MAX_TEMPLATE_CHARS} characters; no chat template needs that"
+        )
     import jinja2
 
+    install()  # the bounded sandbox (llmtrain.template), which also folds no huge constant while compiling
     try:
         # The environment transformers renders chat templates in (its own `generation`
         # tag included); private, but a public check would accept templates it rejects.
@@ -463,6 +488,12 @@ def check_source(src: Source, tokenizer, template: str | None, cfg: DataConfig) 
     """Set src.format from its columns; refuse chat rows with no chat template to render them."""
     src.format = detect_format(src.columns, cfg.format, src.name, src.key)
     conversational = any(set(REQUIRED[f]) <= set(src.columns) for f in ("chat", "sharegpt", "alpaca"))
+    own = tokenizer.chat_template if not template else None
+    if isinstance(own, str) and len(own) > MAX_TEMPLATE_CHARS:
+        raise DataError(
+            f"{src.key}: {template_source('', tokenizer)} is longer than {MAX_TEMPLATE_CHARS} characters, which no "
+            "chat template needs; set data.chat_template to another"
+        )
     if (
         conversational
         and src.format in ("auto", "chat", "sharegpt", "alpaca")
@@ -518,6 +549,15 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
     return ds, stats
 
 
+def template_error(key: str, where: str, e: TemplateLimit, cfg: DataConfig, tokenizer) -> TemplateLimit:
+    """The one line for a chat template past a bound (llmtrain.template) on a row: it stops
+    the run whatever data.bad_rows says, since the template is at fault, not the row."""
+    return TemplateLimit(
+        f"{key}: {where}: {template_source(cfg.chat_template, tokenizer)} {e} on this row, past the bounds "
+        "on rendering; fix the template, or set data.chat_template to another"
+    )
+
+
 def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None, cfg: DataConfig, check, process):
     """The sources of one split, each loaded, checked (`check(src)` raises DataError or
     returns what the cache key adds for it), tokenized row by row (`process(src, row)`
@@ -531,8 +571,16 @@ def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None
     for name in names:
         src = load_source(name, key)
         tag = check(src)
+
+        def tokenized(row: dict, i: int, src: Source = src) -> dict:
+            try:
+                return process(src, src.parse(row)) | ({LINE: row[LINE]} if src.raw else {})
+            except TemplateLimit as e:
+                raise template_error(key, src.where(row, i), e, cfg, tokenizer) from None
+
         ds = src.dataset.map(
-            lambda row, src=src: process(src, src.parse(row)) | ({LINE: row[LINE]} if src.raw else {}),
+            tokenized,
+            with_indices=True,
             remove_columns=[c for c in src.dataset.column_names if c != LINE],
             new_fingerprint=_fingerprint(src, tag, tokenizer, template, cfg),
             desc=f"tokenizing {Path(name).name}",

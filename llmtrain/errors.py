@@ -11,6 +11,9 @@ is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import reprlib
+from itertools import islice
+
 
 class UserError(ValueError):
     """A problem in the user's input; one line per problem."""
@@ -23,15 +26,40 @@ class DataError(UserError):
 def describe(e: BaseException) -> str:
     """'<Type>: <first non-empty line of the message>' (with the lines after it if it ends
     in ':'), or the type alone: the gist of a library exception for a one-line error (some
-    have empty or many-line messages)."""
+    have empty or many-line messages), cut to 300 characters (some quote a value whole)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
     gist = lines[0]
     if gist.endswith(":"):  # it says nothing without what follows
         gist = " ".join(lines)
-        gist = gist if len(gist) <= 300 else gist[:297] + "..."
+    gist = gist if len(gist) <= 300 else gist[:297] + "..."
     return f"{type(e).__name__}: {gist}"
+
+
+def shown(value) -> str:
+    """A user's value as an error message quotes it: its repr, cut to a few hundred
+    characters. reprlib builds the cut text without the whole repr, so a long row or an
+    alias-expanded YAML value never becomes a long (or huge) message."""
+    text = _Short().repr(value)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class _Short(reprlib.Repr):
+    """reprlib's bounds, with a mapping's keys in their own order (reprlib sorts them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxstring = self.maxother = 120  # at most 8**4 such pieces before the cut to 300
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 4, 8, 8, 8, 8
+
+    def repr_dict(self, x, level):
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(pieces + ["..."] * (len(x) > self.maxdict)) + "}"
 
 
 def warn(message: str) -> None:

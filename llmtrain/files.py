@@ -15,6 +15,12 @@ row that carries only its fault (`BadLine`), and the data pipeline treats it as 
 malformed row (an error naming the line, or dropped and counted under
 data.bad_rows=skip). In a .json array or a CSV file such a fault leaves the rest of the
 file unreadable, and stops the run.
+
+Every read is bounded, so a file that is not what it claims (a .jsonl with no line
+breaks, a .json array of many gigabytes) stops the run with a line naming it instead of
+filling memory: a row (a line of JSON Lines, a CSV row, an object of a .json array) has
+at most MAX_ROW_BYTES, and a .json array, read whole, at most MAX_JSON_BYTES. No real
+data set comes near either; a larger one belongs in JSON Lines, split into rows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pathlib import Path
 from .errors import DataError, UserError, describe
 
 TEXT_FILES = (".jsonl", ".json", ".csv")
+MAX_ROW_BYTES = 64 << 20  # one row: a line of JSON Lines, a CSV row, an object of a .json array
+MAX_JSON_BYTES = 1 << 30  # a .json array, which is read whole (JSON Lines is read a line at a time)
 TOO_DEEP = "JSON nested too deeply to read; flatten the row"
 RAW, LINE = "__raw", "__line"
 BAD = "__bad_line"  # the key of a parsed row that is a line's fault, not a row (see data.Source.parse)
@@ -43,9 +51,9 @@ def read_rows(path: Path, key: str) -> Iterator[tuple[int, dict]]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".json":
-            rows = _json_array(_decode(path.read_bytes(), path, key), path, key)
+            rows = _json_array(_decode(_read_whole(path, key), path, key), path, key)
         elif suffix == ".jsonl":
-            rows = _jsonl(path)
+            rows = _jsonl(path, key)
         else:
             rows = _csv(_lines(path, key), path, key)
         yield from rows
@@ -70,10 +78,46 @@ def as_text(row: dict) -> str | BadLine:
     return text
 
 
+def size_text(n: int) -> str:
+    """A bound in words: '64 MiB', '1 GiB', '1000 bytes'."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def _too_long(path: Path, key: str, line: int, fix: str) -> DataError:
+    return DataError(
+        f"{key}: {path} line {line}: a row longer than {size_text(MAX_ROW_BYTES)}, the most a row may have; {fix}"
+    )
+
+
+def _read_lines(f, path: Path, key: str, fix: str) -> Iterator[bytes]:
+    """A binary file's lines, each read with a limit: a longer line (or a file with no
+    line breaks) stops with its line instead of being read whole into memory."""
+    number = 0
+    while data := f.readline(MAX_ROW_BYTES + 1):
+        number += 1
+        if len(data) > MAX_ROW_BYTES:
+            raise _too_long(path, key, number, fix)
+        yield data
+
+
+def _read_whole(path: Path, key: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise DataError(
+            f"{key}: {path} is larger than {size_text(MAX_JSON_BYTES)}, and a .json array is read whole; "
+            "write it as JSON Lines (.jsonl, one row a line), which is read a line at a time"
+        )
+    return data
+
+
 def _lines(path: Path, key: str) -> Iterator[str]:
     """The file's lines as text (line ends kept), each checked to be UTF-8."""
     with open(path, "rb") as f:
-        for number, data in enumerate(f, 1):
+        for number, data in enumerate(_read_lines(f, path, key, "check the quoting, or split it into several rows"), 1):
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -93,10 +137,10 @@ def _decode(data: bytes, path: Path, key: str) -> str:
         ) from None
 
 
-def _jsonl(path: Path):
+def _jsonl(path: Path, key: str):
     """(line, row or BadLine) for every line of a JSON Lines file that is not blank."""
     with open(path, "rb") as f:
-        for number, data in enumerate(f, 1):
+        for number, data in enumerate(_read_lines(f, path, key, "each line must be one row: split it into several"), 1):
             try:
                 line = data.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -144,6 +188,8 @@ def _json_array(text: str, path: Path, key: str):
             fail(f"invalid JSON ({e.msg})", e.pos)
         except RecursionError:
             fail(TOO_DEEP, at)
+        if end - at > MAX_ROW_BYTES:  # characters, not bytes: a near enough bound, checked after the fact
+            raise _too_long(path, key, line, "split it into several rows")
         if not isinstance(row, dict):
             fail(f"expected a JSON object, got {type(row).__name__}", at)
         yield line, row
@@ -161,13 +207,23 @@ def _json_array(text: str, path: Path, key: str):
 def _csv(lines: Iterator[str], path: Path, key: str):
     """Rows as {header: value}; an empty field is None (a missing value, as pandas reads it)."""
     # Python's csv module refuses fields over 128 KiB by default; a long document is data.
-    csv.field_size_limit(2**31 - 1)
+    csv.field_size_limit(MAX_ROW_BYTES)
+    size, ended = 0, 0  # characters of the row being read (a quoted field may span lines), its first line - 1
+
+    def bounded(lines):
+        nonlocal size
+        for text in lines:
+            size += len(text)
+            if size > MAX_ROW_BYTES:
+                raise _too_long(path, key, ended + 1, "check the quoting, or split it into several rows")
+            yield text
+
     # strict: an unclosed quote is an error, not a field that swallows the rest of the file.
-    reader = csv.reader(lines, strict=True)
-    header, ended = None, 0
+    reader = csv.reader(bounded(lines), strict=True)
+    header = None
     try:
         for values in reader:
-            start, ended = ended + 1, reader.line_num
+            start, ended, size = ended + 1, reader.line_num, 0
             if not values:
                 continue
             if header is None:
@@ -181,7 +237,32 @@ def _csv(lines: Iterator[str], path: Path, key: str):
             yield start, {name: (value if value != "" else None) for name, value in zip(header, values)}
     except csv.Error as e:
         why = "a quoted field is not closed" if "unexpected end of data" in str(e) else str(e)
+        if "field larger than field limit" in str(e):
+            raise _too_long(path, key, ended + 1, "check the quoting, or split it into several rows") from None
         raise DataError(f"{key}: {path} line {ended + 1}: not valid CSV ({why}); check the quoting") from None
+
+
+MAX_OWN_BYTES = 64 << 20  # a file a run wrote for a later one to read: train_state.json, config.yaml
+
+
+def read_own(path: Path, limit: int = MAX_OWN_BYTES) -> str:
+    """The text of a file llmtrain wrote and reads back (a checkpoint's train_state.json,
+    a run's config.yaml): read with a limit, since it may have been edited or replaced.
+    ValueError when it is larger or not UTF-8; OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"larger than {size_text(limit)}, which llmtrain never writes")
+    return data.decode("utf-8")
+
+
+def load_json(path: Path) -> object:
+    """`read_own` parsed as JSON; ValueError for anything that is not JSON llmtrain could
+    have written (too large, nested too deeply for the parser)."""
+    try:
+        return json.loads(read_own(path))
+    except RecursionError:
+        raise ValueError(TOO_DEEP) from None
 
 
 def first_rows(path: Path, key: str, n: int = 100) -> list[dict]:

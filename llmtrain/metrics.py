@@ -64,7 +64,7 @@ class MetricsLog:
         if accelerator.is_main_process:
             kept = []
             if resume_step is not None and self.path.exists():
-                kept = [line for line in self.path.read_text().splitlines() if _step(line) <= resume_step]
+                kept = [line for line in _lines(self.path) if _step(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:
@@ -80,17 +80,35 @@ class MetricsLog:
         self.accelerator.log(scalars, step=row["step"])
 
 
+MAX_ROW_BYTES = 1 << 20  # a row llmtrain writes has a few hundred bytes
+
+
+def _lines(path: Path):
+    """The lines of metrics.jsonl, each read with a limit: a longer one (not a row
+    llmtrain wrote: the file was edited or replaced) comes back empty instead of being
+    read whole into memory."""
+    with open(path, "rb") as f:
+        while data := f.readline(MAX_ROW_BYTES + 1):
+            if len(data) > MAX_ROW_BYTES:
+                while not data.endswith(b"\n") and (data := f.readline(MAX_ROW_BYTES + 1)):
+                    pass
+                yield ""
+                continue
+            yield data.decode("utf-8", errors="replace").rstrip("\n")
+
+
 def _step(line: str) -> float:
-    """A row's step; a line cut short by a kill mid-write (or empty) counts as past any
-    step, so a resume drops it."""
+    """A row's step; a line cut short by a kill mid-write (or empty), or one that is not a
+    row llmtrain wrote, counts as past any step, so a resume drops it."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError, RecursionError):
         return math.inf
+    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in _lines(Path(path)) if line.strip()]
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> bool:

@@ -12,7 +12,7 @@ import torch
 from .attention import Attention
 from .attention import choose as choose_attention
 from .config import ModelConfig
-from .errors import UserError, describe, warn
+from .errors import UserError, describe, shown, warn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -297,7 +297,7 @@ def add_lora(model, cfg: ModelConfig, report=None):
         return get_peft_model(model, adapters)
     except ValueError as e:  # peft: no module matches target_modules (or a module it cannot adapt)
         raise ModelError(
-            f"model.lora.target_modules: {lora.target_modules!r} cannot be adapted ({describe(e)}); the model's "
+            f"model.lora.target_modules: {shown(lora.target_modules)} cannot be adapted ({describe(e)}); the model's "
             f"linear layers are named {', '.join(linear)}; or use all-linear"
         ) from None
 

@@ -23,9 +23,10 @@ import yaml
 from . import demo
 from .batches import EpochSampler
 from .cli import user_errors
-from .config import Config, ConfigError, DPOConfig, load_config, to_yaml
+from .config import MAX_CONFIG_BYTES, BoundedLoader, Config, ConfigError, DPOConfig, load_config, to_yaml
 from .data import IGNORE, DataError, prepare_split, resolve_chat_template
 from .errors import describe
+from .files import read_own
 from .mixture import names, packer, sources, split_and_mix, training_set
 from .model import attention_backend, check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .packing import PackedDataset
@@ -351,8 +352,8 @@ def names_dpo(config: Path, overrides: list[str]) -> bool:
     if any(o.startswith("dpo.") or o.startswith("dpo=") for o in overrides):
         return True
     try:
-        raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader)
+    except (OSError, ValueError, yaml.YAMLError):
         return False
     return isinstance(raw, dict) and "dpo" in raw
 

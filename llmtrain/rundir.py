@@ -15,14 +15,14 @@ overwriting it.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 from pathlib import Path
 
 from .checkpoint import STATE_FILE, CheckpointError, checkpoint_root, complete_checkpoints
-from .errors import warn
+from .errors import shown, warn
+from .files import load_json, read_own
 
 LOCK_FILE = ".llmtrain.lock"
 
@@ -74,7 +74,7 @@ def finished_state(output_dir: str) -> dict | None:
     if not final.is_dir():
         return None
     try:
-        state = json.loads((final / STATE_FILE).read_text())
+        state = load_json(final / STATE_FILE)
     except (OSError, ValueError):
         state = None
     step = state.get("step") if isinstance(state, dict) else None
@@ -106,7 +106,7 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
     config a checkpoint or export was written with."""
     import yaml
 
-    from .config import as_dict
+    from .config import BoundedLoader, as_dict
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -115,14 +115,14 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
         return out
 
     try:
-        saved = yaml.safe_load(saved_yaml)
+        saved = yaml.load(saved_yaml, Loader=BoundedLoader)
     except yaml.YAMLError:
         saved = None
     if not isinstance(saved, dict):
         return ["(the saved config cannot be read, so changes are not known)"]
     old, new = flat(saved), flat(as_dict(cfg))
     return [
-        f"{key}: {old.get(key)!r} -> {value!r}"
+        f"{key}: {shown(old.get(key))} -> {shown(value)}"
         for key, value in new.items()
         if not key.startswith(SAME_RUN) and key in old and old[key] != value
     ]
@@ -135,9 +135,9 @@ def already_finished(cfg) -> int | None:
     if done is None or done["step"] is None or not config.is_file():
         return None
     try:
-        if changed_settings(config.read_text(), cfg):
+        if changed_settings(read_own(config), cfg):
             return None
-    except (OSError, UnicodeDecodeError):
+    except (OSError, ValueError):
         return None
     return done["step"]
 
@@ -178,8 +178,8 @@ def warn_changes(resume_from: Path, cfg) -> None:
     from .checkpoint import POSITION_KEYS
 
     try:
-        saved = (resume_from / "config.yaml").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        saved = read_own(resume_from / "config.yaml")
+    except (OSError, ValueError):
         saved = ""
     changes = [c for c in changed_settings(saved, cfg) if c.split(":")[0] not in POSITION_KEYS]
     if changes:

@@ -33,11 +33,13 @@ from .data import (
     load_source,
     process_row,
     row_problem,
+    template_error,
 )
 from .errors import describe
 from .files import user_cause
 from .mixture import sources
 from .packing import join_rows
+from .template import TemplateLimit
 
 CHECK_BAD_AFTER = 1000  # rows read by a process before it holds them to data.max_bad_fraction
 
@@ -118,7 +120,10 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.stats = stats  # counts so far, for a reader that stops early (llmtrain plan)
         self.per_source = [[0, 0, 0] for _ in self.streams]  # rows read, kept, trained tokens
         for i, src, row in self._turns():
-            out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
+            try:
+                out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
+            except TemplateLimit as e:
+                raise template_error(self.key, self._where(src, row), e, cfg, self.tokenizer) from None
             if problem := row_problem(out["status"], cfg):
                 raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
             if out["status"].startswith("error"):
