@@ -133,6 +133,11 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         except Exception as e:  # Arrow schema errors and the like
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
+    if path.is_dir():
+        raise DataError(
+            f"{key}: {name} is a directory; give its data files (.jsonl, .json, .parquet or .csv), "
+            f"e.g. {key}=[{name}/a.jsonl, {name}/b.jsonl]"
+        )
     if path.exists():
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
     hub, _, split = name.partition(":")
@@ -140,7 +145,9 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)
     except Exception as e:
         raise DataError(
-            f"{key}: could not load '{name}' as a file or hub data set ({no_rows(e) or describe(e)})"
+            f"{key}: could not load '{name}' as a file or hub data set ({no_rows(e) or describe(e)}); no such "
+            "local file, so it was looked up on the hub: give a .jsonl, .json, .parquet or .csv path, or a hub "
+            "name 'owner/name' (or 'owner/name:split')"
         ) from None
     return Source(key, name, ds, list(ds.column_names or []))
 
@@ -167,7 +174,8 @@ def detect_format(columns: list[str], wanted: str, source: str, key: str) -> str
     if wanted != "auto":
         if not set(REQUIRED[wanted]) <= cols:
             raise DataError(
-                f"{key}: {source}: data.format={wanted} needs columns {sorted(REQUIRED[wanted])}, found {sorted(cols)}"
+                f"{key}: {source}: data.format={wanted} needs columns {sorted(REQUIRED[wanted])}, found "
+                f"{sorted(cols)}; set data.format=auto to take each row's format from its fields"
             )
         return wanted
     if not any(set(need) <= cols for need in REQUIRED.values()):
@@ -189,7 +197,12 @@ def row_format(row: dict) -> str:
     for fmt, need in REQUIRED.items():
         if all(row.get(c) is not None for c in need):
             return fmt
-    raise RowError(f"no known format fits this row's fields {sorted(k for k, v in row.items() if v is not None)}")
+    null = sorted(k for k, v in row.items() if v is None)
+    raise RowError(
+        f"no known format fits this row's fields {sorted(k for k, v in row.items() if v is not None)}"
+        + (f" ({', '.join(null)}: null)" if null else "")
+        + "; a row needs 'text', 'prompt'+'completion', 'instruction'+'output', 'messages' or 'conversations'"
+    )
 
 
 # --- one row -> token ids and labels -------------------------------------------------------------

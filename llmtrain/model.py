@@ -30,7 +30,49 @@ def hub_kwargs(cfg: ModelConfig) -> dict:
 
 
 def _load_error(what: str, name: str, e: Exception) -> ModelError:
-    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)})")
+    """A failed from_pretrained, with what to do about it: a local directory's missing
+    files named in the user's words (transformers' words for them point elsewhere, e.g.
+    at sentencepiece for a missing tokenizer.json), else what to check."""
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if missing := _missing_files(local, what):
+            return ModelError(
+                f"model.name_or_path: {name} has no {missing}; give a model directory as save_pretrained writes it "
+                "(config.json, the weights, and the tokenizer's files)"
+            )
+        hint = (
+            "check its config.json (an architecture newer than this transformers needs an upgrade)"
+            if what == "a model config"
+            else "check the directory's files"
+        )
+    else:
+        from huggingface_hub import constants
+
+        hint = "it is no local directory, so it was looked up on the hub: check the name, " + (
+            "and that the hub cache holds it (HF_HUB_OFFLINE is set)"
+            if constants.HF_HUB_OFFLINE
+            else "network access and, for a gated or private model, your login (hf auth login)"
+        )
+    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)}); {hint}")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+
+
+def _missing_files(path: Path, what: str) -> str | None:
+    """What `what` needs that the directory lacks: its config.json, any tokenizer file
+    (tokenizer.json, or a vocabulary a slow tokenizer converts), or any weights file."""
+    names = [f.name for f in path.iterdir() if f.is_file()]
+    if what == "a model config" and "config.json" not in names:
+        return "config.json"
+    tokenizer = [
+        n for n in names if n.startswith(("tokenizer.", "vocab.", "spiece.")) or n.endswith((".model", ".tiktoken"))
+    ]
+    if what == "a tokenizer" and not tokenizer:
+        return "tokenizer files (tokenizer.json)"
+    if what == "a causal LM" and not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+        return "weights (model.safetensors)"
+    return None
 
 
 def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
@@ -45,6 +87,11 @@ def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
         raise ModelError(
             f"model.name_or_path: no such directory: {name}; give a local model directory "
             "(with config.json) or a hub name like 'owner/model'"
+        )
+    if cfg.revision and Path(name).expanduser().is_dir():
+        raise ModelError(
+            f"model.revision: {cfg.revision} selects a hub revision, but {name} is a local directory, read as it is; "
+            "remove model.revision, or give the hub name"
         )
     _check_readable(Path(name).expanduser())
     try:

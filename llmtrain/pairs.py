@@ -151,7 +151,8 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
         if not {"chosen", "rejected"} <= set(src.columns):
             raise DataError(
                 f"{key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
-                f"whole conversations); found columns {sorted(src.columns)}"
+                f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
+                "rows with recipes/finetune.py"
             )
         return "pairs-v3"
 
