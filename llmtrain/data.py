@@ -50,6 +50,14 @@ class Source:
 
 
 MALFORMED = "malformed, data.bad_rows=skip"
+# Why a well-formed row has nothing to train (NothingToTrain), as DataStats counts it.
+NOTHING_TO_TRAIN = {
+    "empty conversation",
+    "no assistant turn",
+    "every assistant turn has train: false",
+    "empty answer",
+    "empty text",
+}
 SHOWN_BAD = 3  # malformed rows whose location the summary names
 
 
@@ -89,6 +97,22 @@ class DataStats:
                 f"more than {cfg.max_bad_fraction:g}; the first: {'; '.join(self.bad)}. Fix the rows, or raise "
                 "data.max_bad_fraction"
             )
+
+    def fixes(self) -> str:
+        """What to change about the dropped rows, by why they were dropped: for an error
+        saying a split has no usable row."""
+        reasons, hints = set(self.dropped), []
+        if "longer than data.max_seq_len" in reasons:
+            hints.append("raise data.max_seq_len, or set data.overlong=truncate")
+        if "no trained tokens" in reasons:
+            hints.append("raise data.max_seq_len (truncation can cut off what is trained), or set data.loss_on=all")
+        if reasons & NOTHING_TO_TRAIN:
+            hints.append("give rows with something to train (an answer, or text)")
+        if "identical answers" in reasons or "an empty answer" in reasons:
+            hints.append("give pairs with two different, non-empty answers")
+        if MALFORMED in reasons:
+            hints.append("fix the malformed rows")
+        return "; ".join(hints) or "check data.max_seq_len, data.overlong and data.loss_on"
 
     def summary(self, key: str) -> str:
         parts = [f"{key}: {self.kept}/{self.rows} rows kept, {self.trained_tokens} trained tokens"]
@@ -525,9 +549,7 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
     if stats.kept == 0:
-        raise DataError(
-            f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong and data.loss_on"
-        )
+        raise DataError(f"{key}: no usable rows: {stats.summary(key)}; {stats.fixes()}")
     return ds, stats
 
 

@@ -161,7 +161,7 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
     if stats.kept == 0:
-        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; check data.max_seq_len and data.overlong")
+        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; {stats.fixes()}")
     return ds, stats
 
 

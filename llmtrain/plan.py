@@ -295,7 +295,7 @@ def plan(argv: list[str]) -> None:
         if not ds:
             raise DataError(
                 f"data.train: no usable row in the first {stream.stats.rows} rows of the stream: "
-                f"{stream.stats.summary('data.train')}"
+                f"{stream.stats.summary('data.train')}; {stream.stats.fixes()}"
             )
         lengths, steps_per_epoch = [len(r["input_ids"]) for r in ds], None
         data_lines.append(f"streamed; the first rows read: {stream.stats.summary('data.train')}")

@@ -127,6 +127,24 @@ CASES = {
         "'text', 'prompt'+'completion', 'instruction'+'output', 'messages' or 'conversations'; data.bad_rows=skip "
         "would drop malformed rows instead",
     ),
+    "every row longer than data.max_seq_len, dropped": (
+        "finetune",
+        [*SFT, "data.max_seq_len=8", "data.overlong=drop"],
+        "data.train: no usable rows: data.train: 0/20 rows kept, 0 trained tokens; 20 dropped (longer than "
+        "data.max_seq_len); raise data.max_seq_len, or set data.overlong=truncate",
+    ),
+    "every row malformed, skipped": (
+        "finetune",
+        [*SFT, "data.train={T}/numbers.jsonl", "data.bad_rows=skip", "data.max_bad_fraction=1"],
+        "data.train: no usable rows: data.train: 0/1 rows kept, 0 trained tokens; 1 dropped (malformed, "
+        "data.bad_rows=skip: {T}/numbers.jsonl line 1: 'text' must be a string); fix the malformed rows",
+    ),
+    "pairs with identical answers": (
+        "dpo",
+        [*SFT, "data.train={T}/same.jsonl"],
+        "data.train: no usable pairs: data.train: 0/1 rows kept, 0 trained tokens; 1 dropped (identical answers); "
+        "give pairs with two different, non-empty answers",
+    ),
     "chat rows for dpo.py": (
         "dpo",
         list(SFT),
@@ -175,6 +193,8 @@ for tracker in ("wandb", "mlflow"):
 FILES = {
     "base.yaml": "log: {tracker: none, progress_bar: false}\ntrain: {max_steps: 1}\ndata: {max_seq_len: 256}\n",
     "null.jsonl": '{"text": "a row"}\n{"text": null}\n',
+    "numbers.jsonl": '{"text": 5}\n',
+    "same.jsonl": '{"prompt": "q", "chosen": "a", "rejected": "a"}\n',
     "two.yaml": "distributed_type: MULTI_GPU\nnum_processes: two\n",
     "ds.yaml": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config: {gradient_accumulation_steps: four}\n",
     "list.yaml": "- distributed_type: NO\n",
