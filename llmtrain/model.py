@@ -5,6 +5,7 @@ through the same functions."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -34,6 +35,15 @@ def _load_error(what: str, name: str, e: Exception) -> ModelError:
     files named in the user's words (transformers' words for them point elsewhere, e.g.
     at sentencepiece for a missing tokenizer.json), else what to check."""
     local = Path(name).expanduser()
+    if local.is_dir() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        try:
+            base = json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            base = "the model they were trained on"
+        return ModelError(
+            f"model.name_or_path: {name} holds LoRA adapters only (adapter_config.json), not a model; train from "
+            f"their base ({base}), or from a merged export (a LoRA run with export.merge_lora=true writes one)"
+        )
     if local.is_dir():
         if missing := _missing_files(local, what):
             return ModelError(

@@ -90,6 +90,12 @@ CASES = {
         [*SFT, "model.name_or_path={T}/no-weights"],
         "model.name_or_path: {T}/no-weights has no weights (model.safetensors); " + SAVED,
     ),
+    "a directory of LoRA adapters": (
+        "finetune",
+        [*SFT, "model.name_or_path={T}/adapter"],
+        "model.name_or_path: {T}/adapter holds LoRA adapters only (adapter_config.json), not a model; train from "
+        "their base ({M}), or from a merged export (a LoRA run with export.merge_lora=true writes one)",
+    ),
     "a hub revision for a local model": (
         "finetune",
         [*SFT, "model.revision=v2"],
@@ -223,6 +229,8 @@ def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
     ):
         shutil.copytree(tiny_model, root / name)
         (root / name / drop).unlink()
+    (root / "adapter").mkdir()  # as a LoRA run's final/ without export.merge_lora
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model)}))
     values = {"M": str(tiny_model), "D": str(chat_file), "T": str(root), "O": str(root / "out")}
     spec = {
         name: [command, [fill(a, values) for a in args], str(root) if name in ELSEWHERE else None]
