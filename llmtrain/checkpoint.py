@@ -89,6 +89,8 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
         return None
     path = Path(resume)
     give = "give a checkpoints/step-N directory of an earlier run, or checkpoint.resume=auto"
+    if (path / "checkpoints").is_dir():  # a run's output_dir
+        give = f"it is a run's output_dir: to continue that run, give output_dir={resume} checkpoint.resume=auto"
     if not path.is_dir():
         what = f"{resume} is not a directory" if path.exists() else f"no such directory: {resume}"
         raise CheckpointError(f"checkpoint.resume: {what}; {give}")

@@ -631,7 +631,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+            raise ConfigError(
+                [
+                    f"{path}: the top level must be a mapping of sections; write e.g. 'train:' with its keys "
+                    "indented below"
+                ]
+            )
         raw = loaded
     for item in overrides:
         key, value = parse_override(item)

@@ -143,7 +143,8 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     suffix = path.suffix.lower()
     if suffix in FILE_BUILDERS:
         if not path.exists():
-            raise DataError(f"{key}: no such file: {name}")
+            several = f"; several files go in a list: {key}=[{', '.join(n.strip() for n in name.split(','))}]"
+            raise DataError(f"{key}: no such file: {name}{several if ',' in name else ''}")
         if not path.is_file():
             raise DataError(f"{key}: {name} is not a regular file; give a data file")
         if suffix in TEXT_FILES:
@@ -477,7 +478,8 @@ def chat_template_problem(cfg: DataConfig) -> str | None:
     if "{" not in t:
         path = Path(t).expanduser()
         if not path.is_file():
-            return f"data.chat_template: no such file: {t}; give a Jinja template file, or the template text itself"
+            what = f"{t} is not a file" if path.exists() else f"no such file: {t}"
+            return f"data.chat_template: {what}; give a Jinja template file, or the template text itself"
         where = t
         try:
             t = path.read_text(encoding="utf-8")

@@ -46,10 +46,14 @@ def _load_error(what: str, name: str, e: Exception) -> ModelError:
         )
     if local.is_dir():
         if missing := _missing_files(local, what):
-            return ModelError(
-                f"model.name_or_path: {name} has no {missing}; give a model directory as save_pretrained writes it "
-                "(config.json, the weights, and the tokenizer's files)"
+            final = local / "final"  # an llmtrain run's output_dir holds its model there
+            fix = (
+                f"it is a run's output_dir: give its model, model.name_or_path={final}"
+                if final.is_dir()
+                else "give a model directory as save_pretrained writes it (config.json, the weights, and the "
+                "tokenizer's files)"
             )
+            return ModelError(f"model.name_or_path: {name} has no {missing}; {fix}")
         hint = (
             "check its config.json (an architecture newer than this transformers needs an upgrade)"
             if what == "a model config"

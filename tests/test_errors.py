@@ -96,6 +96,28 @@ CASES = {
         "model.name_or_path: {T}/adapter holds LoRA adapters only (adapter_config.json), not a model; train from "
         "their base ({M}), or from a merged export (a LoRA run with export.merge_lora=true writes one)",
     ),
+    "a run's output_dir as the model": (
+        "finetune",
+        [*SFT, "model.name_or_path={T}/run"],
+        "model.name_or_path: {T}/run has no config.json; it is a run's output_dir: give its model, "
+        "model.name_or_path={T}/run/final",
+    ),
+    "a run's output_dir to resume": (
+        "finetune",
+        [*SFT, "checkpoint.resume={T}/run"],
+        "checkpoint.resume: {T}/run is not a complete llmtrain checkpoint (no train_state.json); it is a run's "
+        "output_dir: to continue that run, give output_dir={T}/run checkpoint.resume=auto",
+    ),
+    "data files separated by a comma": (
+        "finetune",
+        [*SFT, "data.train=a.jsonl,b.jsonl"],
+        "data.train: no such file: a.jsonl,b.jsonl; several files go in a list: data.train=[a.jsonl, b.jsonl]",
+    ),
+    "a config file that is a list": (
+        "finetune",
+        ["--config", "{T}/list.yaml", *SFT[2:]],
+        "{T}/list.yaml: the top level must be a mapping of sections; write e.g. 'train:' with its keys indented below",
+    ),
     "a hub revision for a local model": (
         "finetune",
         [*SFT, "model.revision=v2"],
@@ -229,6 +251,8 @@ def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
     ):
         shutil.copytree(tiny_model, root / name)
         (root / name / drop).unlink()
+    (root / "run" / "checkpoints").mkdir(parents=True)  # an output_dir, as a run leaves it
+    (root / "run" / "final").mkdir()
     (root / "adapter").mkdir()  # as a LoRA run's final/ without export.merge_lora
     (root / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model)}))
     values = {"M": str(tiny_model), "D": str(chat_file), "T": str(root), "O": str(root / "out")}
