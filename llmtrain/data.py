@@ -153,9 +153,13 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
                 raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
             ds = row_dataset(path, key, streaming)
             return Source(key, name, ds, sorted({k for row in first for k in row}), raw=True)
+        if suffix == ".parquet" and parquet_rows(path) == 0:  # datasets fails on it with "BatchSize must be > 0"
+            raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
         try:
             ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train", streaming=streaming)
         except Exception as e:  # Arrow schema errors and the like
+            if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
+                e = e.__cause__  # "An error occurred while generating the dataset" says nothing
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
     if path.is_dir():
@@ -175,6 +179,17 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             "name 'owner/name' (or 'owner/name:split')"
         ) from None
     return Source(key, name, ds, list(ds.column_names or []))
+
+
+def parquet_rows(path: Path) -> int | None:
+    """The row count a Parquet file's footer gives, or None if it is no readable Parquet
+    (datasets then says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:
+        return None
 
 
 def no_rows(e: Exception) -> str | None:

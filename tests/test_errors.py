@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -142,6 +144,11 @@ CASES = {
         "data.train: {T}/empty is a directory; give its data files (.jsonl, .json, .parquet or .csv), e.g. "
         "data.train=[{T}/empty/a.jsonl, {T}/empty/b.jsonl]",
     ),
+    "a Parquet file with no rows": (
+        "finetune",
+        [*SFT, "data.train={T}/empty.parquet"],
+        "data.train: {T}/empty.parquet has no rows; give a file with at least one row",
+    ),
     "data.format that the rows do not have": (
         "finetune",
         [*SFT, "data.format=text"],
@@ -244,6 +251,7 @@ def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
     for name, text in FILES.items():
         (root / name).write_text(text)
     (root / "empty").mkdir()
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), root / "empty.parquet")
     for name, drop in (
         ("no-config", "config.json"),
         ("no-tokenizer", "tokenizer.json"),
