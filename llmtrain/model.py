@@ -44,6 +44,11 @@ def _load_error(what: str, name: str, e: Exception) -> ModelError:
             f"model.name_or_path: {name} holds LoRA adapters only (adapter_config.json), not a model; train from "
             f"their base ({base}), or from a merged export (a LoRA run with export.merge_lora=true writes one)"
         )
+    if "ignore_mismatched_sizes" in str(e):  # transformers' load report, printed above, lists the weights
+        return ModelError(
+            f"model.name_or_path: the weights in '{name}' do not have the shapes its config.json gives (transformers' "
+            "load report above lists them); config.json and the weights must come from the same model"
+        )
     if local.is_dir():
         if missing := _missing_files(local, what):
             final = local / "final"  # an llmtrain run's output_dir holds its model there

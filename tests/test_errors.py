@@ -92,6 +92,12 @@ CASES = {
         [*SFT, "model.name_or_path={T}/no-weights"],
         "model.name_or_path: {T}/no-weights has no weights (model.safetensors); " + SAVED,
     ),
+    "a config.json from another model than the weights": (
+        "finetune",
+        [*SFT, "model.name_or_path={T}/other-config"],
+        "model.name_or_path: the weights in '{T}/other-config' do not have the shapes its config.json gives "
+        "(transformers' load report above lists them); config.json and the weights must come from the same model",
+    ),
     "a directory of LoRA adapters": (
         "finetune",
         [*SFT, "model.name_or_path={T}/adapter"],
@@ -259,6 +265,9 @@ def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
     ):
         shutil.copytree(tiny_model, root / name)
         (root / name / drop).unlink()
+    shutil.copytree(tiny_model, root / "other-config")
+    config = json.loads((tiny_model / "config.json").read_text())
+    (root / "other-config" / "config.json").write_text(json.dumps(config | {"hidden_size": 2 * config["hidden_size"]}))
     (root / "run" / "checkpoints").mkdir(parents=True)  # an output_dir, as a run leaves it
     (root / "run" / "final").mkdir()
     (root / "adapter").mkdir()  # as a LoRA run's final/ without export.merge_lora
