@@ -251,6 +251,20 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     return tok
 
 
+def check_vocab(cfg: ModelConfig, mcfg, tokenizer) -> None:
+    """Refuse a tokenizer with more tokens than the model embeds (a tokenizer from another
+    model): the first id past the embeddings would stop training mid-run with an index
+    error (a device-side assert on a GPU). As dpo.reference's check, a larger vocabulary
+    is accepted: models pad theirs."""
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    vocab, ids = getattr(text, "vocab_size", None), len(tokenizer)
+    if isinstance(vocab, int) and vocab < ids:
+        raise ModelError(
+            f"model.name_or_path: the tokenizer of '{cfg.name_or_path}' has {ids} tokens but the model embeds only "
+            f"{vocab} (config.json vocab_size); use the tokenizer saved with this model"
+        )
+
+
 def pad_id(tokenizer) -> int:
     """Padding never reaches the loss, so a tokenizer without a pad token pads with EOS."""
     for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):

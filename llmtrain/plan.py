@@ -28,7 +28,15 @@ from .config import Config, ConfigError, DPOConfig, load_config, to_yaml
 from .data import IGNORE, DataError, prepare_split, resolve_chat_template
 from .errors import describe
 from .mixture import names, packer, sources, split_and_mix, training_set
-from .model import attention_backend, check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
+from .model import (
+    attention_backend,
+    check_model,
+    check_vocab,
+    chunkable_head,
+    hub_kwargs,
+    load_tokenizer,
+    meta_model,
+)
 from .packing import PackedDataset
 from .pairs import PackedPairs, prepare_pairs
 from .reference import check_reference
@@ -274,6 +282,7 @@ def plan(argv: list[str]) -> None:
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
     template = resolve_chat_template(cfg.data)
     tokenizer = load_tokenizer(cfg.model, template)
+    check_vocab(cfg.model, mcfg, tokenizer)
     if dpo:
         check_reference(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtrain.errors import describe
 
@@ -97,6 +98,12 @@ CASES = {
         [*SFT, "model.name_or_path={T}/other-config"],
         "model.name_or_path: the weights in '{T}/other-config' do not have the shapes its config.json gives "
         "(transformers' load report above lists them); config.json and the weights must come from the same model",
+    ),
+    "a tokenizer with more tokens than the model embeds": (
+        "finetune",
+        [*SFT, "model.name_or_path={T}/small-vocab"],
+        "model.name_or_path: the tokenizer of '{T}/small-vocab' has 261 tokens but the model embeds only 50 "
+        "(config.json vocab_size); use the tokenizer saved with this model",
     ),
     "a directory of LoRA adapters": (
         "finetune",
@@ -268,6 +275,10 @@ def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
     shutil.copytree(tiny_model, root / "other-config")
     config = json.loads((tiny_model / "config.json").read_text())
     (root / "other-config" / "config.json").write_text(json.dumps(config | {"hidden_size": 2 * config["hidden_size"]}))
+    shutil.copytree(tiny_model, root / "small-vocab")  # its tokenizer, with a model of a smaller vocabulary
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.vocab_size = 50
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "small-vocab")
     (root / "run" / "checkpoints").mkdir(parents=True)  # an output_dir, as a run leaves it
     (root / "run" / "final").mkdir()
     (root / "adapter").mkdir()  # as a LoRA run's final/ without export.merge_lora
