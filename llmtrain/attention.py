@@ -169,6 +169,11 @@ def choose(requested: str, model_class: type, mcfg, packing: bool, device: torch
             raise AttentionError(
                 f"model.attn_implementation: {arch} does not support {name}; use auto or one of {', '.join(supported)}"
             )
+        if base.startswith("flash_attention") and not gpu:
+            raise AttentionError(
+                f"model.attn_implementation: {base} runs on CUDA GPUs only, and this run is on CPU; use auto, "
+                + " or ".join(s for s in supported if s != "flex_attention")
+            )
         if base == "flex_attention" and not gpu:
             raise AttentionError(
                 "model.attn_implementation: flex_attention cannot train on CPU (PyTorch has no "

@@ -89,8 +89,16 @@ def find_resume(output_dir: str, resume: str, warn=None, rng_required: bool = Tr
             )
         return None
     path = Path(resume)
+    give = "give a checkpoints/step-N directory of an earlier run, or checkpoint.resume=auto"
+    if (path / "checkpoints").is_dir():  # a run's output_dir
+        give = f"it is a run's output_dir: to continue that run, give output_dir={resume} checkpoint.resume=auto"
+    if not path.is_dir():
+        what = f"{resume} is not a directory" if path.exists() else f"no such directory: {resume}"
+        raise CheckpointError(f"checkpoint.resume: {what}; {give}")
     if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"checkpoint.resume: {resume} is not a complete llmtrain checkpoint (no {STATE_FILE})")
+        raise CheckpointError(
+            f"checkpoint.resume: {resume} is not a complete llmtrain checkpoint (no {STATE_FILE}); {give}"
+        )
     if (path / "llmtrain_config.yaml").is_file() and not (path / "config.yaml").is_file():
         raise CheckpointError(
             f"checkpoint.resume: {resume} is an export (final/), not a checkpoint: it has no optimizer state or "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import importlib.util
 import math
 import os
 import re
@@ -390,6 +391,8 @@ def _type_name(tp: Any) -> str:
         if typing.get_origin(item) in (Union, types.UnionType):  # data.train: paths or {path, fraction}
             return "a list of strings or {path: ..., fraction: ...} mappings"
         return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(item, "values")
+    if dataclasses.is_dataclass(tp):
+        return "a mapping {" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(tp)) + "}"
     return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(tp, str(tp))
 
 
@@ -428,7 +431,15 @@ def _coerce(value: Any, tp: Any, key: str = "") -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise TypeError
-        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+        item, items = typing.get_args(tp)[0], []
+        for i, v in enumerate(value):
+            try:
+                items.append(_coerce(v, item, f"{key}[{i}]"))
+            except TypeError:  # name the entry, not the whole list
+                mapping = isinstance(v, dict) and "path" in v  # data.eval=[{path: ...}]: only data.train's take one
+                hint = "; give the path itself (only data.train entries are mappings)" if mapping else ""
+                raise _EntryProblems([f"{key}[{i}]: expected {_type_name(item)}, got {shown(v)}{hint}"]) from None
+        return items
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -471,6 +482,12 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
     for key, value in raw.items():
         full = f"{prefix}{key}"
         if key not in names:
+            if full == "dpo":  # recipes/dpo.py's section, in another recipe's config
+                problems.append(
+                    "dpo: unknown key for recipes/finetune.py; preference settings are recipes/dpo.py's: run that "
+                    "recipe, or remove the dpo section"
+                )
+                continue
             close = _closest(str(key), names)
             hint = (
                 f"; did you mean '{prefix}{close}'?"
@@ -482,20 +499,41 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
-                problems.append(f"{full}: expected a section (mapping), got {shown(value)}")
+                problems.append(_section_problem(full, value, tp))
                 continue
             kwargs[key] = _build(tp, value, f"{full}.", problems)
             continue
         try:
             kwargs[key] = _coerce(value, tp, full)
         except TypeError:
-            problems.append(f"{full}: expected {_type_name(tp)}, got {shown(value)}")
+            hint = ""
+            if full == "data.train" and isinstance(value, dict):
+                hint = "; a source written as a mapping goes in a list: data.train=[{path: a.jsonl, fraction: 0.5}]"
+            problems.append(f"{full}: expected {_type_name(tp)}, got {shown(value)}{hint}")
         except _EntryProblems as e:
             problems += e.problems
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def _section_problem(dotted: str, value: Any, section: type | None) -> str:
+    """A value that is not a mapping, given for a whole section: what to write instead
+    (model.lora=true means model.lora.enabled=true)."""
+    if isinstance(value, bool) and section is not None and "enabled" in {f.name for f in dataclasses.fields(section)}:
+        on = str(value).lower()
+        return f"{dotted}: is a section; to turn it {'on' if value else 'off'} set {dotted}.enabled={on}"
+    return f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {shown(value)}"
+
+
+def _section_type(schema: type | None, dotted: str) -> type | None:
+    """The dataclass of the section at `dotted` in `schema`, or None."""
+    for part in dotted.split("."):
+        if schema is None or not dataclasses.is_dataclass(schema):
+            return None
+        schema = typing.get_type_hints(schema).get(part)
+    return schema if dataclasses.is_dataclass(schema) else None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, schema: type | None = None) -> None:
     """Set tree[a][b][c] = value for 'a.b.c'. A mapping given for a section is merged
     into it key by key (train={lr: 1e-4} changes only train.lr); a value that is not a
     mapping never replaces a section, nor is a section made inside one."""
@@ -512,9 +550,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     last, old = parts[-1], node.get(parts[-1])
     if isinstance(old, dict) and isinstance(value, dict):
         for key, sub in value.items():
-            _set_dotted(old, str(key), sub)
+            _set_dotted(old, str(key), sub, _section_type(schema, dotted))
     elif isinstance(old, dict) and value != old:
-        raise ConfigError([f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {shown(value)}"])
+        raise ConfigError([_section_problem(dotted, value, _section_type(schema, dotted))])
     else:
         node[last] = value
 
@@ -681,11 +719,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+            raise ConfigError(
+                [
+                    f"{path}: the top level must be a mapping of sections; write e.g. 'train:' with its keys "
+                    "indented below"
+                ]
+            )
         raw = loaded
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        _set_dotted(raw, key, value, schema)
     cfg = _build(schema, raw, "", problems)
     # A key whose value was refused keeps its default; validate would call that missing too.
     refused = {re.split(r"[:\[]", q, maxsplit=1)[0] for q in problems}
@@ -693,6 +736,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+# What Accelerate imports for each log.tracker: without it, it logs nothing and only warns.
+TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
 
 
 def validate(cfg: Config) -> list[str]:
@@ -704,7 +751,9 @@ def validate(cfg: Config) -> list[str]:
     if not cfg.data.train:
         p.append("data.train: required; a path, a list of paths, or a hub data set name")
     if not cfg.output_dir:
-        p.append("output_dir: required")
+        p.append("output_dir: required; give the directory the run writes to, e.g. output_dir=runs/my-run")
+    if not cfg.checkpoint.resume.strip():
+        p.append("checkpoint.resume: empty; give auto, none or a checkpoint directory (output_dir/checkpoints/step-N)")
     for key, names in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
         if isinstance(names, list):
             p += [
@@ -733,6 +782,9 @@ def validate(cfg: Config) -> list[str]:
             f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), "
             f"got {shown(t.profile_steps)}"
         )
+    tracker = cfg.log.tracker
+    if tracker in TRACKER_MODULES and not any(importlib.util.find_spec(m) for m in TRACKER_MODULES[tracker]):
+        p.append(f"log.tracker: {tracker} is not installed; pip install {tracker}, or set log.tracker=none")
     if cfg.eval.every_steps and not (cfg.data.eval or cfg.data.eval_fraction):
         p.append("eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0")
     from .data import chat_template_problem

@@ -51,6 +51,14 @@ class Source:
 
 
 MALFORMED = "malformed, data.bad_rows=skip"
+# Why a well-formed row has nothing to train (NothingToTrain), as DataStats counts it.
+NOTHING_TO_TRAIN = {
+    "empty conversation",
+    "no assistant turn",
+    "every assistant turn has train: false",
+    "empty answer",
+    "empty text",
+}
 SHOWN_BAD = 3  # malformed rows whose location the summary names
 
 
@@ -91,6 +99,22 @@ class DataStats:
                 "data.max_bad_fraction"
             )
 
+    def fixes(self) -> str:
+        """What to change about the dropped rows, by why they were dropped: for an error
+        saying a split has no usable row."""
+        reasons, hints = set(self.dropped), []
+        if "longer than data.max_seq_len" in reasons:
+            hints.append("raise data.max_seq_len, or set data.overlong=truncate")
+        if "no trained tokens" in reasons:
+            hints.append("raise data.max_seq_len (truncation can cut off what is trained), or set data.loss_on=all")
+        if reasons & NOTHING_TO_TRAIN:
+            hints.append("give rows with something to train (an answer, or text)")
+        if "identical answers" in reasons or "an empty answer" in reasons:
+            hints.append("give pairs with two different, non-empty answers")
+        if MALFORMED in reasons:
+            hints.append("fix the malformed rows")
+        return "; ".join(hints) or "check data.max_seq_len, data.overlong and data.loss_on"
+
     def summary(self, key: str) -> str:
         parts = [f"{key}: {self.kept}/{self.rows} rows kept, {self.trained_tokens} trained tokens"]
         if self.truncated:
@@ -120,7 +144,8 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     suffix = path.suffix.lower()
     if suffix in FILE_BUILDERS:
         if not path.exists():
-            raise DataError(f"{key}: no such file: {name}")
+            several = f"; several files go in a list: {key}=[{', '.join(n.strip() for n in name.split(','))}]"
+            raise DataError(f"{key}: no such file: {name}{several if ',' in name else ''}")
         if not path.is_file():
             raise DataError(f"{key}: {name} is not a regular file; give a data file")
         if suffix in TEXT_FILES:
@@ -129,11 +154,20 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
                 raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
             ds = row_dataset(path, key, streaming)
             return Source(key, name, ds, sorted({k for row in first for k in row}), raw=True)
+        if suffix == ".parquet" and parquet_rows(path) == 0:  # datasets fails on it with "BatchSize must be > 0"
+            raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
         try:
             ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train", streaming=streaming)
         except Exception as e:  # Arrow schema errors and the like
+            if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
+                e = e.__cause__  # "An error occurred while generating the dataset" says nothing
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
+    if path.is_dir():
+        raise DataError(
+            f"{key}: {name} is a directory; give its data files (.jsonl, .json, .parquet or .csv), "
+            f"e.g. {key}=[{name}/a.jsonl, {name}/b.jsonl]"
+        )
     if path.exists():
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
     hub, _, split = name.partition(":")
@@ -141,9 +175,22 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)
     except Exception as e:
         raise DataError(
-            f"{key}: could not load '{name}' as a file or hub data set ({no_rows(e) or describe(e)})"
+            f"{key}: could not load '{name}' as a file or hub data set ({no_rows(e) or describe(e)}); no such "
+            "local file, so it was looked up on the hub: give a .jsonl, .json, .parquet or .csv path, or a hub "
+            "name 'owner/name' (or 'owner/name:split')"
         ) from None
     return Source(key, name, ds, list(ds.column_names or []))
+
+
+def parquet_rows(path: Path) -> int | None:
+    """The row count a Parquet file's footer gives, or None if it is no readable Parquet
+    (datasets then says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:
+        return None
 
 
 def no_rows(e: Exception) -> str | None:
@@ -168,7 +215,8 @@ def detect_format(columns: list[str], wanted: str, source: str, key: str) -> str
     if wanted != "auto":
         if not set(REQUIRED[wanted]) <= cols:
             raise DataError(
-                f"{key}: {source}: data.format={wanted} needs columns {sorted(REQUIRED[wanted])}, found {sorted(cols)}"
+                f"{key}: {source}: data.format={wanted} needs columns {sorted(REQUIRED[wanted])}, found "
+                f"{sorted(cols)}; set data.format=auto to take each row's format from its fields"
             )
         return wanted
     if not any(set(need) <= cols for need in REQUIRED.values()):
@@ -190,7 +238,12 @@ def row_format(row: dict) -> str:
     for fmt, need in REQUIRED.items():
         if all(row.get(c) is not None for c in need):
             return fmt
-    raise RowError(f"no known format fits this row's fields {sorted(k for k, v in row.items() if v is not None)}")
+    null = sorted(k for k, v in row.items() if v is None)
+    raise RowError(
+        f"no known format fits this row's fields {sorted(k for k, v in row.items() if v is not None)}"
+        + (f" ({', '.join(null)}: null)" if null else "")
+        + "; a row needs 'text', 'prompt'+'completion', 'instruction'+'output', 'messages' or 'conversations'"
+    )
 
 
 # --- one row -> token ids and labels -------------------------------------------------------------
@@ -460,7 +513,8 @@ def chat_template_problem(cfg: DataConfig) -> str | None:
     if "{" not in t:
         path = Path(t).expanduser()
         if not path.is_file():
-            return f"data.chat_template: no such file: {t}; give a Jinja template file, or the template text itself"
+            what = f"{t} is not a file" if path.exists() else f"no such file: {t}"
+            return f"data.chat_template: {what}; give a Jinja template file, or the template text itself"
         where = t
         try:
             t = _read_template(path)
@@ -543,9 +597,7 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
     if stats.kept == 0:
-        raise DataError(
-            f"{key}: no usable rows: {stats.summary(key)}; check data.max_seq_len, data.overlong and data.loss_on"
-        )
+        raise DataError(f"{key}: no usable rows: {stats.summary(key)}; {stats.fixes()}")
     return ds, stats
 
 

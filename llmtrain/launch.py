@@ -170,6 +170,10 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
         theirs = ds.get(key, "auto")
         if theirs == "auto":
             ds[key] = ours
+        elif not _is_number(theirs):
+            problems.append(
+                f'{key}={theirs!r} in {where} is not a number; set it to "auto" (the recipe\'s {name} is then used)'
+            )
         elif float(theirs) != float(ours):
             problems.append(
                 f'{name}={ours} conflicts with {key}={theirs} in {where}; set {key} to "auto" '
@@ -180,6 +184,15 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
     # Accelerate compares its own count with DeepSpeed's; it does not scale the loss
     # under DeepSpeed, so matching it only silences a mismatch warning.
     accelerator.gradient_accumulation_steps = t.grad_accum_steps
+
+
+def _is_number(value) -> bool:
+    """Whether a DeepSpeed config value reads as a number (a typo such as "four" is the user's to fix)."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, bool)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ through the same functions."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -30,7 +31,67 @@ def hub_kwargs(cfg: ModelConfig) -> dict:
 
 
 def _load_error(what: str, name: str, e: Exception) -> ModelError:
-    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)})")
+    """A failed from_pretrained, with what to do about it: a local directory's missing
+    files named in the user's words (transformers' words for them point elsewhere, e.g.
+    at sentencepiece for a missing tokenizer.json), else what to check."""
+    local = Path(name).expanduser()
+    if local.is_dir() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        try:
+            base = json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            base = "the model they were trained on"
+        return ModelError(
+            f"model.name_or_path: {name} holds LoRA adapters only (adapter_config.json), not a model; train from "
+            f"their base ({base}), or from a merged export (a LoRA run with export.merge_lora=true writes one)"
+        )
+    if "ignore_mismatched_sizes" in str(e):  # transformers' load report, printed above, lists the weights
+        return ModelError(
+            f"model.name_or_path: the weights in '{name}' do not have the shapes its config.json gives (transformers' "
+            "load report above lists them); config.json and the weights must come from the same model"
+        )
+    if local.is_dir():
+        if missing := _missing_files(local, what):
+            final = local / "final"  # an llmtrain run's output_dir holds its model there
+            fix = (
+                f"it is a run's output_dir: give its model, model.name_or_path={final}"
+                if final.is_dir()
+                else "give a model directory as save_pretrained writes it (config.json, the weights, and the "
+                "tokenizer's files)"
+            )
+            return ModelError(f"model.name_or_path: {name} has no {missing}; {fix}")
+        hint = (
+            "check its config.json (an architecture newer than this transformers needs an upgrade)"
+            if what == "a model config"
+            else "check the directory's files"
+        )
+    else:
+        from huggingface_hub import constants
+
+        hint = "it is no local directory, so it was looked up on the hub: check the name, " + (
+            "and that the hub cache holds it (HF_HUB_OFFLINE is set)"
+            if constants.HF_HUB_OFFLINE
+            else "network access and, for a gated or private model, your login (hf auth login)"
+        )
+    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)}); {hint}")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+
+
+def _missing_files(path: Path, what: str) -> str | None:
+    """What `what` needs that the directory lacks: its config.json, any tokenizer file
+    (tokenizer.json, or a vocabulary a slow tokenizer converts), or any weights file."""
+    names = [f.name for f in path.iterdir() if f.is_file()]
+    if what == "a model config" and "config.json" not in names:
+        return "config.json"
+    tokenizer = [
+        n for n in names if n.startswith(("tokenizer.", "vocab.", "spiece.")) or n.endswith((".model", ".tiktoken"))
+    ]
+    if what == "a tokenizer" and not tokenizer:
+        return "tokenizer files (tokenizer.json)"
+    if what == "a causal LM" and not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+        return "weights (model.safetensors)"
+    return None
 
 
 def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
@@ -45,6 +106,11 @@ def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
         raise ModelError(
             f"model.name_or_path: no such directory: {name}; give a local model directory "
             "(with config.json) or a hub name like 'owner/model'"
+        )
+    if cfg.revision and Path(name).expanduser().is_dir():
+        raise ModelError(
+            f"model.revision: {cfg.revision} selects a hub revision, but {name} is a local directory, read as it is; "
+            "remove model.revision, or give the hub name"
         )
     _check_readable(Path(name).expanduser())
     try:
@@ -183,6 +249,20 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     if chat_template:
         tok.chat_template = chat_template
     return tok
+
+
+def check_vocab(cfg: ModelConfig, mcfg, tokenizer) -> None:
+    """Refuse a tokenizer with more tokens than the model embeds (a tokenizer from another
+    model): the first id past the embeddings would stop training mid-run with an index
+    error (a device-side assert on a GPU). As dpo.reference's check, a larger vocabulary
+    is accepted: models pad theirs."""
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    vocab, ids = getattr(text, "vocab_size", None), len(tokenizer)
+    if isinstance(vocab, int) and vocab < ids:
+        raise ModelError(
+            f"model.name_or_path: the tokenizer of '{cfg.name_or_path}' has {ids} tokens but the model embeds only "
+            f"{vocab} (config.json vocab_size); use the tokenizer saved with this model"
+        )
 
 
 def pad_id(tokenizer) -> int:

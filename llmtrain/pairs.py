@@ -151,7 +151,8 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
         if not {"chosen", "rejected"} <= set(src.columns):
             raise DataError(
                 f"{key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
-                f"whole conversations); found columns {sorted(src.columns)}"
+                f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
+                "rows with recipes/finetune.py"
             )
         return "pairs-v3"
 
@@ -160,7 +161,7 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
     if stats.kept == 0:
-        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; check data.max_seq_len and data.overlong")
+        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; {stats.fixes()}")
     return ds, stats
 
 

@@ -11,6 +11,7 @@ training row with its trained tokens marked.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -28,13 +29,22 @@ from .data import IGNORE, DataError, prepare_split, resolve_chat_template
 from .errors import describe
 from .files import read_own
 from .mixture import names, packer, sources, split_and_mix, training_set
-from .model import attention_backend, check_model, chunkable_head, hub_kwargs, load_tokenizer, meta_model
+from .model import (
+    attention_backend,
+    check_model,
+    check_vocab,
+    chunkable_head,
+    hub_kwargs,
+    load_tokenizer,
+    meta_model,
+)
 from .packing import PackedDataset
 from .pairs import PackedPairs, prepare_pairs
 from .reference import check_reference
 from .stream import StreamedRows
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
 
 
@@ -67,9 +77,16 @@ def read_launch(path: str | None, cfg) -> Launch:
         return Launch()
     if not Path(path).is_file():
         raise ConfigError([f"--accelerate-config: no such file: {path}"])
+    with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):  # Accelerate's reader reports those
+        if not isinstance(yaml.safe_load(Path(path).read_text(encoding="utf-8")), dict):
+            raise ConfigError(
+                [f"--accelerate-config: {path} is not a mapping of settings; write it with `accelerate config`"]
+            )
     try:
         ac = load_config_from_file(path)
         return _launch(ac, path, cfg)
+    except ConfigError:
+        raise
     except (ValueError, TypeError, KeyError, AttributeError, OSError, yaml.YAMLError) as e:
         # Accelerate's reader and the values in the file are the user's to fix.
         raise ConfigError(
@@ -77,28 +94,49 @@ def read_launch(path: str | None, cfg) -> Launch:
         ) from None
 
 
+def _number(settings: dict, key: str, path: str, kind: type = int, low: float = 0, section: str = ""):
+    """A number of the accelerate config file (None when absent or auto). Accelerate reads
+    the file without checking its numbers: one that is not, stops here naming its key."""
+    value = settings.get(key)
+    if value in (None, "auto"):
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if isinstance(value, bool) or number is None or number != float(value) or number < low:
+        whole = "a whole number" if kind is int else "a number"
+        raise ConfigError(
+            [f"--accelerate-config: {section}{key}: expected {whole} of at least {low:g} in {path}, got {value!r}"]
+        )
+    return number
+
+
 def _launch(ac, path: str, cfg) -> Launch:
+    settings = vars(ac)
+    if settings.get("num_processes") == -1:  # Accelerate's "given on the launch command line"
+        settings = settings | {"num_processes": None}
     launch = Launch(
         source=str(path),
         distributed_type=str(getattr(ac.distributed_type, "value", ac.distributed_type)),
-        num_processes=ac.num_processes or 1,
-        num_machines=ac.num_machines or 1,
+        num_processes=_number(settings, "num_processes", path, low=1) or 1,
+        num_machines=_number(settings, "num_machines", path, low=1) or 1,
         mixed_precision=str(getattr(ac.mixed_precision, "value", ac.mixed_precision) or "no"),
     )
     launch.settings = {k: v for k, v in ac.to_dict().items() if v not in (None, {}, "")}
     ds = ac.deepspeed_config or {}
     if ds:
-        launch.zero_stage = int(ds.get("zero_stage", 0) or 0)
+        launch.zero_stage = _number(ds, "zero_stage", path, section="deepspeed_config.") or 0
         launch.offload_optimizer = ds.get("offload_optimizer_device", "none") not in ("none", None)
         launch.offload_params = ds.get("offload_param_device", "none") not in ("none", None)
-        gas = ds.get("gradient_accumulation_steps")
-        if gas not in (None, "auto") and int(gas) != cfg.train.grad_accum_steps:
+        gas = _number(ds, "gradient_accumulation_steps", path, low=1, section="deepspeed_config.")
+        if gas is not None and gas != cfg.train.grad_accum_steps:
             launch.conflicts.append(
                 f"deepspeed_config.gradient_accumulation_steps={gas} in {path} but train.grad_accum_steps="
                 f"{cfg.train.grad_accum_steps}: set one of them (llmtrain drives DeepSpeed's value from the recipe)"
             )
-        clip = ds.get("gradient_clipping")
-        if clip not in (None, "auto") and float(clip) != cfg.train.max_grad_norm:
+        clip = _number(ds, "gradient_clipping", path, float, section="deepspeed_config.")
+        if clip is not None and clip != cfg.train.max_grad_norm:
             launch.conflicts.append(
                 f"deepspeed_config.gradient_clipping={clip} in {path} but train.max_grad_norm={cfg.train.max_grad_norm}"
             )
@@ -219,7 +257,7 @@ def preview_row(row: dict, tokenizer) -> str:
 
 def plan(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="llmtrain plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("recipes/configs/demo.yaml"))
+    parser.add_argument("--config", type=Path, default=None, help="YAML config (default: the demo's)")
     parser.add_argument(
         "--accelerate-config",
         default=None,
@@ -233,6 +271,10 @@ def plan(argv: list[str]) -> None:
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
+    if args.config is None:  # the demo's, found from this checkout wherever the command runs
+        args.config = DEMO_CONFIG
+        if not DEMO_CONFIG.is_file():
+            raise ConfigError([f"--config: required; the demo's {DEMO_CONFIG} is not here, so give your YAML"])
     dpo = args.recipe == "dpo" or (args.recipe is None and names_dpo(args.config, args.overrides))
     cfg = load_config(args.config, args.overrides, DPOConfig if dpo else Config)
     launch = read_launch(args.accelerate_config, cfg)
@@ -241,6 +283,7 @@ def plan(argv: list[str]) -> None:
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
     template = resolve_chat_template(cfg.data)
     tokenizer = load_tokenizer(cfg.model, template)
+    check_vocab(cfg.model, mcfg, tokenizer)
     if dpo:
         check_reference(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
@@ -262,7 +305,7 @@ def plan(argv: list[str]) -> None:
         if not ds:
             raise DataError(
                 f"data.train: no usable row in the first {stream.stats.rows} rows of the stream: "
-                f"{stream.stats.summary('data.train')}"
+                f"{stream.stats.summary('data.train')}; {stream.stats.fixes()}"
             )
         lengths, steps_per_epoch = [len(r["input_ids"]) for r in ds], None
         data_lines.append(f"streamed; the first rows read: {stream.stats.summary('data.train')}")

@@ -1,10 +1,11 @@
-"""Third-party log lines known to be harmless in llmtrain's runs, dropped at the logger that
+"""Third-party log lines (and warnings) known to be harmless in llmtrain's runs, dropped at the logger that
 emits them, and only those lines: they came on every process or every checkpoint and buried
 the run's own lines. Anything else those libraries log still shows."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 KNOWN_HARMLESS = {
     # DeepSpeed, on each process of a machine without a GPU: its CPU accelerator is what
@@ -21,6 +22,15 @@ KNOWN_HARMLESS = {
 }
 
 
+# Python warnings known to be harmless, dropped by the start of their text. transformers 5
+# renamed gradient checkpointing to activation checkpointing and warns on the old names,
+# which peft still reads on every get_peft_model (is_gradient_checkpointing) and calls in
+# prepare_model_for_kbit_training; llmtrain calls the old name too, which transformers
+# 4.56 (the oldest it supports) has alone. Every LoRA run printed them, in words meant for
+# those libraries' authors.
+KNOWN_HARMLESS_WARNINGS = (r"`(is_)?gradient_checkpointing(_enable)?` is deprecated",)
+
+
 class DropLine(logging.Filter):
     """Drops the records whose message holds `text` (Accelerate puts '[RANK n] ' first)."""
 
@@ -35,6 +45,8 @@ class DropLine(logging.Filter):
 def quiet_known_noise() -> None:
     """Install the filters (once; the loggers need not exist yet: a library that creates
     its logger later gets the same object, filters included)."""
+    for text in KNOWN_HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=text, category=FutureWarning)
     for name, text in KNOWN_HARMLESS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropLine) and f.text == text for f in logger.filters):

@@ -23,7 +23,7 @@ from .errors import warn
 from .export import model_for_sampling, sample, save_final
 from .launch import main_first, setup_accelerator
 from .metrics import describe_run, plot_losses
-from .model import attention_backend, check_model, load_model, load_tokenizer, meta_model
+from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
 from .objective import Objective
 from .stop import StopRequest
 from .train import setup, train
@@ -82,6 +82,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         rundir.warn_changes(resume_from, cfg)
 
     tokenizer = load_tokenizer(cfg.model, resolve_chat_template(cfg.data))
+    check_vocab(cfg.model, mcfg, tokenizer)
     if recipe.check is not None:
         recipe.check(cfg, tokenizer)
     train_set, eval_set = recipe.datasets(cfg, accelerator, tokenizer)

@@ -82,7 +82,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         try:
             return next(iter(src.dataset))
         except StopIteration:
-            raise DataError(f"{self.key}: {src.name} has no rows") from None
+            raise DataError(f"{self.key}: {src.name} has no rows; give a source with at least one row") from None
         except Exception as e:
             raise self._read_error(src, e) from None
 

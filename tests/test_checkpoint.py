@@ -148,8 +148,10 @@ def test_resume_modes(tmp_path):
     assert find_resume(str(tmp_path), str(path)) == path
     with pytest.raises(CheckpointError, match="checkpoint.resume=none but .* holds checkpoints of an earlier run"):
         find_resume(str(tmp_path), "none")
-    with pytest.raises(CheckpointError, match="checkpoint.resume: .* is not a complete llmtrain checkpoint"):
+    with pytest.raises(CheckpointError, match="checkpoint.resume: no such directory: .*step-99; give a checkpoints/"):
         find_resume(str(tmp_path), str(tmp_path / "checkpoints" / "step-99"))
+    with pytest.raises(CheckpointError, match="checkpoint.resume: .* is not a complete llmtrain checkpoint"):
+        find_resume(str(tmp_path), str(tmp_path))
 
 
 def test_resume_with_other_data_settings_is_refused(tmp_path):

@@ -122,3 +122,15 @@ def test_a_user_error_the_main_process_meets_first_ends_every_process_quietly(
     assert "exitcode  : 2" in proc.stderr  # the launcher's report: the process that exited first, with 2
     ours = [line for line in proc.stderr.splitlines() if "llmtrain/" in line or 'recipes/finetune.py", line' in line]
     assert not ours and "gloo" not in proc.stderr and "[rank" not in proc.stderr
+
+
+def test_a_deepspeed_value_that_is_no_number_names_its_key(monkeypatch):
+    """A typo in the DeepSpeed config is the user's to fix, not a float() traceback."""
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    ds = {"gradient_accumulation_steps": "four", "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError) as err:
+        configure_deepspeed(ds_accelerator(ds), recipe("train.grad_accum_steps=4"))
+    assert err.value.problems == [
+        "gradient_accumulation_steps='four' in ds.json is not a number; set it to \"auto\" (the recipe's "
+        "train.grad_accum_steps is then used)"
+    ]

@@ -121,7 +121,7 @@ def test_data_train_entries_take_a_path_and_a_fraction_with_errors_naming_the_en
         ("[{path: b.jsonl, fraction: 0}]", "data.train[0].fraction: must be positive, got 0.0"),
         ("[a.jsonl, {path: b.jsonl, fracton: 2}]", "data.train[1].fracton: unknown key; did you mean"),
         ("[{fraction: 2}]", "data.train[0].path: empty"),
-        ("[3]", "data.train: expected a string or a list of strings or {path: ..., fraction: ...} mappings"),
+        ("[3]", "data.train[0]: expected a string or a mapping {path: ..., fraction: ...}, got 3"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(None, [*base, f"data.train={train}"])

@@ -192,7 +192,7 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: abc\n", "ValueError: invalid"),
+        ("distributed_type: MULTI_GUP\n", "ValueError: 'MULTI_GUP' is not a valid DistributedType"),
         ("num_processes: [\n", "ParserError: while parsing"),
         ("num_processes: 2\n", "ValueError: A `distributed_type` must be specified"),
     ],

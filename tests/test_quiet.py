@@ -42,3 +42,18 @@ def test_deepspeeds_cpu_accelerator_line_is_dropped(first, monkeypatch):
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     out = output(f"{first}\nfrom deepspeed.accelerator import get_accelerator\nget_accelerator()")
     assert ("Setting accelerator to CPU" in out) == (first == "")
+
+
+@pytest.mark.parametrize("first", ["import llmtrain", ""], ids=["with_llmtrain", "without"])
+def test_transformers_warnings_about_its_renamed_checkpointing_are_dropped(first):
+    """peft reads `is_gradient_checkpointing` on every get_peft_model: every LoRA run said so."""
+    code = (
+        f"{first}\nfrom transformers import LlamaConfig, LlamaForCausalLM\n"
+        "m = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, "
+        "num_attention_heads=2, num_key_value_heads=2))\n"
+        "m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})\n"
+        "m.is_gradient_checkpointing\nimport warnings\nwarnings.warn('another warning', FutureWarning)"
+    )
+    out = output(code)
+    assert ("is deprecated" in out) == (first == "")
+    assert "another warning" in out
