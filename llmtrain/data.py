@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import DataConfig
 from .errors import DataError, describe
-from .files import BAD, LINE, RAW, TEXT_FILES, first_rows, row_dataset
+from .files import BAD, LINE, RAW, TEXT_FILES, content_hash, first_rows, row_dataset
 
 IGNORE = -100
 FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
@@ -129,7 +129,15 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             ds = row_dataset(path, key, streaming)
             return Source(key, name, ds, sorted({k for row in first for k in row}), raw=True)
         try:
-            ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train", streaming=streaming)
+            # datasets keys a local file's cache on its modification time only; the config
+            # name, part of the cache's directory, keys it on the content instead.
+            ds = datasets.load_dataset(
+                FILE_BUILDERS[suffix],
+                name=f"llmtrain-{content_hash(path)[:32]}",
+                data_files=str(path),
+                split="train",
+                streaming=streaming,
+            )
         except Exception as e:  # Arrow schema errors and the like
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
