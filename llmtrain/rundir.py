@@ -196,7 +196,8 @@ def identity_change(saved, now: dict) -> str | None:
     if saved["recipe"] != now["recipe"]:
         return (
             f"was trained by the {saved['recipe']} recipe, not {now['recipe']}: its optimizer, schedule and metrics "
-            f"are that recipe's; choose another output_dir for this {now['recipe']} run"
+            f"are that recipe's; choose another output_dir for this {now['recipe']} run (to start from that run's "
+            "weights, set model.name_or_path to its final/)"
         )
     for name, digest in now["data"].items():
         if saved["data"].get(name, digest) != digest:
