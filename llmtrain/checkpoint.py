@@ -222,6 +222,11 @@ def state_problem(state) -> str | None:
         return "has recent_losses that are not a list of numbers"
     if not isinstance(state.get("settings"), dict):
         return "has no settings"
+    layout = [k for k in (*LAYOUT_KEYS, "global_batch") if k in state["settings"]]
+    if not all(count(state["settings"][k]) for k in layout):  # a resume converts the position with them
+        return f"has settings that are not counts ({', '.join(layout)})"
+    if "run" in state and not isinstance(state["run"], dict):
+        return "has a run record that is not a JSON object"
     files = state.get("files")
     if not isinstance(files, dict) or not files:
         return "has no file list"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import DataConfig
 from .errors import DataError, describe, shown
-from .files import BAD, LINE, RAW, TEXT_FILES, first_rows, row_dataset
+from .files import BAD, LINE, RAW, TEXT_FILES, content_hash, first_rows, row_dataset
 from .template import MAX_RENDERED, MAX_TEMPLATE_CHARS, TemplateLimit, install, template_source, time_limit
 
 IGNORE = -100
@@ -157,7 +157,15 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         if suffix == ".parquet" and parquet_rows(path) == 0:  # datasets fails on it with "BatchSize must be > 0"
             raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
         try:
-            ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train", streaming=streaming)
+            # datasets keys a local file's cache on its modification time only; the config
+            # name, part of the cache's directory, keys it on the content instead.
+            ds = datasets.load_dataset(
+                FILE_BUILDERS[suffix],
+                name=f"llmtrain-{content_hash(path)[:32]}",
+                data_files=str(path),
+                split="train",
+                streaming=streaming,
+            )
         except Exception as e:  # Arrow schema errors and the like
             if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
                 e = e.__cause__  # "An error occurred while generating the dataset" says nothing

@@ -26,6 +26,7 @@ data set comes near either; a larger one belongs in JSON Lines, split into rows.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,15 +288,37 @@ def _generate(path: str, key: str, stamp: str):
         yield {LINE: line, RAW: json.dumps({BAD: str(text)}) if isinstance(text, BadLine) else text}
 
 
+_HASHES: dict[tuple, str] = {}  # (path, device, inode, size, mtime, ctime) -> content_hash, for this process
+
+
+def content_hash(path: Path) -> str:
+    """The sha256 of the file's bytes (hex), read in 1 MiB blocks.
+
+    What every cache of llmtrain and every run's data fingerprint is keyed on: a file's
+    size and modification time do not identify its content (`cp -p` and `rsync -t` give
+    a replaced file the old one's mtime, and a fixed row can keep the size). Reading costs
+    about a second per GB; the result is kept for the life of the process, keyed on the
+    file's identity and times (its ctime changes with any write or utime, and cannot be
+    set), so a run reads each file once."""
+    stat = path.stat()
+    ident = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if ident not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        _HASHES[ident] = h.hexdigest()
+    return _HASHES[ident]
+
+
 def row_dataset(path: Path, key: str, streaming: bool = False):
     """The file's rows as a datasets.Dataset (cached; written once by the main process and
     read by the others) or, with `streaming`, an IterableDataset read as it is iterated,
-    both with columns LINE and RAW. The cache key includes the file's size and
-    modification time, so an edited file is read again."""
+    both with columns LINE and RAW. The cache key is the file's content (`content_hash`),
+    so an edited or replaced file is read again."""
     import datasets
 
-    stat = path.stat()
-    kwargs = {"path": str(path.resolve()), "key": key, "stamp": f"v2-{stat.st_size}-{stat.st_mtime_ns}"}
+    kwargs = {"path": str(path.resolve()), "key": key, "stamp": f"v3-{content_hash(path)}"}
     features = datasets.Features({LINE: datasets.Value("int64"), RAW: datasets.Value("string")})
     if streaming:
         return datasets.IterableDataset.from_generator(_generate, features=features, gen_kwargs=kwargs)

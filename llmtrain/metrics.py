@@ -31,10 +31,11 @@ def versions() -> dict:
     return out
 
 
-def describe_run(cfg, accelerator, resume_from) -> None:
+def describe_run(cfg, accelerator, resume_from, identity: dict | None = None) -> None:
     """config.yaml (every key, defaults included) and run.json (library versions, world
-    size, distributed type, mixed precision, the checkpoint resumed from) in output_dir, by
-    the main process."""
+    size, distributed type, mixed precision, the checkpoint resumed from, the recipe and
+    its training files' content hashes, `rundir.identity`) in output_dir, by the main
+    process."""
     from .config import to_yaml
 
     if not accelerator.is_main_process:
@@ -47,6 +48,7 @@ def describe_run(cfg, accelerator, resume_from) -> None:
         "distributed_type": str(accelerator.distributed_type.value),
         "mixed_precision": accelerator.mixed_precision,
         "resumed_from": str(resume_from or ""),
+        **(identity or {}),
     }
     (out / "run.json").write_text(json.dumps(run, indent=2))
 
@@ -62,9 +64,20 @@ class MetricsLog:
         self.path = Path(output_dir) / METRICS_FILE
         self.write_failed = False
         if accelerator.is_main_process:
-            kept = []
+            kept, unread = [], []
             if resume_step is not None and self.path.exists():
-                kept = [line for line in _lines(self.path) if _step(line) <= resume_step]
+                lines = list(_lines(self.path))
+                for number, line in enumerate(lines, 1):
+                    step = _step(line)
+                    if step is None and line.strip():
+                        unread.append(number)
+                    elif step is not None and step <= resume_step:
+                        kept.append(line)
+            if unread[:-1] or (unread and unread[-1] != len(lines)):  # more than a last line cut short by a kill
+                warn(
+                    f"{self.path}: {len(unread)} line(s) are not a metrics row (a JSON object with a numeric step; "
+                    f"first at line {unread[0]}), dropped on resume"
+                )
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:
@@ -85,30 +98,42 @@ MAX_ROW_BYTES = 1 << 20  # a row llmtrain writes has a few hundred bytes
 
 def _lines(path: Path):
     """The lines of metrics.jsonl, each read with a limit: a longer one (not a row
-    llmtrain wrote: the file was edited or replaced) comes back empty instead of being
-    read whole into memory."""
+    llmtrain wrote: the file was edited or replaced) is not read whole into memory but
+    comes back as a line that is not a row."""
     with open(path, "rb") as f:
         while data := f.readline(MAX_ROW_BYTES + 1):
             if len(data) > MAX_ROW_BYTES:
                 while not data.endswith(b"\n") and (data := f.readline(MAX_ROW_BYTES + 1)):
                     pass
-                yield ""
+                yield "(a line longer than MAX_ROW_BYTES)"
                 continue
             yield data.decode("utf-8", errors="replace").rstrip("\n")
 
 
-def _step(line: str) -> float:
-    """A row's step; a line cut short by a kill mid-write (or empty), or one that is not a
-    row llmtrain wrote, counts as past any step, so a resume drops it."""
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _row(line: str) -> dict | None:
+    """The line as a metrics row: a JSON object with a numeric step; else None (a line cut
+    short by a kill mid-write, or one edited by hand)."""
     try:
-        step = json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return math.inf
-    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return row if isinstance(row, dict) and _number(row.get("step")) else None
+
+
+def _step(line: str) -> float | None:
+    """A row's step, or None for a line that is not a row (a resume drops it)."""
+    row = _row(line)
+    return None if row is None else row["step"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in _lines(Path(path)) if line.strip()]
+    """The rows of a metrics.jsonl, leaving out lines that are not rows."""
+    rows = (_row(line) for line in _lines(Path(path)))
+    return [row for row in rows if row is not None]
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> bool:
@@ -121,8 +146,9 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path) -> bool:
     except ImportError:
         return False
     rows = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    # A value that is not a number (a line edited by hand) is left out of the curve.
+    train = [(r["step"], r["loss"]) for r in rows if _number(r.get("loss"))]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if _number(r.get("eval_loss"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)

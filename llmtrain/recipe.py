@@ -3,7 +3,7 @@ directory, find where to resume, prepare the data, set up and train, write final
 print samples. A recipe supplies only what is its own (`Recipe`): its config tree, its
 data and its objective.
 
-    RECIPE = Recipe(Config, DEFAULT_CONFIG, "Fine-tune ...", build_datasets, sft_parts)
+    RECIPE = Recipe(Config, DEFAULT_CONFIG, "Fine-tune ...", build_datasets, sft_parts, "finetune")
     def main(argv=None):
         run(RECIPE, argv)
 """
@@ -50,6 +50,9 @@ class Recipe:
     description: str
     datasets: Callable  # (cfg, accelerator, tokenizer) -> (train set, eval set or None)
     parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
+    # What the run trains for ('finetune', 'dpo'): an output_dir holds one recipe's run,
+    # recorded with its data's fingerprint (rundir.identity) and checked on every rerun.
+    name: str
     # The recipe's own start-up checks, before any data or weights load: check(cfg, tokenizer).
     check: Callable | None = None
 
@@ -67,6 +70,8 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     checkpoint.check_writable(cfg.output_dir)
     rundir.lock(cfg.output_dir, accelerator)  # one run per output_dir, until this process ends
+    identity = rundir.identity(recipe.name, cfg)  # the recipe and the training files' content
+    rundir.check_same_run(cfg.output_dir, identity)
     if (step := rundir.already_finished(cfg)) is not None:
         accelerator.print(f"{cfg.output_dir} already finished at step {step} with these settings; final/ is up to date")
         return
@@ -78,6 +83,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         cfg.output_dir, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
     )
     rundir.check_rerun(cfg, resume_from)
+    rundir.check_same_run(cfg.output_dir, identity, resume_from)
     if resume_from is not None:
         rundir.warn_changes(resume_from, cfg)
 
@@ -107,11 +113,12 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             parts.collator,
             parts.after_prepare,
         )
+        run.state.run = identity  # recorded in every checkpoint and final/
         if rundir.up_to_date(cfg.output_dir, run.state.step, run.total_steps):
             accelerator.print(f"nothing left to train at step {run.state.step}; final/ is up to date")
             accelerator.end_training()
             return
-        describe_run(cfg, accelerator, resume_from)  # config.yaml, run.json: only now that the run trains
+        describe_run(cfg, accelerator, resume_from, identity)  # config.yaml, run.json: only now that the run trains
         with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
             outcome = train(run)
             if outcome is Outcome.FINISHED:

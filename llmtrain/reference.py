@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import describe
+from .files import content_hash
 from .model import ModelError, hub_kwargs
 from .window import Outcome, draw_window
 
@@ -80,13 +81,14 @@ def check_reference(cfg, tokenizer) -> None:
 
 
 def model_files_key(name_or_path: str, revision: str = "") -> dict:
-    """What identifies a model's weights: a local directory's weight files (name, size,
-    modification time), or a hub name and revision."""
+    """What identifies a model's weights: a local directory's weight files (name and
+    content: weights replaced by a copy that kept the size and mtime are new weights), or
+    a hub name and revision."""
     path = Path(name_or_path)
     if not path.is_dir():
         return {"name": name_or_path, "revision": revision}
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json") and p.is_file())
-    return {"name": str(path.resolve()), "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]}
+    return {"name": str(path.resolve()), "files": [(p.name, content_hash(p)) for p in files]}
 
 
 def data_key(dataset) -> str:

@@ -171,6 +171,61 @@ def check_rerun(cfg, resume_from: Path | None) -> None:
         )
 
 
+def identity(recipe: str, cfg) -> dict:
+    """What an output_dir's run belongs to: the recipe that trains it and the content of
+    each local training file (its name in data.train -> `files.content_hash`). Recorded in
+    every train_state.json (checkpoints and final/) and run.json. Hub data sets are named
+    by the config and pinned by their revision, so only files are fingerprinted."""
+    from .files import content_hash
+    from .mixture import names
+
+    data = {name: content_hash(Path(name)) for name in names(cfg.data.train) if Path(name).is_file()}
+    return {"recipe": recipe, "data": data}
+
+
+def identity_change(saved, now: dict) -> str | None:
+    """How the run that wrote a train_state.json's `saved` record differs from this one
+    (`now`, from `identity`), as the end of a sentence, or None. A state written before
+    runs were recorded has none, and passes. A file named by only one of the two is a
+    change of data.train itself, which `warn_changes` reports as a setting."""
+    if saved is None:
+        return None
+    readable = isinstance(saved, dict) and isinstance(saved.get("recipe"), str) and isinstance(saved.get("data"), dict)
+    if not readable:
+        return "has a run record (recipe, data) that cannot be read; choose another output_dir"
+    if saved["recipe"] != now["recipe"]:
+        return (
+            f"was trained by the {saved['recipe']} recipe, not {now['recipe']}: its optimizer, schedule and metrics "
+            f"are that recipe's; choose another output_dir for this {now['recipe']} run (to start from that run's "
+            "weights, set model.name_or_path to its final/)"
+        )
+    for name, digest in now["data"].items():
+        if saved["data"].get(name, digest) != digest:
+            return (
+                f"was trained on other content of {name} (the file changed since, same path): its position and "
+                "weights are from the old rows; restore the file, or choose another output_dir to train on the new one"
+            )
+    return None
+
+
+def check_same_run(output_dir: str, now: dict, resume_from: Path | None = None) -> None:
+    """Refuse to go on with a run whose final/ or checkpoint `resume_from` was written by
+    another recipe or on other content of the same training files: the export would be
+    called up to date, or training would continue at a data position that no longer
+    means the same rows, with the other recipe's optimizer and schedule. Starting afresh
+    instead would overwrite that run's results, so neither is done silently."""
+    for where in (Path(output_dir) / "final", resume_from):
+        if where is None:
+            continue
+        try:
+            state = load_json(where / STATE_FILE)
+        except (OSError, ValueError):
+            continue  # no state or an unreadable one: finished_state and the checkpoint checks say so
+        change = identity_change(state.get("run") if isinstance(state, dict) else None, now)
+        if change:
+            raise CheckpointError(f"output_dir: {where} {change}")
+
+
 def warn_changes(resume_from: Path, cfg) -> None:
     """Warn, naming each, about settings that alter the run and differ from those the
     checkpoint was written with (those that fix what its data position means are refused

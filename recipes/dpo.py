@@ -56,6 +56,7 @@ RECIPE = Recipe(
     description=__doc__.splitlines()[0],
     datasets=build_pair_datasets,
     parts=dpo_parts,
+    name="dpo",
     check=check_reference,
 )
 

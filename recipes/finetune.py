@@ -32,6 +32,7 @@ RECIPE = Recipe(
     description=__doc__.splitlines()[0],
     datasets=build_datasets,
     parts=sft_parts,
+    name="finetune",
 )
 
 

@@ -41,6 +41,8 @@ POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
         "bad_json",
         "no_settings",
         "settings_a_list",
+        "a_layout_setting_a_string",
+        "run_record_a_string",
         "negative_step",
         "epoch_a_bool",
         "losses_garbled",
@@ -74,6 +76,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
         edits = {
             "no_settings": lambda s: s.pop("settings"),
             "settings_a_list": lambda s: s.update(settings=[]),
+            # a resume converts the position with these: a string would be multiplied as text
+            "a_layout_setting_a_string": lambda s: s.update(settings={"train.micro_batch_size": "abc"}),
+            "run_record_a_string": lambda s: s.update(run="finetune"),
             "negative_step": lambda s: s.update(step=-5),
             "epoch_a_bool": lambda s: s.update(epoch=True),
             "losses_garbled": lambda s: s.update(recent_losses="garbage"),

@@ -163,6 +163,36 @@ def test_an_edited_file_is_read_again(tmp_path):
     assert [src.parse(r)["text"] for r in src.dataset] == ["second version", "and more"]
 
 
+@pytest.mark.parametrize("name", ["a.jsonl", "a.parquet"])
+def test_a_file_replaced_under_the_same_size_and_mtime_is_read_again(tmp_path, name):
+    """`cp -p` or `rsync -t` gives a new file the old one's modification time; with the
+    same size, only the content tells it apart (the cache is keyed on it, datasets' own
+    included, which keys a local parquet file on its mtime)."""
+    import os
+
+    import pandas as pd
+
+    path = tmp_path / name
+
+    def write(texts):
+        if name.endswith(".parquet"):
+            pd.DataFrame({"text": texts}).to_parquet(path)
+        else:
+            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    def texts():
+        src = load_source(str(path), "data.train")
+        return [src.parse(r)["text"] for r in src.dataset]
+
+    write(["first", "second"])
+    assert texts() == ["first", "second"]
+    stat = path.stat()
+    write(["fir5t", "secon6"])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert texts() == ["fir5t", "secon6"]
+
+
 def test_a_bad_row_in_a_csv_names_its_file_line(tmp_path, tokenizer):
     path = tmp_path / "pc.csv"
     path.write_text('prompt,completion\n"spans\ntwo lines",ok\n"fine",\n')

@@ -4,6 +4,7 @@ table is cached in output_dir under a key of the model's files and the data."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -68,9 +69,9 @@ def test_the_table_is_cached_and_computed_again_when_the_model_files_change(
 ):
     import llmtrain.reference as reference
 
-    cfg = load_config(
-        None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"output_dir={tmp_path}"], DPOConfig
-    )
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)  # keeps the files' modification times
+    cfg = load_config(None, [f"model.name_or_path={copy}", "data.train=x.jsonl", f"output_dir={tmp_path}"], DPOConfig)
     empty = PairCollator(0).empty_batch()
     calls = []
     real = reference.compute
@@ -88,17 +89,18 @@ def test_the_table_is_cached_and_computed_again_when_the_model_files_change(
     ReferencePass(cfg, objective, sets, PairCollator(0))(model, accelerator, empty, lambda _: None)
     assert len(calls) == 1 and torch.equal(objective.reference, first)  # read back, not computed
 
-    weights = tiny_model / "model.safetensors"
-    stat = weights.stat()
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # "a new checkpoint"
-    try:
-        ReferencePass(cfg, objective, sets, PairCollator(0))(model, accelerator, empty, lambda _: None)
-        assert len(calls) == 2
-        (tmp_path / CACHE).write_bytes(b"torn")  # a torn or foreign file: computed again
-        ReferencePass(cfg, objective, sets, PairCollator(0))(model, accelerator, empty, lambda _: None)
-        assert len(calls) == 3 and torch.equal(objective.reference, first)
-    finally:
-        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # New weights of the same size under the old modification time (`cp -p`, `rsync -t`):
+    # the key is the files' content, so the table is computed again.
+    weights = copy / "model.safetensors"
+    stat, data = weights.stat(), bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    ReferencePass(cfg, objective, sets, PairCollator(0))(model, accelerator, empty, lambda _: None)
+    assert len(calls) == 2
+    (tmp_path / CACHE).write_bytes(b"torn")  # a torn or foreign file: computed again
+    ReferencePass(cfg, objective, sets, PairCollator(0))(model, accelerator, empty, lambda _: None)
+    assert len(calls) == 3 and torch.equal(objective.reference, first)
 
 
 def test_a_reference_with_non_finite_log_probs_is_one_error_naming_the_model(

@@ -5,6 +5,7 @@ loads."""
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,11 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from llmtrain.checkpoint import STATE_FILE, CheckpointError
 from llmtrain.config import load_config
-from llmtrain.metrics import MetricsLog
-from llmtrain.rundir import changed_settings
+from llmtrain.metrics import MetricsLog, plot_losses
+from llmtrain.rundir import changed_settings, check_same_run, identity
 
-from .conftest import ROOT, metrics, recipe_args, recipe_command, run_recipe, train_rows
+from .conftest import DPO_RECIPE, ROOT, metrics, recipe_args, recipe_command, run_recipe, train_rows
 
 
 def snapshot(out: Path) -> dict:
@@ -56,6 +58,59 @@ def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
     accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
     MetricsLog(accelerator, str(tmp_path), resume_step=3)
     assert metrics(tmp_path) == rows
+
+
+def test_hand_edited_metrics_lines_do_not_stop_a_resume(tmp_path, capsys):
+    """A step that is not a number is not a row (dropped, with one warning); another field
+    that is not a number stays, and the loss curve leaves it out."""
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": "abc"}, {"step": 3, "loss": 1.2}]
+    lines = [json.dumps(r) for r in rows] + ['{"step": "abc", "loss": 1.0}', "[1, 2]", json.dumps({"step": 4})]
+    (tmp_path / "metrics.jsonl").write_bytes("\n".join(lines).encode() + b"\n\xff\xfe\n")
+    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    MetricsLog(accelerator, str(tmp_path), resume_step=3)
+    assert metrics(tmp_path) == rows
+    assert capsys.readouterr().err == (
+        f"warning: {tmp_path / 'metrics.jsonl'}: 3 line(s) are not a metrics row (a JSON object with a numeric "
+        "step; first at line 4), dropped on resume\n"
+    )
+    pytest.importorskip("matplotlib")
+    assert plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+
+
+def recorded_checkpoint(out: Path, run: dict) -> Path:
+    """A checkpoint directory whose train_state.json records `run` (only what
+    check_same_run reads)."""
+    path = out / "checkpoints" / "step-2"
+    path.mkdir(parents=True)
+    (path / STATE_FILE).write_text(json.dumps({"step": 2, "run": run}))
+    return path
+
+
+def test_a_resume_on_changed_data_or_by_another_recipe_is_refused(tmp_path):
+    """The training file replaced by one of the same size and mtime (`cp -p`): the
+    checkpoint's position would read other rows. A checkpoint of another recipe holds its
+    optimizer and schedule. A checkpoint written before runs were recorded passes."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "first"}\n')
+    cfg = load_config(None, ["model.name_or_path=m", f"data.train=[{data}, owner/hub]", f"output_dir={tmp_path}"])
+    saved = identity("finetune", cfg)
+    checkpoint = recorded_checkpoint(tmp_path / "out", saved)
+    check_same_run(str(tmp_path / "out"), identity("finetune", cfg), checkpoint)  # the same run
+
+    stat = data.stat()
+    data.write_text('{"text": "fir5t"}\n')
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(CheckpointError) as e:
+        check_same_run(str(tmp_path / "out"), identity("finetune", cfg), checkpoint)
+    assert str(e.value) == (
+        f"output_dir: {checkpoint} was trained on other content of {data} (the file changed since, same path): "
+        "its position and weights are from the old rows; restore the file, or choose another output_dir to train "
+        "on the new one"
+    )
+    with pytest.raises(CheckpointError, match=r"was trained by the finetune recipe, not dpo: its optimizer"):
+        check_same_run(str(tmp_path / "out"), saved | {"recipe": "dpo"}, checkpoint)
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 2}))  # an older llmtrain's
+    check_same_run(str(tmp_path / "out"), identity("dpo", cfg), checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +294,30 @@ def test_a_saved_config_that_cannot_be_read_is_reported_as_such():
     cfg = load_config(None, ["model.name_or_path=m", "data.train=a.jsonl"])
     for saved in ("", "train: [", "- a list"):
         assert changed_settings(saved, cfg) == ["(the saved config cannot be read, so changes are not known)"]
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_not_up_to_date_for_new_data_or_another_recipe(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    """The training file replaced by one of the same size and mtime: final/ is from the
+    old rows, and the checkpoint would resume their position. The DPO recipe on the same
+    output_dir would take on the fine-tune's optimizer and metrics. Both are refused,
+    changing nothing."""
+    data, out = tmp_path / "chat.jsonl", tmp_path / "run"
+    subprocess.run(["cp", "-p", str(chat_file), str(data)], check=True)
+    args = recipe_args(base_config, tiny_model, data, out, "train.micro_batch_size=4", "train.max_steps=2")
+    run_recipe(args + ["checkpoint.every_steps=1"], cache_env)
+    before, stat, text = snapshot(out), data.stat(), data.read_text()
+    data.write_text(text.replace("a", "b"))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    proc = run_recipe(args, cache_env, check=False)
+    assert proc.returncode == 2
+    assert f"error: output_dir: {out}/final was trained on other content of {data} (the file changed since" in (
+        proc.stderr
+    )
+    data.write_text(text)
+    proc = run_recipe(args, cache_env, check=False, recipe=DPO_RECIPE)
+    assert proc.returncode == 2
+    assert f"error: output_dir: {out}/final was trained by the finetune recipe, not dpo" in proc.stderr
+    assert snapshot(out) == before
