@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,11 +367,11 @@ def chat_ids(
 
     install()  # bounds rendering in size (llmtrain.template), in this process too
 
-    def render(msgs, gen=False):
+    def render(msgs, gen=False, tools_=tools):
         try:
             with time_limit():
                 text = tokenizer.apply_chat_template(
-                    msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen
+                    msgs, tools=tools_, chat_template=template, tokenize=False, add_generation_prompt=gen
                 )
         except TemplateLimit:
             raise
@@ -381,6 +383,7 @@ def chat_ids(
             raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
         return text
 
+    check_control_tokens(messages, tools, tokenizer)
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
     if not trained:
         raise NothingToTrain("no assistant turn")
@@ -391,6 +394,7 @@ def chat_ids(
         if not any(messages[i]["content"].strip() or messages[i].get("tool_calls") for i in trained):
             raise NothingToTrain("empty answer")
     text = render(messages)
+    check_rendered(messages, tools, text, render)
     spans = []
     for i in [] if loss_on == "all" else trained:
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
@@ -408,6 +412,77 @@ def chat_ids(
         tok if any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE for tok, (s, e) in zip(ids, enc["offset_mapping"])
     ]
     return ids, labels
+
+
+_CONTROL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, control_tokens)
+
+
+def control_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern matching the tokenizer's special added tokens (`<|im_end|>`, `<|eot_id|>`,
+    `<|im_start|>`, ...), longest first, or None when it has none. Kept per tokenizer
+    (and its size, should tokens be added): listing them costs more than a row's render."""
+    size = len(tokenizer)
+    cached = _CONTROL.get(tokenizer)
+    if cached is None or cached[0] != size:
+        found = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+        cached = _CONTROL[tokenizer] = (size, re.compile("|".join(map(re.escape, found))) if found else None)
+    return cached[1]
+
+
+def check_control_tokens(messages: list[dict], tools, tokenizer) -> None:
+    """Refuse a conversation whose text (message content, tool calls, tool definitions)
+    spells one of the tokenizer's special tokens: the rendered chat is tokenized as a
+    whole, so such a string would become the control token itself, an answer holding
+    `<|im_end|>` would teach the model to stop there, and a user message holding
+    `<|im_start|>assistant` would forge an assistant turn.
+
+    Reported rather than encoded as text: transformers can encode user strings as text
+    (apply_chat_template(sanitize_control_tokens=True)), but only when it tokenizes the
+    chat itself, without the character offsets that locate the trained assistant turns;
+    and such a string in training data is nearly always a scraping or formatting slip
+    that the user should see, not silently reinterpret. Plain `text` and
+    `prompt_completion` rows are left alone: they are tokenized as written, often
+    pre-rendered with a template on purpose."""
+    pattern = control_tokens(tokenizer)
+    if pattern is None:
+        return
+    for m in messages:
+        for what, value in (("content", m["content"]), ("tool_calls", m.get("tool_calls"))):
+            text = value if isinstance(value, str) else json.dumps(value) if value else ""
+            if found := pattern.search(text):
+                raise RowError(
+                    f"{_a(m['role'])} message's {what} holds {found.group()!r}, a control token of the tokenizer: it "
+                    "would be read as that token (ending or forging a turn), not as text; remove it from the row"
+                )
+    if tools and (found := pattern.search(json.dumps(tools))):
+        raise RowError(f"'tools' holds {found.group()!r}, a control token of the tokenizer; remove it from the row")
+
+
+def _a(role: str) -> str:
+    return f"{'an' if role in ('assistant', 'ipython') else 'a'} {role}"
+
+
+def check_rendered(messages: list[dict], tools, text: str, render) -> None:
+    """Refuse a conversation whose chat template drops something the row carries: its
+    tool definitions, an assistant turn's tool calls, or a whole message of another role
+    than user and assistant (a system or tool message). The template renders the same
+    text without it, so it would be trained as if absent (a tool-call turn as an empty
+    answer). Found by rendering without each such part, only for rows that have one."""
+
+    def same(msgs, **kw) -> bool:
+        try:
+            return render(msgs, **kw) == text
+        except RowError:  # the template refuses the conversation without it: it does use it
+            return False
+
+    fix = "set data.chat_template to a template that renders it"
+    if tools and same(messages, tools_=None):
+        raise RowError(f"the chat template does not render the row's 'tools'; {fix}")
+    for i, m in enumerate(messages):
+        if m.get("tool_calls") and same([*messages[:i], {**m, "tool_calls": None}, *messages[i + 1 :]]):
+            raise RowError(f"the chat template does not render the 'tool_calls' of an assistant message; {fix}")
+        if m["role"] not in ("user", "assistant") and m["content"].strip() and same(messages[:i] + messages[i + 1 :]):
+            raise RowError(f"the chat template drops {_a(m['role'])} message; {fix}")
 
 
 def _with_eos(ids: list[int], tokenizer) -> list[int]:
@@ -582,7 +657,7 @@ def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg:
         cfg.system_prompt,
         tok,
         str(tokenizer.eos_token_id),
-        "llmtrain-data-v3",
+        "llmtrain-data-v4",
     ):
         h.update(part.encode())
         h.update(b"\0")

