@@ -40,8 +40,9 @@ class StepProfiler:
         """Called before drawing the window of optimizer step `step` (counted from 1)."""
         if self.steps is None or self.profile is not None or not self.steps[0] <= step <= self.steps[1]:
             return
+        # Every process writes its trace here: a link in place of either directory is refused.
         safefs.make_dir(self.dir.parent)
-        safefs.fresh_dir(self.dir)  # made here, so the trace handler writes into no link
+        safefs.make_dir(self.dir)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -15,7 +15,8 @@ symbolic link where llmtrain writes (metrics.jsonl -> ~victim/.bashrc, checkpoin
   `make_dir` refuses a directory path whose existing part is a link.
 
 Writes by libraries (accelerate's save_state, save_pretrained, torch.save) go into
-directories llmtrain has just created itself with `fresh_dir`.
+directories llmtrain has just created itself with `fresh_dir` (checkpoints, the export),
+or that `make_dir` made sure are no links (the profiler's, which every process shares).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ OUTPUT_NAMES = (
     ".old-final",
     ".deleting-final",
     "profile",
+    "logs",
     "reference_logps.pt",
     ".tmp-reference_logps.pt",
 )
