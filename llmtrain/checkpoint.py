@@ -17,6 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+from . import safefs
 from .errors import UserError, describe
 from .files import load_json
 from .state import TrainState
@@ -273,11 +274,9 @@ def rng_readable(path: Path) -> bool:
 def check_writable(output_dir: str) -> None:
     """Create output_dir and write and remove a file in it, so that an unwritable directory
     stops the run at start-up rather than at its first checkpoint."""
-    probe = Path(output_dir) / f".llmtrain-write-test-{os.getpid()}"
     try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        safefs.new_temp(output_dir, ".llmtrain-write-test-").unlink()  # created exclusively: never a planted link
     except OSError as e:
         raise CheckpointError(
             f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
@@ -333,10 +332,10 @@ def publish(tmp: Path, final: Path) -> None:
     after the new one is in place, so a complete copy exists at every moment."""
     if final.exists():
         old = final.with_name(f".old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
+        safefs.rmtree(old)
         os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        safefs.rmtree(old)
     else:
         os.rename(tmp, final)
 
@@ -352,8 +351,8 @@ def save(accelerator, output_dir: str, state: TrainState, settings: dict, config
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     try:
         if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            safefs.make_dir(root)
+            safefs.fresh_dir(tmp)  # made here, so save_state writes into a directory that is no link
             (tmp / "config.yaml").write_text(config_yaml)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
@@ -370,7 +369,7 @@ def save(accelerator, output_dir: str, state: TrainState, settings: dict, config
     except Exception as e:
         if not write_failed(e):
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        safefs.rmtree(tmp)
         previous = complete_checkpoints(output_dir)
         kept = (
             f"the newest complete checkpoint, {previous[-1][1]}, is intact"
@@ -418,9 +417,9 @@ def remove(path: Path) -> None:
     deleted: it is renamed aside first, then removed (`clean_leftovers` finishes the job
     after a kill)."""
     aside = path.with_name(f".deleting-{path.name}")
-    shutil.rmtree(aside, ignore_errors=True)
+    safefs.rmtree(aside)
     os.rename(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+    safefs.rmtree(aside)
 
 
 def clean_leftovers(output_dir: str | Path) -> None:
@@ -436,12 +435,12 @@ def clean_leftovers(output_dir: str | Path) -> None:
             kind = re.fullmatch(rf"\.(tmp|deleting|old)-({names})", p.name)
             if kind is None or not p.is_dir():
                 continue
-            if kind[1] in ("tmp", "deleting"):
-                shutil.rmtree(p, ignore_errors=True)
+            if kind[1] in ("tmp", "deleting") or p.is_symlink():  # a link is not ours to put back
+                safefs.rmtree(p)
             else:
                 original = p.with_name(p.name[len(".old-") :])
                 if original.exists():
-                    shutil.rmtree(p, ignore_errors=True)
+                    safefs.rmtree(p)
                 else:
                     os.rename(p, original)
 

@@ -730,6 +730,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         key, value = parse_override(item)
         _set_dotted(raw, key, value, schema)
     cfg = _build(schema, raw, "", problems)
+    expand_home(cfg)
     # A key whose value was refused keeps its default; validate would call that missing too.
     refused = {re.split(r"[:\[]", q, maxsplit=1)[0] for q in problems}
     problems += [q for q in validate(cfg) if q.split(":", 1)[0] not in refused]
@@ -740,6 +741,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
 
 # What Accelerate imports for each log.tracker: without it, it logs nothing and only warns.
 TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
+
+
+def _expand(value):
+    """`~` or `~user` at the start of a path, expanded; anything else (a hub name, inline
+    template text) as it is."""
+    if isinstance(value, str) and re.match(r"~[\w.-]*(/|$)", value):
+        return os.path.expanduser(value)
+    return value
+
+
+def expand_home(cfg: Config) -> None:
+    """Expand `~` in every path-valued key alike, whether it came from the YAML file or a
+    dotted override (a shell expands it in neither: not inside YAML, not after `key=`).
+    Without this, output_dir: ~/runs/x would make a directory named `~`."""
+    cfg.output_dir = _expand(cfg.output_dir)
+    cfg.model.name_or_path = _expand(cfg.model.name_or_path)
+    cfg.checkpoint.resume = _expand(cfg.checkpoint.resume)
+    cfg.data.chat_template = _expand(cfg.data.chat_template)
+    for key in ("train", "eval"):
+        value = getattr(cfg.data, key)
+        entries = [
+            dataclasses.replace(e, path=_expand(e.path)) if isinstance(e, DataSource) else _expand(e)
+            for e in (value if isinstance(value, list) else [value])
+        ]
+        setattr(cfg.data, key, entries if isinstance(value, list) else entries[0])
+    if hasattr(cfg, "dpo"):
+        cfg.dpo.reference = _expand(cfg.dpo.reference)
 
 
 def validate(cfg: Config) -> list[str]:

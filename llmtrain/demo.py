@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from . import safefs
+
 DEMO_VERSION = "v3"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -179,7 +181,7 @@ def greedy_answers(model_dir: Path, max_new_tokens: int = 12, batch: int = 64):
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with safefs.open_write(path, what="LLMTRAIN_CACHE") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
 
@@ -274,7 +276,7 @@ def build_pairs(root: Path) -> None:
     build_sft_model(root)
     answer = greedy_answers(root / "tiny-llama-sft")
     for name, n, seed in todo:
-        tmp = root / f".tmp-{name}"
+        tmp = safefs.new_temp(root, f".tmp-{name}-")  # created exclusively: never a planted link
         write_jsonl(make_pairs(n, seed, answer), tmp)
         os.replace(tmp, root / name)
 
@@ -297,7 +299,7 @@ def build_sft_model(root: Path) -> None:
     if not script.is_file():
         raise FileNotFoundError(f"{script} is missing: the preference demo trains its starting model with it")
     run_dir = root / "sft-run"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    safefs.rmtree(run_dir)
     print(f"building the preference demo's starting model: {script.name}'s demo, two epochs (about a minute)")
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
     env = {
@@ -310,7 +312,7 @@ def build_sft_model(root: Path) -> None:
     if done.returncode != 0:
         raise RuntimeError(f"building the demo's SFT model failed (exit {done.returncode}); see the lines above")
     os.replace(run_dir / "final", target)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    safefs.rmtree(run_dir)
 
 
 DEMO_NAMES = {

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 
+from . import safefs
 from .checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, publish, write_failed
 from .model import hub_kwargs, is_quantized, whole_models
 
@@ -30,7 +30,7 @@ def save_final(
     final, tmp = Path(output_dir) / "final", Path(output_dir) / ".tmp-final"
     error = None
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
+        safefs.fresh_dir(tmp)  # leftovers removed: save_pretrained writes into a directory made here
     try:
         error = _write(accelerator, accelerator.unwrap_model(model), tokenizer, tmp, config_yaml, export, state, base)
     except Exception as e:
@@ -40,7 +40,7 @@ def save_final(
     error = main_process_error(accelerator, error)
     if error:
         if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
+            safefs.rmtree(tmp)
         found = complete_checkpoints(output_dir)
         kept = "no checkpoint was written (checkpoint.every_steps=0)"
         if found:

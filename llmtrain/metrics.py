@@ -10,6 +10,7 @@ import math
 import platform
 from pathlib import Path
 
+from . import safefs
 from .errors import warn
 
 METRICS_FILE = "metrics.jsonl"
@@ -41,7 +42,7 @@ def describe_run(cfg, accelerator, resume_from, identity: dict | None = None) ->
     if not accelerator.is_main_process:
         return
     out = Path(cfg.output_dir)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    safefs.write_text(out / "config.yaml", to_yaml(cfg))
     run = {
         "versions": versions(),
         "world_size": accelerator.num_processes,
@@ -50,7 +51,7 @@ def describe_run(cfg, accelerator, resume_from, identity: dict | None = None) ->
         "resumed_from": str(resume_from or ""),
         **(identity or {}),
     }
-    (out / "run.json").write_text(json.dumps(run, indent=2))
+    safefs.write_text(out / "run.json", json.dumps(run, indent=2))
 
 
 class MetricsLog:
@@ -78,12 +79,12 @@ class MetricsLog:
                     f"{self.path}: {len(unread)} line(s) are not a metrics row (a JSON object with a numeric step; "
                     f"first at line {unread[0]}), dropped on resume"
                 )
-            self.path.write_text("".join(line + "\n" for line in kept))
+            safefs.write_text(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:
         if self.accelerator.is_main_process:
             try:
-                with open(self.path, "a") as f:
+                with safefs.open_write(self.path, append=True) as f:
                     f.write(json.dumps(row) + "\n")
             except OSError as e:  # a full disk: training goes on to its next checkpoint, which says so
                 if not self.write_failed:
@@ -159,6 +160,7 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with safefs.open_write(png_path, binary=True) as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return True

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from . import safefs
+
 TOP_OPS = 20
 
 
@@ -38,7 +40,9 @@ class StepProfiler:
         """Called before drawing the window of optimizer step `step` (counted from 1)."""
         if self.steps is None or self.profile is not None or not self.steps[0] <= step <= self.steps[1]:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # Every process writes its trace here: a link in place of either directory is refused.
+        safefs.make_dir(self.dir.parent)
+        safefs.make_dir(self.dir)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -74,7 +78,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
         sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = profile.key_averages().table(sort_by=sort, row_limit=TOP_OPS)
-        (self.dir / f"rank{rank}-top-ops.txt").write_text(table + "\n")
+        safefs.write_text(self.dir / f"rank{rank}-top-ops.txt", table + "\n")
         self.accelerator.print(
             f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.dir}; "
             f"top operators on this process:\n{table}"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import checkpoint, demo, rundir
+from . import checkpoint, demo, rundir, safefs
 from .cli import parse_args
 from .config import to_yaml
 from .data import resolve_chat_template
@@ -60,6 +60,7 @@ class Recipe:
 def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
     cfg, args = parse_args(argv, recipe.default_config, recipe.description, recipe.schema)
+    safefs.check_caches(demo.uses_demo(cfg))  # an unusable cache is one line now, not a traceback later
     accelerator = setup_accelerator(cfg)
     with main_first(accelerator):
         demo.resolve_demo_names(cfg)  # builds the offline demo model and data once
@@ -69,6 +70,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     cfg.model.attn_implementation = attention.name
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     checkpoint.check_writable(cfg.output_dir)
+    safefs.check_output_dir(cfg.output_dir)  # no planted link where the run will write
     rundir.lock(cfg.output_dir, accelerator)  # one run per output_dir, until this process ends
     identity = rundir.identity(recipe.name, cfg)  # the recipe and the training files' content
     rundir.check_same_run(cfg.output_dir, identity)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import safefs
 from .errors import describe
 from .files import content_hash
 from .model import ModelError, hub_kwargs
@@ -124,9 +125,13 @@ def load_cached(path: Path, key: str, pairs: int) -> torch.Tensor | None:
 
 
 def save_cached(path: Path, key: str, table: torch.Tensor) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    torch.save({"key": key, "logps": table}, tmp)
-    os.replace(tmp, path)
+    tmp = safefs.new_temp(path.parent, f".tmp-{path.name}-")  # created exclusively: never a planted link
+    try:
+        torch.save({"key": key, "logps": table}, tmp)
+        os.replace(tmp, path)  # replaces a link at path, never follows it
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ import socket
 import time
 from pathlib import Path
 
+from . import safefs
 from .checkpoint import STATE_FILE, CheckpointError, checkpoint_root, complete_checkpoints
 from .errors import shown, warn
 from .files import load_json, read_own
@@ -41,7 +42,13 @@ def lock(output_dir: str, accelerator) -> None:
     refused = [""]
     if accelerator.is_main_process and output_dir not in _HELD:
         path = Path(output_dir) / LOCK_FILE
-        handle = open(path, "a+")  # noqa: SIM115 (held open for the whole run)
+        try:  # O_NOFOLLOW: a link planted in place of the lock file is refused, never followed
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError:
+            if path.is_symlink():
+                raise safefs.link_error(path) from None
+            raise
+        handle = os.fdopen(fd, "r+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
