@@ -101,21 +101,24 @@ class DataStats:
                 "data.max_bad_fraction"
             )
 
-    def fixes(self) -> str:
-        """What to change about the dropped rows, by why they were dropped: for an error
-        saying a split has no usable row."""
+    def fixes(self, pairs: bool = False) -> str:
+        """What to change about the dropped rows (or `pairs`, whose loss is always on the
+        answers), by why they were dropped: for an error saying a split has no usable row."""
         reasons, hints = set(self.dropped), []
         if "longer than data.max_seq_len" in reasons:
             hints.append("raise data.max_seq_len, or set data.overlong=truncate")
         if "no trained tokens" in reasons:
-            hints.append("raise data.max_seq_len (truncation can cut off what is trained), or set data.loss_on=all")
+            hints.append(
+                "raise data.max_seq_len (truncation can cut off what is trained)"
+                + ("" if pairs else ", or set data.loss_on=all")
+            )
         if reasons & NOTHING_TO_TRAIN:
             hints.append("give rows with something to train (an answer, or text)")
         if "identical answers" in reasons or "an empty answer" in reasons:
             hints.append("give pairs with two different, non-empty answers")
         if MALFORMED in reasons:
             hints.append("fix the malformed rows")
-        return "; ".join(hints) or "check data.max_seq_len, data.overlong and data.loss_on"
+        return "; ".join(hints) or "check data.max_seq_len and data.overlong" + ("" if pairs else " and data.loss_on")
 
     def summary(self, key: str) -> str:
         parts = [f"{key}: {self.kept}/{self.rows} rows kept, {self.trained_tokens} trained tokens"]
@@ -481,7 +484,12 @@ def check_rendered(messages: list[dict], tools, text: str, render) -> None:
     for i, m in enumerate(messages):
         if m.get("tool_calls") and same([*messages[:i], {**m, "tool_calls": None}, *messages[i + 1 :]]):
             raise RowError(f"the chat template does not render the 'tool_calls' of an assistant message; {fix}")
-        if m["role"] not in ("user", "assistant") and m["content"].strip() and same(messages[:i] + messages[i + 1 :]):
+        # A template that writes a default system prompt when there is none renders a row
+        # whose system message is that default the same without it: dropped only if its
+        # text is nowhere in the rendering.
+        content = m["content"].strip()
+        other_role = m["role"] not in ("user", "assistant")
+        if other_role and content and content not in text and same(messages[:i] + messages[i + 1 :]):
             raise RowError(f"the chat template drops {_a(m['role'])} message; {fix}")
 
 

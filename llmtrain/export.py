@@ -30,14 +30,20 @@ def save_final(
     final, tmp = Path(output_dir) / "final", Path(output_dir) / ".tmp-final"
     error = None
     if accelerator.is_main_process:
-        safefs.fresh_dir(tmp)  # leftovers removed: save_pretrained writes into a directory made here
-    try:
-        error = _write(accelerator, accelerator.unwrap_model(model), tokenizer, tmp, config_yaml, export, state, base)
-    except Exception as e:
-        if not write_failed(e):
-            raise
-        error = write_failed(e)
+        try:
+            safefs.fresh_dir(tmp)  # leftovers removed: save_pretrained writes into a directory made here
+        except OSError as e:  # a full disk already: every process hears of it before any gather
+            error = write_failed(e)
     error = main_process_error(accelerator, error)
+    if error is None:
+        try:
+            unwrapped = accelerator.unwrap_model(model)
+            error = _write(accelerator, unwrapped, tokenizer, tmp, config_yaml, export, state, base)
+        except Exception as e:
+            if not write_failed(e):
+                raise
+            error = write_failed(e)
+        error = main_process_error(accelerator, error)
     if error:
         if accelerator.is_main_process:
             safefs.rmtree(tmp)

@@ -315,13 +315,15 @@ def row_dataset(path: Path, key: str, streaming: bool = False):
     """The file's rows as a datasets.Dataset (cached; written once by the main process and
     read by the others) or, with `streaming`, an IterableDataset read as it is iterated,
     both with columns LINE and RAW. The cache key is the file's content (`content_hash`),
-    so an edited or replaced file is read again."""
+    so an edited or replaced file is read again; a stream is not cached, and a corpus
+    streamed because it is too large to prepare is not read once more to hash it."""
     import datasets
 
-    kwargs = {"path": str(path.resolve()), "key": key, "stamp": f"v3-{content_hash(path)}"}
+    kwargs = {"path": str(path.resolve()), "key": key, "stamp": ""}
     features = datasets.Features({LINE: datasets.Value("int64"), RAW: datasets.Value("string")})
     if streaming:
         return datasets.IterableDataset.from_generator(_generate, features=features, gen_kwargs=kwargs)
+    kwargs["stamp"] = f"v3-{content_hash(path)}"
     try:
         return datasets.Dataset.from_generator(_generate, features=features, gen_kwargs=kwargs)
     except Exception as e:  # datasets wraps what the reader raised

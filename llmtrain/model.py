@@ -251,17 +251,38 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     return tok
 
 
+def ids_past(tokenizer, vocab) -> str | None:
+    """Which of the tokenizer's ids a model of `vocab` embeddings cannot take, or None.
+    Counted are the ids that text and the chat template produce: the base vocabulary
+    and the bos, eos, pad and unk tokens. Added tokens past the embeddings are allowed:
+    some models ship tokens of another modality there (Gemma 3's image token is id
+    262144 of a 262144-row text embedding), and chat text cannot spell a special token
+    (data.check_control_tokens)."""
+    if not isinstance(vocab, int):
+        return None
+    if tokenizer.vocab_size > vocab:
+        return f"a vocabulary of {tokenizer.vocab_size} tokens"
+    special = {
+        name: tid
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if (tid := getattr(tokenizer, f"{name}_id", None)) is not None and tid >= vocab
+    }
+    if special:
+        return ", ".join(f"{name} at id {tid}" for name, tid in special.items())
+    return None
+
+
 def check_vocab(cfg: ModelConfig, mcfg, tokenizer) -> None:
-    """Refuse a tokenizer with more tokens than the model embeds (a tokenizer from another
+    """Refuse a tokenizer whose ids the model does not embed (a tokenizer from another
     model): the first id past the embeddings would stop training mid-run with an index
     error (a device-side assert on a GPU). As dpo.reference's check, a larger vocabulary
     is accepted: models pad theirs."""
     text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
-    vocab, ids = getattr(text, "vocab_size", None), len(tokenizer)
-    if isinstance(vocab, int) and vocab < ids:
+    vocab = getattr(text, "vocab_size", None)
+    if past := ids_past(tokenizer, vocab):
         raise ModelError(
-            f"model.name_or_path: the tokenizer of '{cfg.name_or_path}' has {ids} tokens but the model embeds only "
-            f"{vocab} (config.json vocab_size); use the tokenizer saved with this model"
+            f"model.name_or_path: the tokenizer of '{cfg.name_or_path}' has {past}, but the model embeds only "
+            f"{vocab} tokens (config.json vocab_size); use the tokenizer saved with this model"
         )
 
 

@@ -161,7 +161,7 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
     if stats.kept == 0:
-        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; {stats.fixes()}")
+        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; {stats.fixes(pairs=True)}")
     return ds, stats
 
 

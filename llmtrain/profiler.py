@@ -20,6 +20,7 @@ no trace (its error is what matters); one that stops or ends there writes what i
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -74,7 +75,11 @@ class StepProfiler:
         profile.stop()  # writes the trace through on_trace_ready
         rank = self.accelerator.process_index
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(self.dir / f"rank{rank}-memory.pickle"))
+            # torch opens the name it is given and follows a link there: it writes a new
+            # temporary file, renamed over the name (a rename replaces a link).
+            tmp = safefs.new_temp(self.dir, f".tmp-rank{rank}-memory-")
+            torch.cuda.memory._dump_snapshot(str(tmp))
+            os.replace(tmp, self.dir / f"rank{rank}-memory.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
         sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = profile.key_averages().table(sort_by=sort, row_limit=TOP_OPS)

@@ -26,7 +26,7 @@ import torch
 from . import safefs
 from .errors import describe
 from .files import content_hash
-from .model import ModelError, hub_kwargs
+from .model import ModelError, hub_kwargs, ids_past
 from .window import Outcome, draw_window
 
 CACHE = "reference_logps.pt"
@@ -51,11 +51,11 @@ def check_reference(cfg, tokenizer) -> None:
         raise ModelError(f"dpo.reference: could not load a model config from '{name}' ({describe(e)})") from None
     policy = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
     text = rcfg.get_text_config() if hasattr(rcfg, "get_text_config") else rcfg
-    ref_vocab, ids = getattr(text, "vocab_size", None), len(tokenizer)
-    if isinstance(ref_vocab, int) and ref_vocab < ids:
+    ref_vocab = getattr(text, "vocab_size", None)
+    if past := ids_past(tokenizer, ref_vocab):
         raise ModelError(
-            f"dpo.reference: '{name}' has a vocabulary of {ref_vocab} tokens, but the policy's tokenizer uses "
-            f"{ids}; the reference must be a model with the policy's tokenizer (usually the model you fine-tune)"
+            f"dpo.reference: '{name}' embeds {ref_vocab} tokens, but the policy's tokenizer has {past}; "
+            "the reference must be a model with the policy's tokenizer (usually the model you fine-tune)"
         )
     try:
         ref_tok = AutoTokenizer.from_pretrained(name, **kw)
@@ -203,7 +203,14 @@ class ReferencePass:
     def __call__(self, model, accelerator, empty: dict, beat) -> None:
         cfg = self.cfg
         path = Path(cfg.output_dir) / CACHE
-        key = cache_key(cfg, self.sets, str(accelerator.mixed_precision))
+        beat("fingerprinting the reference model's files")
+        # The main process reads the weights' content for the key once, not every process.
+        key = [cache_key(cfg, self.sets, str(accelerator.mixed_precision)) if accelerator.is_main_process else ""]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(key)
+        key = key[0]
         pairs = sum(len(getattr(s, "pairs", s)) for s in self.sets)
         beat("reading the cached reference log-probs")
         table = load_cached(path, key, pairs)

@@ -182,35 +182,57 @@ def identity(recipe: str, cfg) -> dict:
     """What an output_dir's run belongs to: the recipe that trains it and the content of
     each local training file (its name in data.train -> `files.content_hash`). Recorded in
     every train_state.json (checkpoints and final/) and run.json. Hub data sets are named
-    by the config and pinned by their revision, so only files are fingerprinted."""
+    by the config and pinned by their revision, so only files are fingerprinted; streamed
+    files by size and modification time only (data.streaming is for corpora too large to
+    read an extra time at every start)."""
     from .files import content_hash
     from .mixture import names
 
-    data = {name: content_hash(Path(name)) for name in names(cfg.data.train) if Path(name).is_file()}
+    data = {}
+    for name in names(cfg.data.train):
+        try:
+            if not Path(name).is_file():
+                continue
+            if cfg.data.streaming:  # a corpus too large to prepare is not read whole at every start
+                stat = Path(name).stat()
+                data[name] = f"size {stat.st_size}, modified {stat.st_mtime_ns}"
+            else:
+                data[name] = content_hash(Path(name))
+        except OSError:  # unreadable: the data loader names the file and the fix
+            pass
     return {"recipe": recipe, "data": data}
 
 
-def identity_change(saved, now: dict) -> str | None:
+def identity_change(saved, now: dict, elsewhere: bool = False) -> str | None:
     """How the run that wrote a train_state.json's `saved` record differs from this one
     (`now`, from `identity`), as the end of a sentence, or None. A state written before
     runs were recorded has none, and passes. A file named by only one of the two is a
-    change of data.train itself, which `warn_changes` reports as a setting."""
+    change of data.train itself, which `warn_changes` reports as a setting. `elsewhere`:
+    the state is a checkpoint of another output_dir (checkpoint.resume=<path>), so the fix
+    is another checkpoint, not another output_dir."""
     if saved is None:
         return None
     readable = isinstance(saved, dict) and isinstance(saved.get("recipe"), str) and isinstance(saved.get("data"), dict)
     if not readable:
-        return "has a run record (recipe, data) that cannot be read; choose another output_dir"
+        return "has a run record (recipe, data) that cannot be read; " + (
+            "give another checkpoint" if elsewhere else "choose another output_dir"
+        )
     if saved["recipe"] != now["recipe"]:
+        fix = (
+            f"resume from a checkpoint of a {now['recipe']} run instead"
+            if elsewhere
+            else f"choose another output_dir for this {now['recipe']} run"
+        )
         return (
             f"was trained by the {saved['recipe']} recipe, not {now['recipe']}: its optimizer, schedule and metrics "
-            f"are that recipe's; choose another output_dir for this {now['recipe']} run (to start from that run's "
-            "weights, set model.name_or_path to its final/)"
+            f"are that recipe's; {fix} (to start from that run's weights, set model.name_or_path to its final/)"
         )
     for name, digest in now["data"].items():
         if saved["data"].get(name, digest) != digest:
+            fix = "start afresh (checkpoint.resume=auto)" if elsewhere else "choose another output_dir"
             return (
                 f"was trained on other content of {name} (the file changed since, same path): its position and "
-                "weights are from the old rows; restore the file, or choose another output_dir to train on the new one"
+                f"weights are from the old rows; restore the file, or {fix} to train on the new one"
             )
     return None
 
@@ -228,9 +250,10 @@ def check_same_run(output_dir: str, now: dict, resume_from: Path | None = None) 
             state = load_json(where / STATE_FILE)
         except (OSError, ValueError):
             continue  # no state or an unreadable one: finished_state and the checkpoint checks say so
-        change = identity_change(state.get("run") if isinstance(state, dict) else None, now)
+        elsewhere = where is resume_from and where.resolve().parent != checkpoint_root(output_dir).resolve()
+        change = identity_change(state.get("run") if isinstance(state, dict) else None, now, elsewhere)
         if change:
-            raise CheckpointError(f"output_dir: {where} {change}")
+            raise CheckpointError(f"{'checkpoint.resume' if elsewhere else 'output_dir'}: {where} {change}")
 
 
 def warn_changes(resume_from: Path, cfg) -> None:

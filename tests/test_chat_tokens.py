@@ -86,6 +86,19 @@ def test_a_template_that_drops_what_a_row_carries_is_refused(tokenizer):
     assert "does not render the 'tool_calls'" in process_pair(pair, tokenizer, None, CFG)["status"]
 
 
+def test_a_system_message_equal_to_the_templates_default_is_kept(tokenizer):
+    """A template that writes a default system prompt when a row has none (as Qwen 2's
+    does) renders a row whose system message is that default the same without it: the
+    message is rendered, not dropped."""
+    default = (
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n{% endif %}" + CHAT_TEMPLATE
+    )
+    plain = rows_with("2+2?", "4")["chat"]
+    for system_prompt in ("Be brief.", "Be kind."):
+        status = process_row(plain, "chat", tokenizer, default, DataConfig(system_prompt=system_prompt))["status"]
+        assert status == "ok", (system_prompt, status)
+
+
 def test_rows_without_control_tokens_keep_their_ids(tokenizer):
     """The demo's rows and pairs tokenize as the chat template's own tokenization does."""
     for row in make_rows(50, seed=1):

@@ -102,8 +102,8 @@ CASES = {
     "a tokenizer with more tokens than the model embeds": (
         "finetune",
         [*SFT, "model.name_or_path={T}/small-vocab"],
-        "model.name_or_path: the tokenizer of '{T}/small-vocab' has 261 tokens but the model embeds only 50 "
-        "(config.json vocab_size); use the tokenizer saved with this model",
+        "model.name_or_path: the tokenizer of '{T}/small-vocab' has a vocabulary of 261 tokens, but the model "
+        "embeds only 50 tokens (config.json vocab_size); use the tokenizer saved with this model",
     ),
     "a directory of LoRA adapters": (
         "finetune",

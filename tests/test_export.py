@@ -177,6 +177,25 @@ def test_a_full_disk_while_exporting_is_one_error_saying_what_is_kept(
     assert not (tmp_path / ".tmp-final").exists() and not (tmp_path / "final").exists()
 
 
+def test_a_full_disk_before_the_export_starts_is_the_same_one_error(model, tokenizer, tmp_path, monkeypatch):
+    """The export's directory cannot even be made: the main process says so to every
+    process before any of them gathers a weight, not a traceback on one of them."""
+    import errno
+
+    from llmtrain import safefs
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safefs, "fresh_dir", full)
+    with pytest.raises(CheckpointError) as e:
+        save_final(fake_accelerator(model), model, tokenizer, str(tmp_path), "", ExportConfig(), {"step": 8})
+    assert str(e.value) == (
+        f"export: writing {tmp_path}/.tmp-final failed (No space left on device); "
+        "no checkpoint was written (checkpoint.every_steps=0)"
+    )
+
+
 def test_metrics_that_cannot_be_written_do_not_stop_training(tmp_path, capsys):
     from llmtrain.metrics import MetricsLog
 

@@ -139,3 +139,21 @@ def test_a_config_json_that_builds_no_model_is_an_error_naming_the_model(tiny_mo
     cfg = ModelConfig(name_or_path=str(bad))
     with pytest.raises(ModelError, match=rf"^model.name_or_path: cannot build a model from the config of '{bad}' \("):
         meta_model(cfg, check_model(cfg, 256))
+
+
+def test_added_tokens_past_the_embeddings_are_allowed_where_text_cannot_reach_them(tokenizer):
+    """Gemma 3 ships its image token at id 262144 of a 262144-row text embedding: a model
+    is refused only for ids that text and the chat template produce (the base vocabulary,
+    bos, eos, pad, unk)."""
+    import copy
+
+    from llmtrain.model import ids_past
+
+    tok = copy.deepcopy(tokenizer)
+    base = tok.vocab_size
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    assert len(tok) == base + 1
+    assert ids_past(tok, base) is None
+    assert ids_past(tok, base - 1) == f"a vocabulary of {base} tokens"
+    tok.add_special_tokens({"pad_token": "<image_soft_token>"})
+    assert ids_past(tok, base) == f"pad_token at id {base}"

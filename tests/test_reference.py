@@ -178,7 +178,7 @@ def test_a_reference_with_the_policys_token_ids_is_accepted(references, tiny_mod
 @pytest.mark.parametrize(
     "name,says",
     [
-        ("smaller", "has a vocabulary of {small} tokens, but the policy's tokenizer uses {n}"),
+        ("smaller", "embeds {small} tokens, but the policy's tokenizer has a vocabulary of {n} tokens"),
         ("other_tokenizer", "maps"),
         ("bigger_no_tokenizer", "and no tokenizer to show it is the policy's"),
     ],

@@ -109,6 +109,11 @@ def test_a_resume_on_changed_data_or_by_another_recipe_is_refused(tmp_path):
     )
     with pytest.raises(CheckpointError, match=r"was trained by the finetune recipe, not dpo: its optimizer"):
         check_same_run(str(tmp_path / "out"), saved | {"recipe": "dpo"}, checkpoint)
+    # Another directory's checkpoint (checkpoint.resume=<path>): the key and the fix are that setting's.
+    with pytest.raises(CheckpointError) as e:
+        check_same_run(str(tmp_path / "new"), saved | {"recipe": "dpo"}, checkpoint)
+    assert str(e.value).startswith(f"checkpoint.resume: {checkpoint} was trained by the finetune recipe, not dpo")
+    assert "resume from a checkpoint of a dpo run instead" in str(e.value)
     (checkpoint / STATE_FILE).write_text(json.dumps({"step": 2}))  # an older llmtrain's
     check_same_run(str(tmp_path / "out"), identity("dpo", cfg), checkpoint)
 

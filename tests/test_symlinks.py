@@ -157,6 +157,7 @@ def test_temporary_files_and_directories_are_never_links(victim):
     untouched(victim)
 
 
+@pytest.mark.slow
 def test_a_recipe_refuses_a_planted_metrics_link_in_one_line(base_config, tiny_model, chat_file, cache_env, victim):
     (victim.out / "metrics.jsonl").symlink_to(victim.file)
     proc = run_recipe(recipe_args(base_config, tiny_model, chat_file, victim.out), cache_env, check=False)
@@ -217,6 +218,7 @@ def test_the_demo_cache_is_checked_only_for_demo_names(env):
     safefs.check_caches(uses_demo=False)
 
 
+@pytest.mark.slow
 def test_a_recipe_with_an_unusable_datasets_cache_stops_in_one_line(
     base_config, tiny_model, chat_file, cache_env, tmp_path
 ):
