@@ -330,6 +330,7 @@ def publish(tmp: Path, final: Path) -> None:
     """Move a fully written directory into place. If `final` exists (the same step saved
     again by a resumed run, or a second export), it is swapped out first and deleted only
     after the new one is in place, so a complete copy exists at every moment."""
+    safefs.opened(tmp)  # private while it was written (safefs.fresh_dir)
     if final.exists():
         old = final.with_name(f".old-{final.name}")
         safefs.rmtree(old)

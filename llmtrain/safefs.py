@@ -139,9 +139,20 @@ def make_dir(path: str | Path, what: str = "output_dir") -> None:
 def fresh_dir(path: str | Path) -> None:
     """`path` as a new, empty directory this process has just made: whatever was there (a
     leftover, or a planted link) is removed first, and mkdir fails rather than reuse one
-    that reappears."""
+    that reappears. It is made private (0700) while libraries write into it: under a
+    group-writable umask (002, usual where output directories are shared) others could
+    otherwise plant links inside it before a library opens its files. `opened` gives it
+    the umask's mode once it is complete."""
     rmtree(path)
-    Path(path).mkdir()
+    Path(path).mkdir(mode=0o700)
+
+
+def opened(path: str | Path) -> None:
+    """A directory made by `fresh_dir`, now complete, given the mode the user's umask
+    gives new directories."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
 
 
 class CacheError(UserError):

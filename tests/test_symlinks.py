@@ -263,3 +263,23 @@ def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch
     cfg = load_config(None, ["output_dir=~/runs/y", "data.train=~/c.jsonl", "model.name_or_path=owner/name"])
     assert cfg.output_dir == f"{home}/runs/y" and cfg.data.train in (f"{home}/c.jsonl", [f"{home}/c.jsonl"])
     assert cfg.model.name_or_path == "owner/name"  # a hub name is left alone
+
+
+def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
+    """Under a group-writable umask a group member could plant links inside a checkpoint's
+    or the export's directory while save_state or save_pretrained write into it: it is
+    0700 until it is published, then gets the umask's mode."""
+    import os
+    import stat
+
+    from llmtrain import safefs
+    from llmtrain.checkpoint import publish
+
+    old = os.umask(0o002)
+    try:
+        safefs.fresh_dir(tmp_path / ".tmp-step-2")
+        assert stat.S_IMODE((tmp_path / ".tmp-step-2").stat().st_mode) == 0o700
+        publish(tmp_path / ".tmp-step-2", tmp_path / "step-2")
+        assert stat.S_IMODE((tmp_path / "step-2").stat().st_mode) == 0o775
+    finally:
+        os.umask(old)
