@@ -200,7 +200,7 @@ def identity(recipe: str, cfg) -> dict:
                 data[name] = content_hash(Path(name))
         except OSError:  # unreadable: the data loader names the file and the fix
             pass
-    return {"recipe": recipe, "data": data}
+    return {"recipe": recipe, "data": data, "streamed": bool(cfg.data.streaming)}
 
 
 def identity_change(saved, now: dict, elsewhere: bool = False) -> str | None:
@@ -251,9 +251,18 @@ def check_same_run(output_dir: str, now: dict, resume_from: Path | None = None) 
         except (OSError, ValueError):
             continue  # no state or an unreadable one: finished_state and the checkpoint checks say so
         elsewhere = where is resume_from and where.resolve().parent != checkpoint_root(output_dir).resolve()
-        change = identity_change(state.get("run") if isinstance(state, dict) else None, now, elsewhere)
-        if change:
-            raise CheckpointError(f"{'checkpoint.resume' if elsewhere else 'output_dir'}: {where} {change}")
+        saved = state.get("run") if isinstance(state, dict) else None
+        key = "checkpoint.resume" if elsewhere else "output_dir"
+        # A stream stopped by a bad row is resumed once the row is fixed (the run reads on
+        # from the checkpoint's position): there a changed file is said, not refused.
+        mid_stream = where is resume_from and now.get("streamed")
+        if change := identity_change(saved, {**now, "data": {}} if mid_stream else now, elsewhere):
+            raise CheckpointError(f"{key}: {where} {change}")
+        if mid_stream and (change := identity_change(saved, now, elsewhere)):
+            warn(
+                f"{key}: {where} {change.split(':')[0]}; data.streaming reads on from the checkpoint's position: "
+                "a fixed row continues the run exactly, other edits change what it trains"
+            )
 
 
 def warn_changes(resume_from: Path, cfg) -> None:
