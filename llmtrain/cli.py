@@ -120,9 +120,17 @@ def exit_now(code) -> None:
     process aborts ("terminate called without an active exception", exit -6) after the
     run has finished and written everything. So, once the run is over: the atexit handlers
     run as usual (weakref finalizers, logging), the output is flushed, and the process
-    exits with its code, leaving the interpreter's teardown out."""
+    exits with its code, leaving the interpreter's teardown out. A stop signal that comes
+    meanwhile (the launcher stops the other processes once one has exited) is ignored: the
+    run is over and this code is its outcome, where the stop handler would report a stop
+    from inside an atexit handler."""
     import atexit
+    import signal
 
+    from .stop import GRACEFUL
+
+    for sig in GRACEFUL:
+        signal.signal(sig, signal.SIG_IGN)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

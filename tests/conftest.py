@@ -4,10 +4,12 @@ the real recipe (one process, or two DDP processes on CPU through accelerate lau
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +36,70 @@ def cache_env(tmp_path_factory):
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
-    return env
+    FORKS.env = dict(env)
+    yield env
+    FORKS.stop()
+
+
+class ForkServer:
+    """Runs one-process commands through tests/forkserver.py, which has imported the stack
+    once, when the command's environment is the one it started with (cache_env); see that
+    file for why this is the same run a subprocess would give."""
+
+    def __init__(self):
+        self.env, self.proc = None, None
+
+    # Read at run time, so a command may differ from the server's environment in these.
+    RUNTIME = {"ACCELERATE_USE_CPU"}
+
+    def serves(self, env: dict) -> bool:
+        def imported(e):
+            return {k: v for k, v in e.items() if k not in self.RUNTIME}
+
+        on = os.environ.get("LLMTRAIN_TEST_NO_FORK") != "1"
+        return on and self.env is not None and imported(env) == imported(self.env)
+
+    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "forkserver.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env,
+                cwd=ROOT,
+                text=True,
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "out", Path(tmp) / "err"
+            request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = self._answer(60 + 60)["pid"]  # the first request waits for the imports
+            answer = self._answer(timeout)
+            if answer is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._answer(60)
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess([sys.executable, *argv], answer["rc"], out.read_text(), err.read_text())
+
+    def _answer(self, timeout: float) -> dict | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("tests/forkserver.py died; run with LLMTRAIN_TEST_NO_FORK=1 to see the command alone")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+            self.proc = None
+
+
+FORKS = ForkServer()
 
 
 @pytest.fixture(scope="session")
@@ -126,6 +191,15 @@ def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE, preci
     ]
 
 
+def run_python(command: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True) for a `python ...` command,
+    through the fork server where it serves `env`."""
+    assert command[0] == sys.executable
+    if FORKS.serves(env):
+        return FORKS.run(command[1:], env, cwd, timeout)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 def run_recipe(
     args: list[str],
     env: dict,
@@ -137,17 +211,8 @@ def run_recipe(
 ):
     """Run a recipe (recipes/finetune.py unless told) as a user would; returns the
     CompletedProcess."""
-    env = dict(env)
-    if nproc > 1:
-        env["ACCELERATE_USE_CPU"] = "1"
-    proc = subprocess.run(
-        recipe_command(args, nproc, recipe, precision),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    env = dict(env, ACCELERATE_USE_CPU="1") if nproc > 1 else env
+    proc = run_python(recipe_command(args, nproc, recipe, precision), env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -219,7 +284,7 @@ def launch_deepspeed(
         *args,
     ]
     env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_python(cmd, env, timeout)
 
 
 def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no", nproc: int = 2) -> list[str]:
@@ -244,9 +309,7 @@ def launch_fsdp(
     args: list[str], env: dict, recipe: Path = RECIPE, precision: str = "no", nproc: int = 2
 ) -> subprocess.CompletedProcess:
     env = dict(env, ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(
-        fsdp_command(args, recipe, precision, nproc), env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
+    proc = run_python(fsdp_command(args, recipe, precision, nproc), env, 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

@@ -2,7 +2,6 @@
 every epoch, exact on resume), data.eval_fraction's held-out rows, per-source packing,
 streamed sources drawn by fraction, and what the summary and `llmtrain plan` say."""
 
-import subprocess
 from collections import Counter
 from itertools import islice
 
@@ -17,8 +16,8 @@ from llmtrain.mixture import Mix, Mixture, hold_out, split_and_mix, training_set
 from llmtrain.packing import PackedDataset, pack_sources
 from llmtrain.stream import StreamedRows
 
-from .conftest import ROOT, final_weights, recipe_args, rewind, run_recipe, train_rows
-from .test_plan import LLMTRAIN
+from .conftest import final_weights, recipe_args, rewind, run_recipe, train_rows
+from .test_plan import plan
 
 
 def epoch(mix: Mix, seed: int, e: int, shuffle: bool = True) -> list[int]:
@@ -198,22 +197,14 @@ def test_streamed_sources_are_drawn_in_proportion_to_their_fractions(tmp_path, t
 
 def test_plan_counts_rows_and_tokens_per_source_and_the_mixed_epoch(base_config, tiny_model, cache_env, tmp_path):
     a, b = write_sources(tmp_path)
-    proc = subprocess.run(
-        [
-            LLMTRAIN,
-            "plan",
-            "--config",
-            str(base_config),
-            f"model.name_or_path={tiny_model}",
-            f"data.train=[{{path: {a}, fraction: 0.5}}, {{path: {b}, fraction: 2}}]",
-            "data.eval_fraction=0.1",
-            "train.micro_batch_size=2",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    proc = plan(
+        "--config",
+        str(base_config),
+        f"model.name_or_path={tiny_model}",
+        f"data.train=[{{path: {a}, fraction: 0.5}}, {{path: {b}, fraction: 2}}]",
+        "data.eval_fraction=0.1",
+        "train.micro_batch_size=2",
         env=cache_env,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,13 +9,14 @@ from llmtrain.config import load_config
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.plan import Launch, count_params, memory_estimate
 
-from .conftest import ROOT
+from .conftest import ROOT, run_python
 
 LLMTRAIN = str(Path(sys.executable).parent / "llmtrain")
 
 
 def plan(*args, env=None):
-    return subprocess.run([LLMTRAIN, "plan", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    """`llmtrain plan *args`, the installed entry point, run by this Python."""
+    return run_python([sys.executable, LLMTRAIN, "plan", *args], dict(os.environ) if env is None else env, 300)
 
 
 def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model, chat_file, cache_env):
