@@ -223,7 +223,7 @@ def data_counts(setup: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
     cfg = DataConfig(max_seq_len=setup["seq"])
     rows = [json.loads(line) for line in Path(setup["data"]).read_text().splitlines()]
-    done = [process_pair(row, tokenizer, None, cfg) for row in rows]
+    done = [process_pair(row, tokenizer, cfg) for row in rows]
     bad = sorted({d["status"] for d in done if d["status"] != "ok"})
     if bad:
         raise RuntimeError(f"the benchmark's pairs must fit max length whole; found {bad}: raise TEMPLATE_ROOM")

@@ -26,13 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError, shown
+from .errors import AttentionError, shown
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-
-
-class AttentionError(UserError):
-    pass
 
 
 def layer_types(mcfg) -> list[str]:

@@ -13,15 +13,13 @@ import json
 import math
 import os
 import re
-import shutil
 import zlib
 from pathlib import Path
 
 from . import safefs
-from .errors import UserError, describe
+from .errors import CheckpointError, describe
 from .files import load_json
 from .state import TrainState
-from .throughput import full_numel
 
 STATE_FILE = "train_state.json"
 # Settings that fix what a step's data is: a resume that changes them would not continue
@@ -36,10 +34,6 @@ POSITION_KEYS = (
     "world_size",
     "global_batch",
 )
-
-
-class CheckpointError(UserError):
-    pass
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -269,42 +263,6 @@ def rng_readable(path: Path) -> bool:
     except Exception:  # any unpickling failure: a damaged file
         return False
     return isinstance(states, dict) and "torch_manual_seed" in states
-
-
-def check_writable(output_dir: str) -> None:
-    """Create output_dir and write and remove a file in it, so that an unwritable directory
-    stops the run at start-up rather than at its first checkpoint."""
-    try:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        safefs.new_temp(output_dir, ".llmtrain-write-test-").unlink()  # created exclusively: never a planted link
-    except OSError as e:
-        raise CheckpointError(
-            f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
-            "you can write to, or fix its permissions"
-        ) from None
-
-
-def output_bytes(model) -> dict[str, int]:
-    """Rough size on disk of one checkpoint and the export: the weights, and AdamW's two
-    moments per trainable parameter (in the parameter's dtype)."""
-    weights = optimizer = 0
-    for p in model.parameters():
-        n = full_numel(p) * p.element_size()
-        weights += n
-        optimizer += 2 * n if p.requires_grad else 0
-    return {"checkpoint": weights + optimizer, "export": weights}
-
-
-def check_free_space(output_dir: str, need: dict[str, int]) -> None:
-    """Refuse to start when output_dir cannot hold one checkpoint and the final export."""
-    free, total = shutil.disk_usage(output_dir).free, need["checkpoint"] + need["export"]
-    if free < total:
-        gib = 2**30
-        raise CheckpointError(
-            f"output_dir: {output_dir} has {free / gib:.2f} GiB free, but one checkpoint "
-            f"({need['checkpoint'] / gib:.2f} GiB) and the final export ({need['export'] / gib:.2f} GiB) need "
-            f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk"
-        )
 
 
 # How the global batch is split; with the same global batch a resume may change them (see

@@ -359,9 +359,10 @@ def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
 
 
 def chat_ids(
-    messages: list[dict], tokenizer, template: str | None, loss_on: str, train_from: int = 0, tools=None
+    messages: list[dict], tokenizer, loss_on: str, train_from: int = 0, tools=None
 ) -> tuple[list[int], list[int]]:
-    """Render messages (and `tools`, the row's tool definitions) with the chat template;
+    """Render messages (and `tools`, the row's tool definitions) with the tokenizer's chat
+    template (data.chat_template, where set, was put on the tokenizer when it was loaded);
     label the assistant turns from message `train_from` on by character span, except
     those marked `train: false`. Tool calls are part of their assistant turn.
 
@@ -373,9 +374,7 @@ def chat_ids(
     def render(msgs, gen=False, tools_=tools):
         try:
             with time_limit():
-                text = tokenizer.apply_chat_template(
-                    msgs, tools=tools_, chat_template=template, tokenize=False, add_generation_prompt=gen
-                )
+                text = tokenizer.apply_chat_template(msgs, tools=tools_, tokenize=False, add_generation_prompt=gen)
         except TemplateLimit:
             raise
         except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
@@ -498,7 +497,7 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
-def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> tuple[list[int], list[int]]:
+def tokenize_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
     """Return (input_ids, labels) before shifting; labels are IGNORE where no loss is taken."""
     check_line(row)
     if fmt == "auto":
@@ -525,18 +524,18 @@ def tokenize_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: Data
     if tools is not None and not isinstance(tools, list):
         raise RowError("'tools' must be a list of tool definitions")
     messages = to_messages(row, fmt, cfg.system_prompt)
-    return chat_ids(messages, tokenizer, template, cfg.loss_on, tools=tools or None)
+    return chat_ids(messages, tokenizer, cfg.loss_on, tools=tools or None)
 
 
 def shift(labels: list[int]) -> list[int]:
     return labels[1:] + [IGNORE]
 
 
-def process_row(row: dict, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> dict:
+def process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
     """One row -> {input_ids, labels (shifted), status}. status is 'ok', 'truncated', or a
     reason the row is dropped ('too long', 'no trained tokens', 'error: ...')."""
     try:
-        ids, labels = tokenize_row(row, fmt, tokenizer, template, cfg)
+        ids, labels = tokenize_row(row, fmt, tokenizer, cfg)
     except NothingToTrain as e:
         return _dropped(str(e))
     except RowError as e:
@@ -578,79 +577,24 @@ def _dropped(status: str) -> dict:
 # --- a whole split ---------------------------------------------------------------------------
 
 
-def resolve_chat_template(cfg: DataConfig) -> str | None:
-    """data.chat_template: the text of a template file, the template text itself (it has
-    `{`), or None for the tokenizer's own. Checked at start-up by `chat_template_problem`."""
-    t = cfg.chat_template
-    if t and "{" not in t:
-        return _read_template(Path(t).expanduser())
-    return t or None
-
-
-def _read_template(path: Path) -> str:
-    """A template file's text, read with a limit (one more character than a template may
-    have, for `chat_template_problem` to refuse)."""
-    with open(path, encoding="utf-8") as f:
-        return f.read(MAX_TEMPLATE_CHARS + 1)
-
-
-def chat_template_problem(cfg: DataConfig) -> str | None:
-    """Why data.chat_template cannot be used, or None: a path (no `{` in it) that is not a
-    readable UTF-8 file, or a template with a Jinja syntax error (with its line)."""
-    t = cfg.chat_template
-    if not t:
-        return None
-    where = "the template"
-    if "{" not in t:
-        path = Path(t).expanduser()
-        if not path.is_file():
-            what = f"{t} is not a file" if path.exists() else f"no such file: {t}"
-            return f"data.chat_template: {what}; give a Jinja template file, or the template text itself"
-        where = t
-        try:
-            t = _read_template(path)
-        except (OSError, UnicodeDecodeError) as e:
-            return f"data.chat_template: cannot read {where} ({describe(e)}); give a UTF-8 Jinja template file"
-    if len(t) > MAX_TEMPLATE_CHARS:
-        return (
-            f"data.chat_template: {where} is longer than {MAX_TEMPLATE_CHARS} characters; no chat template needs that"
-        )
-    import jinja2
-
-    install()  # the bounded sandbox (llmtrain.template), which also folds no huge constant while compiling
-    try:
-        # The environment transformers renders chat templates in (its own `generation`
-        # tag included); private, but a public check would accept templates it rejects.
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        _compile_jinja_template(t)
-    except jinja2.TemplateSyntaxError as e:
-        return f"data.chat_template: {where} line {e.lineno}: Jinja syntax error ({e.message}); fix the template"
-    return None
-
-
-def check_source(src: Source, tokenizer, template: str | None, cfg: DataConfig) -> None:
+def check_source(src: Source, tokenizer, cfg: DataConfig) -> None:
     """Set src.format from its columns; refuse chat rows with no chat template to render them."""
     src.format = detect_format(src.columns, cfg.format, src.name, src.key)
     conversational = any(set(REQUIRED[f]) <= set(src.columns) for f in ("chat", "sharegpt", "alpaca"))
-    own = tokenizer.chat_template if not template else None
+    own = tokenizer.chat_template  # a configured one was checked at start-up (config.validate)
     if isinstance(own, str) and len(own) > MAX_TEMPLATE_CHARS:
         raise DataError(
             f"{src.key}: {template_source('', tokenizer)} is longer than {MAX_TEMPLATE_CHARS} characters, which no "
             "chat template needs; set data.chat_template to another"
         )
-    if (
-        conversational
-        and src.format in ("auto", "chat", "sharegpt", "alpaca")
-        and not (template or tokenizer.chat_template)
-    ):
+    if conversational and src.format in ("auto", "chat", "sharegpt", "alpaca") and not tokenizer.chat_template:
         raise DataError(
             f"{src.key}: {src.name} has conversational rows but the tokenizer has no chat template; "
             "set data.chat_template to a Jinja template or a .jinja file"
         )
 
 
-def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg: DataConfig) -> str:
+def _fingerprint(source: Source, fmt: str, tokenizer, cfg: DataConfig) -> str:
     """A stable cache key, so every rank (and the next run) finds the tokenized rows that
     the main process wrote instead of tokenizing again."""
     tok = tokenizer.backend_tokenizer.to_str() if getattr(tokenizer, "is_fast", False) else repr(tokenizer)
@@ -658,7 +602,7 @@ def _fingerprint(source: Source, fmt: str, tokenizer, template: str | None, cfg:
     for part in (
         source.dataset._fingerprint,
         fmt,
-        template or str(tokenizer.chat_template),
+        str(tokenizer.chat_template),
         cfg.loss_on,
         str(cfg.max_seq_len),
         cfg.overlong,
@@ -677,16 +621,15 @@ def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
 
     Returns (datasets.Dataset with input_ids/labels, DataStats). Raises DataError for
     malformed rows, over-long rows under data.overlong=error, or a split left empty."""
-    template = resolve_chat_template(cfg)
 
     def check(src: Source) -> str:
-        check_source(src, tokenizer, template, cfg)
+        check_source(src, tokenizer, cfg)
         return src.format
 
     def process(src: Source, row: dict) -> dict:
-        return process_row(row, src.format, tokenizer, template, cfg)
+        return process_row(row, src.format, tokenizer, cfg)
 
-    ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
+    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
     if stats.kept == 0:
         raise DataError(f"{key}: no usable rows: {stats.summary(key)}; {stats.fixes()}")
     return ds, stats
@@ -701,7 +644,7 @@ def template_error(key: str, where: str, e: TemplateLimit, cfg: DataConfig, toke
     )
 
 
-def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None, cfg: DataConfig, check, process):
+def tokenize_sources(key: str, names: list[str], tokenizer, cfg: DataConfig, check, process):
     """The sources of one split, each loaded, checked (`check(src)` raises DataError or
     returns what the cache key adds for it), tokenized row by row (`process(src, row)`
     gives a dict with a status as process_row's, and n_trained), stopped at the first
@@ -725,7 +668,7 @@ def tokenize_sources(key: str, names: list[str], tokenizer, template: str | None
             tokenized,
             with_indices=True,
             remove_columns=[c for c in src.dataset.column_names if c != LINE],
-            new_fingerprint=_fingerprint(src, tag, tokenizer, template, cfg),
+            new_fingerprint=_fingerprint(src, tag, tokenizer, cfg),
             desc=f"tokenizing {Path(name).name}",
         )
         status = ds["status"]

@@ -1,9 +1,9 @@
 """User errors: what a user's config, data, model or environment got wrong.
 
-Every problem a user can fix is raised as a `UserError` (ConfigError, DataError,
-ModelError, CheckpointError, TrainingError). Its message has one line per problem, each
-naming the config key, and the file and line or row where there is one, then what is
-wrong and how to fix it; `cli.user_errors` prints each as `error: <line>` and exits 2.
+Every problem a user can fix is raised as one of the `UserError` subclasses defined here.
+Its message has one line per problem, each naming the config key, and the file and line
+or row where there is one, then what is wrong and how to fix it; `cli.user_errors`
+prints each as `error: <line>` and exits 2.
 A library's exception caused by the user's input is caught where that input is used and
 raised again as a UserError (`describe` gives its gist in one line). Any other exception
 is a bug and keeps its traceback.
@@ -19,8 +19,40 @@ class UserError(ValueError):
     """A problem in the user's input; one line per problem."""
 
 
+class ConfigError(UserError):
+    """Bad configuration. `problems` holds one line per problem, each naming its key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
 class DataError(UserError):
     """Bad data: the message names the config key, the file and the line or row."""
+
+
+class ModelError(UserError):
+    """A model, tokenizer or reference that cannot be loaded or used as configured."""
+
+
+class AttentionError(UserError):
+    """An attention backend the model, the device or packed rows cannot use."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint or output directory that cannot be written, read or resumed from."""
+
+
+class TrainingError(UserError):
+    """Training cannot go on; the message says what happened and what to try."""
+
+
+class LinkError(UserError):
+    """A link where llmtrain writes, which it will not write through."""
+
+
+class CacheError(UserError):
+    """A cache directory that cannot be used; names the variable that chose it."""
 
 
 def describe(e: BaseException) -> str:

@@ -10,7 +10,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from . import safefs
-from .checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, publish, write_failed
+from .checkpoint import STATE_FILE, complete_checkpoints, publish, write_failed
+from .errors import CheckpointError
 from .model import hub_kwargs, is_quantized, whole_models
 
 
@@ -276,7 +277,7 @@ def _merged_copy(peft_model):
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_template: str | None) -> list[str]:
+def sample(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy answers to user messages, through the chat template when there is one.
     Runs on one process with a whole model: generate must not wait on the other ranks."""
     was_training = model.training
@@ -284,10 +285,9 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, chat_templ
     device = next(model.parameters()).device
     answers = []
     for prompt in prompts:
-        if chat_template or tokenizer.chat_template:
+        if tokenizer.chat_template:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}],
-                chat_template=chat_template,
                 tokenize=False,
                 add_generation_prompt=True,
             )

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from accelerate.utils import DistributedType, parse_flag_from_env
 
-from .config import Config, ConfigError
-from .errors import UserError
+from .config import Config
+from .errors import ConfigError, UserError
 from .metrics import tracker_name
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import DataConfig, DataSource
-from .data import DataError, as_list
+from .data import as_list
+from .errors import DataError
 
 
 def sources(value) -> list[DataSource]:

@@ -13,13 +13,9 @@ import torch
 from .attention import Attention
 from .attention import choose as choose_attention
 from .config import ModelConfig
-from .errors import UserError, describe, shown, warn
+from .errors import ModelError, describe, shown, warn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-
-
-class ModelError(UserError):
-    pass
 
 
 def hub_kwargs(cfg: ModelConfig) -> dict:
@@ -234,7 +230,7 @@ def model_class(cfg: ModelConfig, mcfg) -> type:
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     """The model's (fast) tokenizer; `chat_template` (data.chat_template, resolved by
-    data.resolve_chat_template) replaces its own, and is exported with the model."""
+    DataConfig.chat_template_text) replaces its own, and is exported with the model."""
     from transformers import AutoTokenizer
 
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .batches import Collator
+from .build import DataKind
 from .config import DataConfig
 from .data import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, check_line, message, shift
 from .packing import join_rows, pack_sources
@@ -62,7 +63,7 @@ def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[d
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def _answer_ids(prompt, answer, tokenizer, template: str | None, tools=None) -> tuple[list[int], list[int], int]:
+def _answer_ids(prompt, answer, tokenizer, tools=None) -> tuple[list[int], list[int], int]:
     """(input_ids, labels before shifting, prompt length in tokens) of one answer."""
     if isinstance(prompt, str):
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -70,7 +71,7 @@ def _answer_ids(prompt, answer, tokenizer, template: str | None, tools=None) -> 
         return p + a, [IGNORE] * len(p) + a, len(p)
     if not answer or not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in answer):
         return [], [], 0
-    ids, labels = chat_ids(prompt + answer, tokenizer, template, "assistant", train_from=len(prompt), tools=tools)
+    ids, labels = chat_ids(prompt + answer, tokenizer, "assistant", train_from=len(prompt), tools=tools)
     first = next(i for i, t in enumerate(labels) if t != IGNORE)
     return ids, labels, first
 
@@ -80,13 +81,13 @@ def _fit(ids: list[int], labels: list[int], cut: int, width: int) -> tuple[list[
     return ids[:width], labels[:width]
 
 
-def process_pair(row: dict, tokenizer, template: str | None, cfg: DataConfig) -> dict:
+def process_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
     """One row -> {chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels
     (shifted), length, status}; status as for data.process_row ('ok', 'truncated', or why
     the pair is dropped, 'error: ...' for a malformed row)."""
     try:
         prompt, chosen, rejected = pair_messages(row)
-        if isinstance(prompt, str) and (template or tokenizer.chat_template):
+        if isinstance(prompt, str) and tokenizer.chat_template:
             prompt = [{"role": "user", "content": prompt}]
             chosen, rejected = ([{"role": "assistant", "content": a}] for a in (chosen, rejected))
         if chosen == rejected:
@@ -96,7 +97,7 @@ def process_pair(row: dict, tokenizer, template: str | None, cfg: DataConfig) ->
         tools = row.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise RowError("'tools' must be a list of tool definitions")
-        (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, template, tools) for a in (chosen, rejected))
+        (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, tools) for a in (chosen, rejected))
     except NothingToTrain as e:
         return _dropped(str(e))
     except RowError as e:
@@ -143,9 +144,8 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
     data.prepare_split does for SFT rows. Returns (datasets.Dataset, DataStats); raises
     DataError naming the file and line for a malformed row, an over-long one under
     data.overlong=error, or a split left with no pair."""
-    from .data import DataError, resolve_chat_template, tokenize_sources
-
-    template = resolve_chat_template(cfg)
+    from .data import tokenize_sources
+    from .errors import DataError
 
     def check(src) -> str:
         if not {"chosen", "rejected"} <= set(src.columns):
@@ -157,39 +157,12 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
         return "pairs-v3"
 
     def process(src, row: dict) -> dict:
-        return process_pair(row, tokenizer, template, cfg)
+        return process_pair(row, tokenizer, cfg)
 
-    ds, stats = tokenize_sources(key, names, tokenizer, template, cfg, check, process)
+    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
     if stats.kept == 0:
         raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; {stats.fixes(pairs=True)}")
     return ds, stats
-
-
-def build_pair_datasets(cfg, accelerator, tokenizer):
-    """Tokenize the train and eval pairs once (main process first; the others read its
-    cache), hold out data.eval_fraction and take sources by their fractions as
-    train.build_datasets does, number the pairs (`pair_index`: train 0..n-1, eval after),
-    and pack them if asked. Returns (train_set, eval_set or None)."""
-    from .launch import main_first
-    from .mixture import names, packer, split_and_mix, training_set
-
-    with main_first(accelerator):
-        rows, stats = prepare_pairs("data.train", names(cfg.data.train), tokenizer, cfg.data)
-        rows, mix, eval_set, lines = split_and_mix(cfg, rows, stats, tokenizer, prepare_pairs, "pairs")
-        for line in lines:
-            accelerator.print(line)
-        rows = rows.add_column("pair_index", list(range(len(rows))))
-        width = 2 * cfg.data.max_seq_len  # every pair fits
-
-        def pack(key):
-            return packer(PackedPairs, width, key, "pairs", accelerator.print)
-
-        train_set = training_set(rows, mix, pack("data.train") if cfg.data.packing else None, "pairs")
-        if eval_set is not None:
-            eval_set = eval_set.add_column("pair_index", list(range(len(rows), len(rows) + len(eval_set))))
-            if cfg.data.packing:
-                eval_set = pack("data.eval")(eval_set, None)
-    return train_set, eval_set
 
 
 class PackedPairs(torch.utils.data.Dataset):
@@ -261,3 +234,11 @@ class PairCollator:
             "answers": torch.full_like(batch["input_ids"], -1),
             "pair_index": torch.zeros(0, dtype=torch.long),
         }
+
+
+# Preference pairs for the one builder (build.build_datasets): whole pairs pack into
+# sequences of twice data.max_seq_len, so every pair fits, and each pair is numbered
+# (`pair_index`) for the reference log-probs computed once before training.
+PAIRS = DataKind(
+    prepare_pairs, PackedPairs, 2, "pairs", ("pairs", "packed sequences of whole pairs"), index="pair_index"
+)

@@ -23,10 +23,12 @@ import yaml
 
 from . import demo
 from .batches import EpochSampler
+from .build import ROWS
 from .cli import user_errors
-from .config import MAX_CONFIG_BYTES, BoundedLoader, Config, ConfigError, DPOConfig, load_config, to_yaml
-from .data import IGNORE, DataError, prepare_split, resolve_chat_template
-from .errors import describe
+from .config import Config, DPOConfig, load_config, to_yaml
+from .config.load import MAX_CONFIG_BYTES, BoundedLoader
+from .data import IGNORE
+from .errors import ConfigError, DataError, describe
 from .files import read_own
 from .mixture import names, packer, sources, split_and_mix, training_set
 from .model import (
@@ -38,8 +40,7 @@ from .model import (
     load_tokenizer,
     meta_model,
 )
-from .packing import PackedDataset
-from .pairs import PackedPairs, prepare_pairs
+from .pairs import PAIRS
 from .reference import check_reference
 from .stream import StreamedRows
 
@@ -281,20 +282,18 @@ def plan(argv: list[str]) -> None:
     demo.resolve_demo_names(cfg)
 
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
-    template = resolve_chat_template(cfg.data)
-    tokenizer = load_tokenizer(cfg.model, template)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
     check_vocab(cfg.model, mcfg, tokenizer)
     if dpo:
         check_reference(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    prepare = prepare_pairs if dpo else prepare_split
+    kind = PAIRS if dpo else ROWS
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
             "data.train",
             sources(cfg.data.train),
             tokenizer,
-            template,
             dataclasses.replace(cfg.data, shuffle=False),
             t.seed,
             0,
@@ -311,13 +310,14 @@ def plan(argv: list[str]) -> None:
         data_lines.append(f"streamed; the first rows read: {stream.stats.summary('data.train')}")
         data_lines += stream.source_lines()
         if names(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
-            data_lines.append(prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)[1].summary("data.eval"))
+            data_lines.append(
+                kind.prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)[1].summary("data.eval")
+            )
     else:
-        ds, stats = prepare("data.train", names(cfg.data.train), tokenizer, cfg.data)
-        ds, mix, _, data_lines = split_and_mix(cfg, ds, stats, tokenizer, prepare, "pairs" if dpo else "rows")
+        ds, stats = kind.prepare("data.train", names(cfg.data.train), tokenizer, cfg.data)
+        ds, mix, _, data_lines = split_and_mix(cfg, ds, stats, tokenizer, kind.prepare, kind.unit)
         lengths = ds["length"]
-        width = cfg.data.max_seq_len * (2 if dpo else 1)  # whole pairs pack into rows of twice the length
-        pack = packer(PackedPairs if dpo else PackedDataset, width, "", "", lambda line: None)
+        pack = packer(kind.packed, kind.width * cfg.data.max_seq_len, "", "", lambda line: None)
         examples = training_set(ds, mix, pack if cfg.data.packing else None)
         sampler = EpochSampler(len(examples), t.seed, mix=getattr(examples, "mix", None))
         steps_per_epoch = t.steps_per_epoch(len(sampler), world)
@@ -325,10 +325,8 @@ def plan(argv: list[str]) -> None:
     total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
-    tokens_per_seq = cfg.data.max_seq_len * (2 if dpo else 1) if cfg.data.packing else mean_len
-    items = "sequences"
-    if dpo:
-        items = "packed sequences of whole pairs" if cfg.data.packing else "pairs"
+    tokens_per_seq = cfg.data.max_seq_len * kind.width if cfg.data.packing else mean_len
+    items = kind.batched[cfg.data.packing]
     memory = memory_estimate(cfg, launch, *counts)
 
     print("== resolved config ==")
@@ -355,7 +353,7 @@ def plan(argv: list[str]) -> None:
     print(
         f"  global batch: {global_seqs} {items} = micro_batch_size {t.micro_batch_size} x grad_accum_steps "
         f"{t.grad_accum_steps} x {world} process(es), about {global_seqs * tokens_per_seq:,.0f} tokens"
-        + (" (packed)" if cfg.data.packing else f" (mean {'pair' if dpo else 'row'} {mean_len:.0f} tokens)")
+        + (" (packed)" if cfg.data.packing else f" (mean {kind.unit[:-1]} {mean_len:.0f} tokens)")
     )
     for line in data_lines:
         print(f"  {line}")

@@ -3,7 +3,7 @@ directory, find where to resume, prepare the data, set up and train, write final
 print samples. A recipe supplies only what is its own (`Recipe`): its config tree, its
 data and its objective.
 
-    RECIPE = Recipe(Config, DEFAULT_CONFIG, "Fine-tune ...", build_datasets, sft_parts, "finetune")
+    RECIPE = Recipe(Config, DEFAULT_CONFIG, "Fine-tune ...", ROWS, sft_parts, "finetune")
     def main(argv=None):
         run(RECIPE, argv)
 """
@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import checkpoint, demo, rundir, safefs
+from . import demo, rundir, safefs
+from .build import DataKind, build_datasets
 from .cli import parse_args
 from .config import to_yaml
-from .data import resolve_chat_template
-from .errors import warn
 from .export import model_for_sampling, sample, save_final
 from .launch import main_first, setup_accelerator
 from .metrics import describe_run, plot_losses
@@ -48,7 +47,7 @@ class Recipe:
     schema: type  # the config tree (config.Config or an extension of it)
     default_config: Path  # the offline demo's YAML, used when no --config is given
     description: str
-    datasets: Callable  # (cfg, accelerator, tokenizer) -> (train set, eval set or None)
+    data: DataKind  # what its examples are (build.ROWS, pairs.PAIRS): build.build_datasets makes them
     parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
     # What the run trains for ('finetune', 'dpo'): an output_dir holds one recipe's run,
     # recorded with its data's fingerprint (rundir.identity) and checked on every rerun.
@@ -69,31 +68,19 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     attention = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device)
     cfg.model.attn_implementation = attention.name
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
-    checkpoint.check_writable(cfg.output_dir)
-    safefs.check_output_dir(cfg.output_dir)  # no planted link where the run will write
-    rundir.lock(cfg.output_dir, accelerator)  # one run per output_dir, until this process ends
-    identity = rundir.identity(recipe.name, cfg)  # the recipe and the training files' content
-    rundir.check_same_run(cfg.output_dir, identity)
-    if (step := rundir.already_finished(cfg)) is not None:
-        accelerator.print(f"{cfg.output_dir} already finished at step {step} with these settings; final/ is up to date")
+    start = rundir.prepare(cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg)))
+    if start.finished_at is not None:
+        accelerator.print(
+            f"{cfg.output_dir} already finished at step {start.finished_at} with these settings; final/ is up to date"
+        )
         return
-    checkpoint.check_free_space(cfg.output_dir, checkpoint.output_bytes(meta_model(cfg.model, mcfg)))
-    if accelerator.is_main_process:
-        checkpoint.clean_leftovers(cfg.output_dir)  # what a killed run left half written or half deleted
-    accelerator.wait_for_everyone()
-    resume_from = checkpoint.find_resume(
-        cfg.output_dir, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
-    )
-    rundir.check_rerun(cfg, resume_from)
-    rundir.check_same_run(cfg.output_dir, identity, resume_from)
-    if resume_from is not None:
-        rundir.warn_changes(resume_from, cfg)
+    resume_from, identity = start.resume_from, start.identity
 
-    tokenizer = load_tokenizer(cfg.model, resolve_chat_template(cfg.data))
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
     check_vocab(cfg.model, mcfg, tokenizer)
     if recipe.check is not None:
         recipe.check(cfg, tokenizer)
-    train_set, eval_set = recipe.datasets(cfg, accelerator, tokenizer)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, recipe.data)
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model)
@@ -138,7 +125,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         prompts = cfg.eval.sample_prompts
         if prompts:
             model = model_for_sampling(accelerator, run.model, final, cfg.model)
-            answers = sample(model, tokenizer, prompts, cfg.eval.sample_max_new_tokens, None)
+            answers = sample(model, tokenizer, prompts, cfg.eval.sample_max_new_tokens)
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")
     accelerator.end_training()  # closes trackers and the process group: last

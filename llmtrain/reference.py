@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from . import safefs
-from .errors import describe
+from .errors import ModelError, describe
 from .files import content_hash
-from .model import ModelError, hub_kwargs, ids_past
+from .model import hub_kwargs, ids_past
 from .window import Outcome, draw_window
 
 CACHE = "reference_logps.pt"

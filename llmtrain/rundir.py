@@ -16,16 +16,94 @@ overwriting it.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import safefs
-from .checkpoint import STATE_FILE, CheckpointError, checkpoint_root, complete_checkpoints
-from .errors import shown, warn
+from . import checkpoint, safefs
+from .checkpoint import STATE_FILE, checkpoint_root, complete_checkpoints
+from .errors import CheckpointError, shown, warn
 from .files import load_json, read_own
+from .throughput import full_numel
 
 LOCK_FILE = ".llmtrain.lock"
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts in its output directory (`prepare`)."""
+
+    identity: dict  # the recipe and the training files' content (`identity`), recorded with the run
+    resume_from: Path | None = None  # the checkpoint to continue from; None: from the start
+    finished_at: int | None = None  # the step a finished run with these settings ended at: nothing to do
+
+
+def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
+    """Take output_dir for this run, on every process alike, and say where it starts:
+    output_dir must be writable and hold no planted link; the run locks it; the
+    directory must hold this recipe's run on this data, or none; a finished run with
+    these settings is left as it is; otherwise the disk must hold `need` (one checkpoint
+    and the export, `output_bytes`), what a killed run left half done is finished, and the
+    checkpoint to resume from (checkpoint.resume) is found and checked against this
+    run's settings."""
+    out = cfg.output_dir
+    check_writable(out)
+    safefs.check_output_dir(out)  # no planted link where the run will write
+    lock(out, accelerator)  # one run per output_dir, until this process ends
+    ident = identity(recipe, cfg)
+    check_same_run(out, ident)
+    if (step := already_finished(cfg)) is not None:
+        return Start(ident, finished_at=step)
+    check_free_space(out, need)
+    if accelerator.is_main_process:
+        checkpoint.clean_leftovers(out)  # what a killed run left half written or half deleted
+    accelerator.wait_for_everyone()
+    resume_from = checkpoint.find_resume(
+        out, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
+    )
+    check_rerun(cfg, resume_from)
+    check_same_run(out, ident, resume_from)
+    if resume_from is not None:
+        warn_changes(resume_from, cfg)
+    return Start(ident, resume_from)
+
+
+def check_writable(output_dir: str) -> None:
+    """Create output_dir and write and remove a file in it, so that an unwritable directory
+    stops the run at start-up rather than at its first checkpoint."""
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        safefs.new_temp(output_dir, ".llmtrain-write-test-").unlink()  # created exclusively: never a planted link
+    except OSError as e:
+        raise CheckpointError(
+            f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
+            "you can write to, or fix its permissions"
+        ) from None
+
+
+def output_bytes(model) -> dict[str, int]:
+    """Rough size on disk of one checkpoint and the export: the weights, and AdamW's two
+    moments per trainable parameter (in the parameter's dtype)."""
+    weights = optimizer = 0
+    for p in model.parameters():
+        n = full_numel(p) * p.element_size()
+        weights += n
+        optimizer += 2 * n if p.requires_grad else 0
+    return {"checkpoint": weights + optimizer, "export": weights}
+
+
+def check_free_space(output_dir: str, need: dict[str, int]) -> None:
+    """Refuse to start when output_dir cannot hold one checkpoint and the final export."""
+    free, total = shutil.disk_usage(output_dir).free, need["checkpoint"] + need["export"]
+    if free < total:
+        gib = 2**30
+        raise CheckpointError(
+            f"output_dir: {output_dir} has {free / gib:.2f} GiB free, but one checkpoint "
+            f"({need['checkpoint'] / gib:.2f} GiB) and the final export ({need['export'] / gib:.2f} GiB) need "
+            f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk"
+        )
 
 
 _HELD: dict[str, object] = {}  # output_dir -> the open lock file, for the life of the process
@@ -113,7 +191,7 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
     config a checkpoint or export was written with."""
     import yaml
 
-    from .config import BoundedLoader, as_dict
+    from .config.load import BoundedLoader, as_dict
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}

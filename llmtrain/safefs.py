@@ -26,12 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
-
-
-class LinkError(UserError):
-    pass
-
+from .errors import CacheError, LinkError
 
 # What llmtrain writes, creates or removes directly under output_dir.
 OUTPUT_NAMES = (
@@ -153,10 +148,6 @@ def opened(path: str | Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o777 & ~umask)
-
-
-class CacheError(UserError):
-    pass
 
 
 def _unusable(path: Path) -> str | None:

@@ -1,13 +1,34 @@
 """Where a run stands: one object that the loop updates after every optimizer step and
 that checkpoints save and load whole (as train_state.json), so a resumed run continues
-exactly where the saved one was."""
+exactly where the saved one was; and what a step's outcome is (StepResult, and Skip: why
+no update was taken), which the step returns and the state, the loop and the log read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from .spike import SpikeGuard
-from .step import Skip, StepResult
+
+
+class Skip(Enum):
+    NONFINITE = "the loss or gradient norm was not finite"
+    SPIKE = "the loss spiked (train.spike_factor)"
+    OVERFLOW = "fp16 gradient overflow"
+    POISONED = "the update made weights non-finite"
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's summed loss / its count
+    grad_norm: float  # before clipping; nan where the backend gives none
+    count: int  # the objective's units in the global batch (trained tokens for SFT)
+    lr: float
+    seconds: float  # from the start of drawing the window to the end of the step
+    data_wait: float  # of which this process waited for its batches
+    skip: Skip | None = None  # why no update was taken; None if it was
+    reason: str = ""  # the skip, in words for the log
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own, means over the count
 
 
 @dataclass

@@ -12,37 +12,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 
+from .state import Skip, StepResult, TrainState
+
 if TYPE_CHECKING:
     from .backend import Backend
     from .objective import Objective
-    from .state import TrainState
     from .window import Window
-
-
-class Skip(Enum):
-    NONFINITE = "the loss or gradient norm was not finite"
-    SPIKE = "the loss spiked (train.spike_factor)"
-    OVERFLOW = "fp16 gradient overflow"
-    POISONED = "the update made weights non-finite"
-
-
-@dataclass
-class StepResult:
-    loss: float  # the global batch's summed loss / its count
-    grad_norm: float  # before clipping; nan where the backend gives none
-    count: int  # the objective's units in the global batch (trained tokens for SFT)
-    lr: float
-    seconds: float  # from the start of drawing the window to the end of the step
-    data_wait: float  # of which this process waited for its batches
-    skip: Skip | None = None  # why no update was taken; None if it was
-    reason: str = ""  # the skip, in words for the log
-    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own, means over the count
 
 
 def train_step(

@@ -26,7 +26,6 @@ import torch
 from .config import DataConfig, DataSource
 from .data import (
     KEPT,
-    DataError,
     DataStats,
     Source,
     check_source,
@@ -35,7 +34,7 @@ from .data import (
     row_problem,
     template_error,
 )
-from .errors import describe
+from .errors import DataError, describe
 from .files import user_cause
 from .mixture import sources
 from .packing import join_rows
@@ -53,7 +52,6 @@ class StreamedRows(torch.utils.data.IterableDataset):
         key: str,
         entries: list[str | DataSource],  # data.train's entries
         tokenizer,
-        template: str | None,
         cfg: DataConfig,
         seed: int,
         rank: int,
@@ -62,7 +60,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
     ):
         from datasets.distributed import split_dataset_by_node
 
-        self.key, self.tokenizer, self.template, self.cfg, self.rank = key, tokenizer, template, cfg, rank
+        self.key, self.tokenizer, self.cfg, self.rank = key, tokenizer, cfg, rank
         self.report = report
         self.seed, self.epoch = seed, 0
         self.entries = entries = sources(entries)
@@ -70,7 +68,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         for entry in entries:
             src = load_source(entry.path, key, streaming=True)
             src.columns = src.columns or list(self._first_row(src))  # a hub stream may not know its columns
-            check_source(src, tokenizer, template, cfg)
+            check_source(src, tokenizer, cfg)
             # A local text file's rows carry their line; others get their index in the source,
             # taken before shuffling and splitting, to name them in errors.
             ds = src.dataset if src.raw else src.dataset.map(lambda row, i: {"__row": i}, with_indices=True)
@@ -121,7 +119,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.per_source = [[0, 0, 0] for _ in self.streams]  # rows read, kept, trained tokens
         for i, src, row in self._turns():
             try:
-                out = process_row(src.parse(row), src.format, self.tokenizer, self.template, cfg)
+                out = process_row(src.parse(row), src.format, self.tokenizer, cfg)
             except TemplateLimit as e:
                 raise template_error(self.key, self._where(src, row), e, cfg, self.tokenizer) from None
             if problem := row_problem(out["status"], cfg):

@@ -20,22 +20,18 @@ from accelerate.utils import gather_object, send_to_device
 from . import checkpoint
 from .backend import Backend
 from .batches import Collator, TrainBatches, make_loader
-from .checkpoint import CheckpointError
-from .config import Config, flat_dict, to_yaml
-from .data import DataError, prepare_split, resolve_chat_template
-from .errors import UserError, warn
+from .config import Config, to_yaml
+from .config.load import flat_dict
+from .errors import CheckpointError, DataError, TrainingError, warn
 from .evaluate import evaluate
-from .launch import main_first
 from .metrics import MetricsLog, tracker_name
-from .mixture import names, packer, sources, split_and_mix, training_set
 from .model import compile_blocks, pad_id
 from .objective import Objective
 from .optim import build_optimizer, learning_rate
-from .packing import PackedDataset
 from .profiler import StepProfiler
 from .spike import SpikeGuard
-from .state import TrainState
-from .step import Skip, StepResult, train_step
+from .state import Skip, StepResult, TrainState
+from .step import train_step
 from .stop import StopRequest
 from .stream import StreamedRows
 from .throughput import StepMeter, peak_memory_gib
@@ -44,49 +40,6 @@ from .window import Outcome, Window, draw_window
 
 # Fields of the metrics rows the loop writes itself (an objective's metrics join them).
 ROW_KEYS = set("step epoch loss lr grad_norm input_tokens_per_s data_wait peak_mem_gib mfu eval_loss skipped".split())  # noqa: SIM905
-
-
-class TrainingError(UserError):
-    """Training cannot go on; the message says what happened and what to try."""
-
-
-def build_datasets(cfg: Config, accelerator, tokenizer):
-    """Tokenize train/eval once (main process first; the others read its cache), hold out
-    data.eval_fraction, take sources by their fractions (mixture) and pack if asked; with
-    data.streaming, data.train is a StreamedRows read during training.
-    Returns (train_set, eval_set or None)."""
-    data = cfg.data
-    with main_first(accelerator):
-        if data.streaming:
-            entries = sources(data.train)
-            train_set = StreamedRows(
-                "data.train",
-                entries,
-                tokenizer,
-                resolve_chat_template(data),
-                data,
-                cfg.train.seed,
-                accelerator.process_index,
-                accelerator.num_processes,
-            )
-            accelerator.print(
-                f"data.train: streaming {len(entries)} source(s); rows are tokenized"
-                f"{' and packed' if data.packing else ''} as they are read"
-            )
-            eval_set = None
-            if names(data.eval):
-                eval_set, stats = prepare_split("data.eval", names(data.eval), tokenizer, data)
-                accelerator.print(stats.summary("data.eval"))
-        else:
-            rows, stats = prepare_split("data.train", names(data.train), tokenizer, data)
-            rows, mix, eval_set, lines = split_and_mix(cfg, rows, stats, tokenizer, prepare_split)
-            for line in lines:
-                accelerator.print(line)
-            pack = packer(PackedDataset, data.max_seq_len, "data.train", "rows", accelerator.print)
-            train_set = training_set(rows, mix, pack if data.packing else None)
-        if eval_set is not None and data.packing:
-            eval_set = packer(PackedDataset, data.max_seq_len, "data.eval", "rows", accelerator.print)(eval_set, None)
-    return train_set, eval_set
 
 
 def check_metric_names(objective: Objective) -> None:

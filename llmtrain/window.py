@@ -20,7 +20,7 @@ from itertools import islice
 
 import torch
 
-from .data import DataError
+from .errors import DataError
 from .throughput import document_sizes
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from llmtrain.cli import run_cli
 from llmtrain.config import DPOConfig
 from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id
-from llmtrain.pairs import PairCollator, build_pair_datasets
+from llmtrain.pairs import PAIRS, PairCollator
 from llmtrain.preference import PreferenceLoss
 from llmtrain.recipe import Parts, Recipe, run
 from llmtrain.reference import ReferencePass, check_reference
@@ -54,7 +54,7 @@ RECIPE = Recipe(
     schema=DPOConfig,
     default_config=Path(__file__).parent / "configs" / "dpo_demo.yaml",
     description=__doc__.splitlines()[0],
-    datasets=build_pair_datasets,
+    data=PAIRS,
     parts=dpo_parts,
     name="dpo",
     check=check_reference,

@@ -14,11 +14,11 @@ after a complete checkpoint; run the same command again to continue.
 import sys
 from pathlib import Path
 
+from llmtrain.build import ROWS
 from llmtrain.cli import run_cli
 from llmtrain.config import Config
 from llmtrain.objective import TokenLoss
 from llmtrain.recipe import Parts, Recipe, run
-from llmtrain.train import build_datasets
 
 
 def sft_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
@@ -30,7 +30,7 @@ RECIPE = Recipe(
     schema=Config,
     default_config=Path(__file__).parent / "configs" / "demo.yaml",
     description=__doc__.splitlines()[0],
-    datasets=build_datasets,
+    data=ROWS,
     parts=sft_parts,
     name="finetune",
 )

@@ -362,3 +362,13 @@ def final_weights(directory: Path) -> dict:
         weights |= load_file(directory / shard)
     assert weights.keys() == weight_map.keys()
     return weights
+
+
+def templated(tokenizer, template: str):
+    """A copy of `tokenizer` carrying `template`: what model.load_tokenizer gives for a run
+    with data.chat_template set (the data code reads the template from the tokenizer)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok

@@ -25,7 +25,7 @@ from .conftest import packed_samples
 def examples(tokenizer):
     import datasets
 
-    rows = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(10, seed=11)]
+    rows = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(10, seed=11)]
     return datasets.Dataset.from_list(rows)
 
 

@@ -4,7 +4,8 @@ device cannot run. (Packed masks per architecture: tests/test_architectures.py.)
 import pytest
 import torch
 
-from llmtrain.attention import AttentionError, choose, describe_pattern, layer_types
+from llmtrain.attention import choose, describe_pattern, layer_types
+from llmtrain.errors import AttentionError
 
 
 def llama():

@@ -32,7 +32,7 @@ def test_trained_tokens_match_the_assistant_mask(tokenizer):
     tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     tok.chat_template = bench.TEMPLATE
     for row in bench.make_rows(20, seed=1, seq=256):
-        ours = process_row(row, "chat", tok, None, DataConfig(max_seq_len=10_000))
+        ours = process_row(row, "chat", tok, DataConfig(max_seq_len=10_000))
         theirs = tok.apply_chat_template(
             row["messages"], return_dict=True, return_assistant_tokens_mask=True, tokenize=True
         )
@@ -65,7 +65,7 @@ def test_dpo_pairs_train_the_tokens_trl_trains(tokenizer):
     theirs = DPOTrainer._prepare_dataset(trainer, datasets.Dataset.from_list(rows), tokenizer, args, "train")
     assert len(theirs) == len(rows)
     for row, trl_row in zip(rows, theirs):
-        ours = process_pair(row, tokenizer, None, DataConfig(max_seq_len=256))
+        ours = process_pair(row, tokenizer, DataConfig(max_seq_len=256))
         assert ours["status"] == "ok"
         prompt = len(trl_row["prompt_ids"])
         for side in ("chosen", "rejected"):
@@ -79,9 +79,7 @@ def test_dpo_pairs_spread_and_fit_the_max_length(tokenizer):
     """Lengths with a long tail and answers of their own lengths, and no pair over the
     maximum length (the two systems would truncate it differently)."""
     for seq in (256, 512):
-        done = [
-            process_pair(r, tokenizer, None, DataConfig(max_seq_len=seq)) for r in dpo_bench.make_pairs(200, 0, seq)
-        ]
+        done = [process_pair(r, tokenizer, DataConfig(max_seq_len=seq)) for r in dpo_bench.make_pairs(200, 0, seq)]
         assert {d["status"] for d in done} == {"ok"}
         longest = sorted(max(len(d["chosen_input_ids"]), len(d["rejected_input_ids"])) for d in done)
         assert longest[-1] <= seq and longest[190] > 1.5 * longest[100]  # a long tail

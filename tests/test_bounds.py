@@ -10,12 +10,14 @@ import time
 
 import pytest
 
-from llmtrain import config as config_module
 from llmtrain import files
-from llmtrain.config import ConfigError, DataConfig, load_config, parse_override
-from llmtrain.data import DataError, prepare_split, process_row
+from llmtrain.config import DataConfig, load_config
+from llmtrain.config import load as config_load
+from llmtrain.config.load import parse_override
+from llmtrain.data import prepare_split, process_row
+from llmtrain.errors import ConfigError, DataError
 
-from .conftest import ROOT  # noqa: F401
+from .conftest import ROOT, templated  # noqa: F401
 
 
 def one_line(e: pytest.ExceptionInfo, longest: int = 600) -> str:
@@ -87,7 +89,7 @@ def test_an_alias_inside_its_own_value_is_refused(tmp_path):
 
 
 def test_an_oversized_config_file_is_not_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(config_module, "MAX_CONFIG_BYTES", 1000)
+    monkeypatch.setattr(config_load, "MAX_CONFIG_BYTES", 1000)
     path = tmp_path / "big.yaml"
     path.write_text("output_dir: o\n" + "# padding\n" * 200)
     with pytest.raises(ConfigError) as e:
@@ -167,7 +169,7 @@ def test_a_json_array_past_its_bound_is_not_read(tmp_path, monkeypatch):
 
 
 def test_a_malformed_row_is_quoted_short(tokenizer):
-    out = process_row({"messages": [{"role": "x" * 1_000_000}]}, "chat", tokenizer, None, DataConfig())
+    out = process_row({"messages": [{"role": "x" * 1_000_000}]}, "chat", tokenizer, DataConfig())
     assert out["status"].startswith("error: messages[0]: needs a 'role'") and len(out["status"]) < 600
 
 
@@ -200,7 +202,7 @@ def test_a_template_building_a_huge_text_stops_the_run(tmp_path, monkeypatch, to
     cfg = DataConfig(train=path, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}" + body)
     cfg.bad_rows = "skip"  # the template is at fault, not the row: it stops the run anyway
     with pytest.raises(DataError, match=why) as e:
-        prepare_split("data.train", [path], tokenizer, cfg)
+        prepare_split("data.train", [path], templated(tokenizer, cfg.chat_template_text()), cfg)
     assert one_line(e).startswith(f"data.train: {path} line 1: data.chat_template ")
     assert str(e.value).endswith(
         "on this row, past the bounds on rendering; fix the template, or set data.chat_template to another"
@@ -231,17 +233,17 @@ def test_a_streamed_row_past_a_template_bound_stops_the_stream_naming_it(tmp_pat
     body = "{% for m in messages %}{{ m.content * 10**6 }}{% endfor %}"  # 'hi' a million times: 2 million characters
     cfg = DataConfig(train=path, chat_template=body, shuffle=False, bad_rows="skip")
     with pytest.raises(DataError) as e:
-        list(StreamedRows("data.train", [path], tokenizer, body, cfg, seed=7, rank=0, world=1))
+        list(StreamedRows("data.train", [path], templated(tokenizer, body), cfg, seed=7, rank=0, world=1))
     assert one_line(e).startswith(f"data.train: {path} line 1: data.chat_template builds a text of more than 1000000")
 
 
 def test_a_huge_constant_is_not_folded_while_the_template_compiles():
-    from llmtrain.data import chat_template_problem
+    from llmtrain.config.validate import chat_template_problem
     from llmtrain.template import MAX_RENDERED
 
     started = time.monotonic()  # Jinja folds constants at compile time, in the start-up check
     huge = f"{{{{ 'x' * {MAX_RENDERED * 1000} }}}}{{{{ 2 ** 1000000000 }}}}"
-    assert chat_template_problem(DataConfig(chat_template=huge)) is None
+    assert chat_template_problem(huge) is None
     assert time.monotonic() - started < 5
 
 

@@ -282,7 +282,7 @@ def test_the_train_state_is_saved_and_loaded_whole(tmp_path):
 
 
 def test_an_unwritable_output_dir_is_refused_at_start_up(tmp_path):
-    from llmtrain.checkpoint import check_writable
+    from llmtrain.rundir import check_writable
 
     (tmp_path / "a_file").write_text("")
     with pytest.raises(CheckpointError, match=r"output_dir: cannot write to .*a_file/run \(Not a directory\)"):
@@ -295,7 +295,7 @@ def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
     import shutil
     from types import SimpleNamespace
 
-    from llmtrain.checkpoint import check_free_space, output_bytes
+    from llmtrain.rundir import check_free_space, output_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 10, bias=False))
     model[1].weight.requires_grad_(False)  # frozen: saved, but no optimizer state

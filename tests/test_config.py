@@ -1,6 +1,8 @@
 import pytest
 
-from llmtrain.config import Config, ConfigError, DPOConfig, load_config, parse_override
+from llmtrain.config import Config, DPOConfig, load_config
+from llmtrain.config.load import parse_override
+from llmtrain.errors import ConfigError
 
 from .conftest import ROOT, run_recipe
 
@@ -143,7 +145,7 @@ def test_a_bad_profile_range_names_the_key(value):
 def numeric_keys() -> list[str]:
     import typing
 
-    from llmtrain.config import field_docs
+    from llmtrain.config.schema import field_docs
 
     keys = []
     for key, _, _ in field_docs():

@@ -3,9 +3,10 @@ import json
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data import IGNORE, DataError, prepare_split, process_row
+from llmtrain.data import IGNORE, prepare_split, process_row
+from llmtrain.errors import DataError
 
-from .conftest import ROOT  # noqa: F401
+from .conftest import ROOT, templated  # noqa: F401
 
 
 def trained_text(tokenizer, example) -> str:
@@ -14,7 +15,7 @@ def trained_text(tokenizer, example) -> str:
 
 
 def row(tokenizer, data, fmt, **cfg):
-    return process_row(data, fmt, tokenizer, None, DataConfig(**cfg))
+    return process_row(data, fmt, tokenizer, DataConfig(**cfg))
 
 
 CHAT = {
@@ -308,11 +309,11 @@ def test_tool_calls_are_trained_and_tool_results_and_definitions_are_not(tokeniz
             {"role": "assistant", "content": "4"},
         ],
     }
-    ex = process_row(data, "auto", tokenizer, TOOLS_TEMPLATE, DataConfig())
+    ex = process_row(data, "auto", templated(tokenizer, TOOLS_TEMPLATE), DataConfig())
     assert ex["status"] == "ok"
     assert trained_text(tokenizer, ex) == "<call>add(2,2)</call><|im_end|>\n4<|im_end|>\n"
     assert tokenizer.decode(ex["input_ids"]).startswith("<|im_start|>system\ntools: add<|im_end|>")
     data["tools"] = "add"
-    assert process_row(data, "auto", tokenizer, TOOLS_TEMPLATE, DataConfig())["status"] == (
+    assert process_row(data, "auto", templated(tokenizer, TOOLS_TEMPLATE), DataConfig())["status"] == (
         "error: 'tools' must be a list of tool definitions"
     )

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from llmtrain.config import Config, ConfigError, DPOConfig, field_docs, flat_dict, load_config
+from llmtrain.config import Config, DPOConfig, load_config
+from llmtrain.config.load import flat_dict
+from llmtrain.config.schema import field_docs
+from llmtrain.errors import ConfigError
 
 from .conftest import ROOT
 
@@ -56,7 +59,7 @@ def test_config_reference_lists_every_key_with_its_default():
     table = generated_part()
     for key, default, doc in field_docs():
         assert f"| `{key}` | `{default}` |" in table, f"{key} (default {default}) is missing; {REGENERATE}"
-        assert doc, f"{key} has no docstring in llmtrain/config.py"
+        assert doc, f"{key} has no docstring in llmtrain/config/schema.py"
 
 
 def test_ci_runs_the_readme_test_command():

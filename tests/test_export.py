@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from llmtrain import export
-from llmtrain.checkpoint import CheckpointError
 from llmtrain.config import ExportConfig, load_config
-from llmtrain.errors import UserError
+from llmtrain.errors import CheckpointError, UserError
 from llmtrain.export import save_final
 
 from .conftest import final_weights

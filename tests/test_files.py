@@ -7,8 +7,11 @@ import json
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data import DataError, load_source, prepare_split
+from llmtrain.data import load_source, prepare_split
+from llmtrain.errors import DataError
 from llmtrain.files import read_rows
+
+from .conftest import templated
 
 
 def rows_of(path, text):
@@ -220,7 +223,7 @@ def test_a_conversation_the_chat_template_refuses_is_an_error_naming_its_line(tm
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as e:
-        prepare_split("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=256, chat_template=template))
+        prepare_split("data.train", [str(path)], templated(tokenizer, template), DataConfig(max_seq_len=256))
     assert str(e.value) == (
         f"data.train: {path} line 2: the chat template failed on this conversation (TemplateError: Conversation "
         "roles must alternate user/assistant); fix the row or set data.chat_template; data.bad_rows=skip would "
@@ -236,6 +239,6 @@ def test_a_streamed_file_names_the_line_of_a_row_it_cannot_read(tmp_path, tokeni
     path = tmp_path / "late.csv"
     good = "".join(f'"question {i}\nspans two lines",answer {i}\n' for i in range(150))
     path.write_bytes(f"prompt,completion\n{good}".encode() + b"bad,caf\xe9\n")
-    stream = StreamedRows("data.train", [str(path)], tokenizer, None, DataConfig(train="x", shuffle=False), 0, 0, 1)
+    stream = StreamedRows("data.train", [str(path)], tokenizer, DataConfig(train="x", shuffle=False), 0, 0, 1)
     with pytest.raises(DataError, match=rf"^data.train: {path} line 302: not UTF-8 text \(byte 0xe9\)"):
         list(stream)

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
-from llmtrain.config import ConfigError, load_config
+from llmtrain.config import load_config
+from llmtrain.errors import ConfigError
 from llmtrain.launch import check_topology, configure_deepspeed, process_group_backend
 
 

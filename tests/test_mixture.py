@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from llmtrain.batches import EpochSampler
-from llmtrain.config import ConfigError, DataConfig, DataSource, load_config
-from llmtrain.data import DataError, prepare_split
+from llmtrain.config import DataConfig, DataSource, load_config
+from llmtrain.data import prepare_split
 from llmtrain.demo import make_rows, write_jsonl
+from llmtrain.errors import ConfigError, DataError
 from llmtrain.mixture import Mix, Mixture, hold_out, split_and_mix, training_set
 from llmtrain.packing import PackedDataset, pack_sources
 from llmtrain.stream import StreamedRows
@@ -172,7 +173,7 @@ def test_streamed_sources_are_drawn_in_proportion_to_their_fractions(tmp_path, t
     entries = [DataSource(str(a), 3.0), DataSource(str(b), 1.0)]
 
     def read(e=0, rank=0):
-        stream = StreamedRows("data.train", entries, tokenizer, None, config, seed=7, rank=rank, world=1)
+        stream = StreamedRows("data.train", entries, tokenizer, config, seed=7, rank=rank, world=1)
         stream.set_epoch(e)
         return texts(stream, tokenizer)
 
@@ -184,7 +185,7 @@ def test_streamed_sources_are_drawn_in_proportion_to_their_fractions(tmp_path, t
     assert read() == first and read(e=1) != first  # the same draw again (resume), another each pass
 
     # Per-source counts of what was read so far, as llmtrain plan shows for a stream's start
-    stream = StreamedRows("data.train", entries, tokenizer, None, config, seed=7, rank=0, world=1)
+    stream = StreamedRows("data.train", entries, tokenizer, config, seed=7, rank=0, world=1)
     start = list(islice(stream.rows(), 200))
     source = [t[0] for t in texts(start, tokenizer)]
     n_a = source.count("a")

@@ -1,7 +1,8 @@
 import pytest
 
 from llmtrain.config import ModelConfig
-from llmtrain.model import ModelError, check_model
+from llmtrain.errors import ModelError
+from llmtrain.model import check_model
 
 from .conftest import recipe_args, run_recipe
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llmtrain.demo import make_rows, write_jsonl
+from llmtrain.errors import TrainingError
 
 from .conftest import metrics, recipe_args, run_recipe, train_rows
 
@@ -181,7 +182,7 @@ def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule
     model = AutoModelForCausalLM.from_pretrained(overflowing_model)
     objective = TokenLoss.for_model(model, t.loss_chunk_tokens)
     model, optimizer = accelerator.prepare(model, build_optimizer(model, t, accelerator.device))
-    examples = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(20, seed=3)]
+    examples = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(20, seed=3)]
     collate = Collator(tokenizer.pad_token_id)
     batches = cycle([collate(examples[i : i + 2]) for i in range(0, 20, 2)])
     state, rows = TrainState(), []
@@ -221,11 +222,12 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    from llmtrain.build import build_datasets
     from llmtrain.config import load_config
     from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
     from llmtrain.objective import TokenLoss
     from llmtrain.stop import StopRequest
-    from llmtrain.train import build_datasets, setup, train
+    from llmtrain.train import setup, train
     from llmtrain.watchdog import Watchdog
     from llmtrain.window import Outcome
 
@@ -304,6 +306,7 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
     from safetensors.torch import load_file
 
     import llmtrain.train as loop
+    from llmtrain.build import build_datasets
     from llmtrain.config import load_config
     from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
     from llmtrain.objective import TokenLoss
@@ -334,14 +337,14 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
         mcfg = check_model(cfg.model, cfg.data.max_seq_len)
         cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
         tokenizer = load_tokenizer(cfg.model)
-        train_set, eval_set = loop.build_datasets(cfg, accelerator, tokenizer)
+        train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)
         objective = TokenLoss.for_model(model, cfg.train.loss_chunk_tokens)
         with Watchdog(0, 0) as watchdog:
             run = loop.setup(
                 cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog
             )
-            with pytest.raises(loop.TrainingError) as stopped:
+            with pytest.raises(TrainingError) as stopped:
                 loop.train(run)
     finally:
         AcceleratorState._reset_state(True)

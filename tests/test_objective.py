@@ -14,7 +14,7 @@ def _batch(tokenizer, packed: bool):
     from llmtrain.data import process_row
     from llmtrain.demo import make_rows
 
-    rows = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(3, seed=11)]
+    rows = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(3, seed=11)]
     collate = Collator(tokenizer.pad_token_id)
     if not packed:
         return collate(rows)

@@ -33,7 +33,7 @@ def test_pack_lengths_rejects_rows_longer_than_a_pack():
 def examples(tokenizer):
     import datasets
 
-    rows = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(12, seed=5)]
+    rows = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(12, seed=5)]
     return datasets.Dataset.from_list(rows)
 
 

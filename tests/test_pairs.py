@@ -8,6 +8,7 @@ from llmtrain.config import DataConfig
 from llmtrain.data import IGNORE
 from llmtrain.pairs import pair_messages, process_pair
 
+from .conftest import templated
 from .test_data import TOOLS_TEMPLATE
 
 CFG = DataConfig(max_seq_len=256)
@@ -31,7 +32,7 @@ def check_pair(tokenizer, out, chosen: str, rejected: str):
 
 
 def test_string_pairs_go_through_the_chat_template_with_the_end_of_turn_trained(tokenizer):
-    out = process_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, tokenizer, None, CFG)
+    out = process_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, tokenizer, CFG)
     check_pair(tokenizer, out, "4", "5")
     chosen_trained = [t for t in out["chosen_labels"] if t != IGNORE]
     assert len(chosen_trained) > 1  # the answer and the template's end of turn
@@ -46,7 +47,7 @@ def test_conversational_pairs_train_only_what_follows_the_prompt(tokenizer):
         {"role": "user", "content": "2+2="},
     ]
     row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
-    out = process_pair(row, tokenizer, None, CFG)
+    out = process_pair(row, tokenizer, CFG)
     check_pair(tokenizer, out, "4", "5")
     assert "2" not in trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"])
 
@@ -72,7 +73,7 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
         {"chosen": [{"role": "user", "content": user}, {"role": "assistant", "content": good}],
          "rejected": [{"role": "user", "content": user}, {"role": "assistant", "content": bad}]},
     ]  # fmt: skip
-    outs = [process_pair(row, tokenizer, None, CFG) for row in shapes]
+    outs = [process_pair(row, tokenizer, CFG) for row in shapes]
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -88,7 +89,7 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
     ],
 )  # fmt: skip
 def test_pairs_with_nothing_to_compare_are_dropped_and_malformed_ones_are_errors(tokenizer, row, status):
-    assert process_pair(row, tokenizer, None, CFG)["status"].startswith(status)
+    assert process_pair(row, tokenizer, CFG)["status"].startswith(status)
 
 
 def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
@@ -100,7 +101,7 @@ def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
         "rejected": [{"role": "assistant", "content": "8"}],
     }
     plain = {"prompt": "3+4=", "chosen": "7", "rejected": "8"}
-    assert process_pair(parts, tokenizer, None, CFG) == process_pair(plain, tokenizer, None, CFG)
+    assert process_pair(parts, tokenizer, CFG) == process_pair(plain, tokenizer, CFG)
 
     call = {"type": "function", "function": {"name": "add", "arguments": "3,4"}}
     row = {
@@ -109,38 +110,36 @@ def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
         "rejected": [{"role": "assistant", "content": "8"}],
         "tools": [{"name": "add"}],
     }
-    out = process_pair(row, tokenizer, TOOLS_TEMPLATE, CFG)
+    out = process_pair(row, templated(tokenizer, TOOLS_TEMPLATE), CFG)
     assert out["status"] == "ok", out["status"]
     assert trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"]) == "<call>add(3,4)</call><|im_end|>\n"
     assert tokenizer.decode(out["chosen_input_ids"]).startswith("<|im_start|>system\ntools: add<|im_end|>")
 
     bad = dict(plain, chosen=[{"role": "bot", "content": "7"}])
-    assert process_pair(bad, tokenizer, None, CFG)["status"].startswith("error: chosen[0]: needs a 'role' of system")
+    assert process_pair(bad, tokenizer, CFG)["status"].startswith("error: chosen[0]: needs a 'role' of system")
 
     system = DataConfig(max_seq_len=256, system_prompt="be brief")
-    out = process_pair(plain, tokenizer, None, system)
+    out = process_pair(plain, tokenizer, system)
     assert tokenizer.decode(out["chosen_input_ids"]).startswith("<|im_start|>system\nbe brief<|im_end|>")
-    assert process_pair(plain, tokenizer, None, CFG)["chosen_input_ids"] != out["chosen_input_ids"]
+    assert process_pair(plain, tokenizer, CFG)["chosen_input_ids"] != out["chosen_input_ids"]
 
 
 def test_an_over_long_pair_loses_its_prompt_from_the_left_first(tokenizer):
     row = {"prompt": "x" * 80, "chosen": "good answer", "rejected": "bad"}
-    full = process_pair(row, tokenizer, None, CFG)
+    full = process_pair(row, tokenizer, CFG)
     width = max(len(full["chosen_input_ids"]), len(full["rejected_input_ids"])) - 30
-    out = process_pair(row, tokenizer, None, DataConfig(max_seq_len=width))
+    out = process_pair(row, tokenizer, DataConfig(max_seq_len=width))
     assert out["status"] == "truncated"
     assert max(len(out["chosen_input_ids"]), len(out["rejected_input_ids"])) <= width
     for side in ("chosen", "rejected"):  # the answers are whole
         assert [t for t in out[f"{side}_labels"] if t != IGNORE] == [t for t in full[f"{side}_labels"] if t != IGNORE]
-    assert process_pair(row, tokenizer, None, DataConfig(max_seq_len=width, overlong="drop"))["status"].startswith(
-        "too long"
-    )
+    assert process_pair(row, tokenizer, DataConfig(max_seq_len=width, overlong="drop"))["status"].startswith("too long")
 
 
 def test_a_file_of_pairs_is_prepared_with_lines_in_its_errors_and_counts(tmp_path, tokenizer):
     import json
 
-    from llmtrain.data import DataError
+    from llmtrain.errors import DataError
     from llmtrain.pairs import prepare_pairs
 
     rows = [
@@ -166,7 +165,7 @@ def test_the_collator_keeps_each_pair_in_one_batch_chosen_rows_first(tokenizer):
     from llmtrain.pairs import PairCollator
 
     pairs = [
-        process_pair({"prompt": p, "chosen": c, "rejected": r}, tokenizer, None, CFG) | {"pair_index": i}
+        process_pair({"prompt": p, "chosen": c, "rejected": r}, tokenizer, CFG) | {"pair_index": i}
         for i, (p, c, r) in enumerate((("1+1=", "2", "three"), ("2+2=", "four", "5")))
     ]
     batch = PairCollator(0)(pairs)

@@ -200,7 +200,7 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
     ],
 )
 def test_an_accelerate_config_that_cannot_be_read_is_one_error(tmp_path, text, why):
-    from llmtrain.config import ConfigError
+    from llmtrain.errors import ConfigError
     from llmtrain.plan import read_launch
 
     path = tmp_path / "accelerate.yaml"

@@ -18,7 +18,7 @@ from .conftest import final_weights, recipe_args, run_recipe, train_rows
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
-    return [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(6, seed=21)]
+    return [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(6, seed=21)]
 
 
 def load(zoo, name, **kwargs):

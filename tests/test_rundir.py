@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmtrain.checkpoint import STATE_FILE, CheckpointError
+from llmtrain.checkpoint import STATE_FILE
 from llmtrain.config import load_config
+from llmtrain.errors import CheckpointError
 from llmtrain.metrics import MetricsLog, plot_losses
 from llmtrain.rundir import changed_settings, check_same_run, identity
 
@@ -254,7 +255,7 @@ def test_free_space_is_checked_before_data_or_weights_load(base_config, tiny_mod
 
 
 def test_a_final_dir_whose_state_cannot_be_read_still_holds_a_finished_run(tmp_path):
-    from llmtrain.checkpoint import CheckpointError
+    from llmtrain.errors import CheckpointError
     from llmtrain.rundir import already_finished, check_rerun, finished_state
 
     cfg = SimpleNamespace(output_dir=str(tmp_path))
@@ -272,7 +273,7 @@ def test_a_final_dir_whose_state_cannot_be_read_still_holds_a_finished_run(tmp_p
 
 
 def test_another_runs_checkpoint_is_resumed_only_into_a_directory_without_a_run(tmp_path):
-    from llmtrain.checkpoint import CheckpointError
+    from llmtrain.errors import CheckpointError
     from llmtrain.rundir import check_rerun
 
     other = tmp_path / "other" / "checkpoints" / "step-2"

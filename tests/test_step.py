@@ -17,8 +17,8 @@ from llmtrain.demo import make_rows
 from llmtrain.objective import Loss, TokenLoss
 from llmtrain.optim import build_optimizer
 from llmtrain.spike import SpikeGuard
-from llmtrain.state import TrainState
-from llmtrain.step import Skip, train_step
+from llmtrain.state import Skip, TrainState
+from llmtrain.step import train_step
 from llmtrain.window import Outcome, draw_window
 
 
@@ -43,7 +43,7 @@ def model(tiny_model):
 
 def micro_batches(tokenizer, rows: int, per_batch: int) -> list[dict]:
     """`rows` chat rows (trained-token counts differ from row to row), `per_batch` a batch."""
-    examples = [process_row(r, "chat", tokenizer, None, DataConfig()) for r in make_rows(rows, seed=21)]
+    examples = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(rows, seed=21)]
     collate = Collator(tokenizer.pad_token_id)
     return [collate(examples[i : i + per_batch]) for i in range(0, rows, per_batch)]
 
@@ -193,7 +193,7 @@ def test_an_objectives_metric_may_not_overwrite_the_loops_fields():
 
 
 def test_skips_in_a_row_count_only_our_skips_and_an_overflow_ends_them():
-    from llmtrain.step import StepResult
+    from llmtrain.state import StepResult
 
     def result(skip=None):
         return StepResult(1.0, 1.0, 10, 1e-3, 0.1, 0.0, skip)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data import DataError, process_row
+from llmtrain.data import process_row
 from llmtrain.demo import make_rows, write_jsonl
+from llmtrain.errors import DataError
 from llmtrain.stream import StreamedRows, pack_stream
 
 from .conftest import metrics, recipe_args, run_recipe, train_rows
@@ -35,7 +36,7 @@ def cfg(**kw) -> DataConfig:
 def shares(path: Path, tokenizer, config: DataConfig, world: int = 2, epoch: int = 0) -> list[list[tuple]]:
     out = []
     for rank in range(world):
-        stream = StreamedRows("data.train", [str(path)], tokenizer, None, config, seed=7, rank=rank, world=world)
+        stream = StreamedRows("data.train", [str(path)], tokenizer, config, seed=7, rank=rank, world=world)
         stream.set_epoch(epoch)
         out.append([tuple(e["input_ids"]) for e in stream])
     return out
@@ -46,7 +47,7 @@ def test_processes_read_disjoint_shares_that_cover_every_kept_row(tmp_path, toke
     path = tmp_path / "rows.jsonl"
     write_jsonl(rows, path)
     kept = Counter(
-        tuple(k["input_ids"]) for r in rows if (k := process_row(r, "auto", tokenizer, None, cfg()))["status"] == "ok"
+        tuple(k["input_ids"]) for r in rows if (k := process_row(r, "auto", tokenizer, cfg()))["status"] == "ok"
     )
     first = shares(path, tokenizer, cfg())
     assert Counter(first[0] + first[1]) == kept  # every kept row once, on one process
@@ -55,7 +56,7 @@ def test_processes_read_disjoint_shares_that_cover_every_kept_row(tmp_path, toke
     second = shares(path, tokenizer, cfg(), epoch=1)
     assert Counter(second[0] + second[1]) == kept and second != first  # reshuffled each pass
     # Unshuffled, a one-file source is dealt out row by row: process r reads rows r, r+2, ...
-    processed = [process_row(r, "auto", tokenizer, None, cfg()) for r in rows]
+    processed = [process_row(r, "auto", tokenizer, cfg()) for r in rows]
     assert shares(path, tokenizer, cfg(shuffle=False)) == [
         [tuple(k["input_ids"]) for k in processed[rank::2] if k["status"] == "ok"] for rank in (0, 1)
     ]
@@ -65,7 +66,7 @@ def test_sources_are_read_in_turn(tmp_path, tokenizer):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     write_jsonl([{"text": f"a{i}"} for i in range(3)], a)
     write_jsonl([{"text": f"b{i}"} for i in range(1)], b)
-    stream = StreamedRows("data.train", [str(a), str(b)], tokenizer, None, cfg(shuffle=False), seed=7, rank=0, world=1)
+    stream = StreamedRows("data.train", [str(a), str(b)], tokenizer, cfg(shuffle=False), seed=7, rank=0, world=1)
     texts = [tokenizer.decode(e["input_ids"], skip_special_tokens=True) for e in stream]
     assert texts == ["a0", "b0", "a1", "a2"]
 
@@ -105,7 +106,6 @@ def test_a_streamed_malformed_row_is_skipped_under_bad_rows_skip_until_too_many_
         "data.train",
         [str(path)],
         tokenizer,
-        None,
         cfg(shuffle=False, bad_rows="skip", max_bad_fraction=0.05),
         seed=7,
         rank=0,
@@ -207,7 +207,7 @@ def test_a_bad_row_mid_stream_stops_with_a_checkpoint_and_the_fixed_run_resumes_
     proc = run_recipe(streamed_args(base_config, tiny_model, good, ref, *extra), cache_env, nproc=2)
     ref_rows = train_rows(ref)
     assert [r["step"] for r in ref_rows] == list(range(1, 41))
-    kept = [process_row(r, "auto", tokenizer, None, cfg()) for r in rows]
+    kept = [process_row(r, "auto", tokenizer, cfg()) for r in rows]
     in_pass_0 = sum(r["tokens"] for r in ref_rows if r["epoch"] == 0)
     assert in_pass_0 == sum(k["n_trained"] for k in kept if k["status"] == "ok")  # no row lost or read twice
     assert ref_rows[-1]["epoch"] >= 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmtrain import safefs
-from llmtrain.safefs import CacheError, LinkError
+from llmtrain.errors import CacheError, LinkError
 
 from .conftest import recipe_args, run_recipe
 

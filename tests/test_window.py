@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmtrain.batches import Collator
-from llmtrain.data import DataError
+from llmtrain.errors import DataError
 from llmtrain.window import Outcome, Report, Window, draw_window
 
 

@@ -1,0 +1,422 @@
+"""Loading a config: a YAML file (bounded in size, depth and aliases, no duplicate keys)
+plus dotted `key.sub=value` overrides, coerced into the schema's types with every problem
+collected, each naming its key; then the tree's own checks (`Config.problems`). And the
+way back out: the tree as YAML (config.yaml) and as flat scalars (trackers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from ..errors import ConfigError, shown
+from ..files import size_text
+from .schema import Config, DataSource
+from .validate import closest
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        if typing.get_origin(item) in (Union, types.UnionType):  # data.train: paths or {path, fraction}
+            return "a list of strings or {path: ..., fraction: ...} mappings"
+        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(item, "values")
+    if dataclasses.is_dataclass(tp):
+        return "a mapping {" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(tp)) + "}"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(tp, str(tp))
+
+
+class _EntryProblems(Exception):
+    """The problems of a mapping inside a list (a data.train entry), each naming its key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+
+
+def _coerce(value: Any, tp: Any, key: str = "") -> Any:
+    """Return `value` as type `tp`, or raise TypeError. Strings from the command line
+    arrive already parsed by YAML; a few YAML 1.1 quirks (like '2e-5' being a string)
+    are mended here. A mapping inside a list becomes its dataclass (`key`: the list's key,
+    to name the entry's problems)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError
+        problems: list[str] = []
+        entry = _build(tp, value, f"{key}.", problems)
+        if problems:
+            raise _EntryProblems(problems)
+        return entry
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise TypeError
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except TypeError:
+                continue
+        raise TypeError
+    if origin is list:
+        if not isinstance(value, list):
+            raise TypeError
+        item, items = typing.get_args(tp)[0], []
+        for i, v in enumerate(value):
+            try:
+                items.append(_coerce(v, item, f"{key}[{i}]"))
+            except TypeError:  # name the entry, not the whole list
+                mapping = isinstance(v, dict) and "path" in v  # data.eval=[{path: ...}]: only data.train's take one
+                hint = "; give the path itself (only data.train entries are mappings)" if mapping else ""
+                raise _EntryProblems([f"{key}[{i}]: expected {_type_name(item)}, got {shown(v)}{hint}"]) from None
+        return items
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is float:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except ValueError:
+                raise TypeError from None
+            except OverflowError:  # an integer beyond any float: Bounds refuses it as not finite
+                return math.inf
+        raise TypeError
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if value is None:
+            return ""
+        raise TypeError
+    raise TypeError
+
+
+def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            if full == "dpo":  # recipes/dpo.py's section, in another recipe's config
+                problems.append(
+                    "dpo: unknown key for recipes/finetune.py; preference settings are recipes/dpo.py's: run that "
+                    "recipe, or remove the dpo section"
+                )
+                continue
+            close = closest(str(key), names)
+            hint = (
+                f"; did you mean '{prefix}{close}'?"
+                if close
+                else f"; valid keys: {', '.join(prefix + n for n in names)}"
+            )
+            problems.append(f"{full}: unknown key{hint}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(_section_problem(full, value, tp))
+                continue
+            kwargs[key] = _build(tp, value, f"{full}.", problems)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp, full)
+        except TypeError:
+            hint = ""
+            if full == "data.train" and isinstance(value, dict):
+                hint = "; a source written as a mapping goes in a list: data.train=[{path: a.jsonl, fraction: 0.5}]"
+            problems.append(f"{full}: expected {_type_name(tp)}, got {shown(value)}{hint}")
+        except _EntryProblems as e:
+            problems += e.problems
+    return cls(**kwargs)
+
+
+def _section_problem(dotted: str, value: Any, section: type | None) -> str:
+    """A value that is not a mapping, given for a whole section: what to write instead
+    (model.lora=true means model.lora.enabled=true)."""
+    if isinstance(value, bool) and section is not None and "enabled" in {f.name for f in dataclasses.fields(section)}:
+        on = str(value).lower()
+        return f"{dotted}: is a section; to turn it {'on' if value else 'off'} set {dotted}.enabled={on}"
+    return f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {shown(value)}"
+
+
+def _section_type(schema: type | None, dotted: str) -> type | None:
+    """The dataclass of the section at `dotted` in `schema`, or None."""
+    for part in dotted.split("."):
+        if schema is None or not dataclasses.is_dataclass(schema):
+            return None
+        schema = typing.get_type_hints(schema).get(part)
+    return schema if dataclasses.is_dataclass(schema) else None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, schema: type | None = None) -> None:
+    """Set tree[a][b][c] = value for 'a.b.c'. A mapping given for a section is merged
+    into it key by key (train={lr: 1e-4} changes only train.lr); a value that is not a
+    mapping never replaces a section, nor is a section made inside one."""
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError([f"{dotted or '(empty)'}={shown(value)}: the key has an empty part; write key.sub=value"])
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            above = ".".join(parts[: i + 1])
+            raise ConfigError([f"{dotted}: {above} is set to {shown(child)}, not a section; set {above} as a section"])
+        node = child
+    last, old = parts[-1], node.get(parts[-1])
+    if isinstance(old, dict) and isinstance(value, dict):
+        for key, sub in value.items():
+            _set_dotted(old, str(key), sub, _section_type(schema, dotted))
+    elif isinstance(old, dict) and value != old:
+        raise ConfigError([_section_problem(dotted, value, _section_type(schema, dotted))])
+    else:
+        node[last] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=2e-5' -> ('train.lr', 2e-5). Values are parsed as YAML, so lists work:
+    data.train=[a.jsonl,b.jsonl]."""
+    if "=" not in text:
+        raise ConfigError([f"{text}: overrides look like key.sub=value (e.g. train.lr=2e-5)"])
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.load(raw, Loader=BoundedLoader) if raw != "" else ""
+    except TooLarge as e:
+        raise ConfigError([f"{key.strip()}: the value given on the command line {e}"]) from None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config file; long texts (a chat template) belong in files of their own
+MAX_YAML_DEPTH = 32  # mappings and lists inside each other; a config needs 3 or 4
+MAX_YAML_SIZE = 4 << 20  # nodes plus characters of a document, counted with its aliases expanded
+
+
+class TooLarge(yaml.YAMLError):
+    """A YAML document past a bound: nested too deeply, or too large once its aliases are
+    expanded (a "billion laughs" document: a few lines whose aliases repeat each other)."""
+
+    def __init__(self, message: str, line: int):
+        self.line = line
+        super().__init__(message)
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """YAML's safe loader with bounds checked on the composed node graph, before any
+    Python object is built: nesting at most MAX_YAML_DEPTH levels (the composer recurses,
+    so a deeper document would end in a RecursionError), and at most MAX_YAML_SIZE nodes
+    and characters once aliases are expanded (the constructor shares an aliased value, but
+    whatever walks the result, an error message quoting it, a comparison, walks it
+    expanded). PyYAML bounds neither."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_YAML_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise TooLarge(f"is nested more than {MAX_YAML_DEPTH} levels deep; flatten it", line)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node, sizes: dict, open_: set) -> int:
+    """Nodes plus scalar characters under `node`, aliases counted each time they occur;
+    memoized per node, so it takes time linear in the document as written."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    line = node.start_mark.line + 1
+    if key in open_:
+        raise TooLarge("holds an alias (*name) inside the value it names; write it out", line)
+    open_.add(key)
+    if isinstance(node, yaml.ScalarNode):
+        size = 1 + len(node.value)
+    else:
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+        size = 1
+        for child in children:
+            size += _expanded_size(child, sizes, open_)
+            if size > MAX_YAML_SIZE:
+                raise TooLarge(
+                    f"is larger than {MAX_YAML_SIZE} nodes and characters once its aliases (*name) are expanded; "
+                    "write the values out instead of repeating aliases",
+                    line,
+                )
+    open_.discard(key)
+    sizes[key] = size
+    return size
+
+
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line: int, first: int):
+        self.line = line
+        super().__init__(f"'{key}' is given twice (first on line {first}); give each key once")
+
+
+class BadKey(yaml.YAMLError):
+    def __init__(self, key, line: int):
+        self.line = line
+        kind = {list: "a list", dict: "a mapping"}.get(type(key), type(key).__name__)
+        super().__init__(f"a key here is {kind}, not a name; keys are plain names such as lr")
+
+
+class UniqueKeyLoader(BoundedLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: the
+    plain loader keeps the last, so a second `train:` block would silently replace the
+    first. Keys merged in with `<<: *anchor` may be overridden, as YAML intends."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`, resolved by the loader
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise BadKey(key, line)
+            if key in seen:
+                raise DuplicateKey(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (), schema: type = Config) -> Config:
+    """Load a YAML file (optional) and apply dotted overrides into `schema` (Config, or a
+    recipe's extension of it such as DPOConfig); validate everything."""
+    raw: dict = {}
+    problems: list[str] = []
+    if path is not None:
+        path = Path(path)
+        try:
+            exists, regular = path.exists(), path.is_file()
+        except (OSError, ValueError):  # a name too long for a path, or with a null character
+            why = f"--config: {shown(str(path))} cannot be a path; give the path of a YAML file"
+            raise ConfigError([why]) from None
+        if not exists:
+            raise ConfigError([f"--config: no such file: {path}"])
+        if not regular:
+            raise ConfigError([f"--config: {path} is not a regular file; give a YAML file"])
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ConfigError([f"--config: cannot read {path} ({e.strerror}); check its permissions"]) from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                [
+                    f"--config: {path} is larger than {size_text(MAX_CONFIG_BYTES)}, more than any config needs; "
+                    "put long texts (data.chat_template) in files of their own and give their paths"
+                ]
+            )
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise ConfigError([f"{path}:{line}: not UTF-8 text; save the file as UTF-8"]) from None
+        try:
+            loaded = yaml.load(text, Loader=UniqueKeyLoader)
+        except (DuplicateKey, BadKey) as e:
+            raise ConfigError([f"{path}:{e.line}: {e}"]) from None
+        except TooLarge as e:
+            raise ConfigError([f"{path}:{e.line}: the document {e}"]) from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise ConfigError([f"{where}: invalid YAML ({getattr(e, 'problem', e)})"]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                [
+                    f"{path}: the top level must be a mapping of sections; write e.g. 'train:' with its keys "
+                    "indented below"
+                ]
+            )
+        raw = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value, schema)
+    cfg = _build(schema, raw, "", problems)
+    expand_home(cfg)
+    # A key whose value was refused keeps its default; its check would call that missing too.
+    refused = {re.split(r"[:\[]", q, maxsplit=1)[0] for q in problems}
+    problems += [q for q in cfg.problems() if q.split(":", 1)[0] not in refused]
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _expand(value):
+    """`~` or `~user` at the start of a path, expanded; anything else (a hub name, inline
+    template text) as it is."""
+    if isinstance(value, str) and re.match(r"~[\w.-]*(/|$)", value):
+        return os.path.expanduser(value)
+    return value
+
+
+def expand_home(cfg: Config) -> None:
+    """Expand `~` in every path-valued key alike, whether it came from the YAML file or a
+    dotted override (a shell expands it in neither: not inside YAML, not after `key=`).
+    Without this, output_dir: ~/runs/x would make a directory named `~`."""
+    cfg.output_dir = _expand(cfg.output_dir)
+    cfg.model.name_or_path = _expand(cfg.model.name_or_path)
+    cfg.checkpoint.resume = _expand(cfg.checkpoint.resume)
+    cfg.data.chat_template = _expand(cfg.data.chat_template)
+    for key in ("train", "eval"):
+        value = getattr(cfg.data, key)
+        entries = [
+            dataclasses.replace(e, path=_expand(e.path)) if isinstance(e, DataSource) else _expand(e)
+            for e in (value if isinstance(value, list) else [value])
+        ]
+        setattr(cfg.data, key, entries if isinstance(value, list) else entries[0])
+    if hasattr(cfg, "dpo"):
+        cfg.dpo.reference = _expand(cfg.dpo.reference)
+
+
+def as_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(as_dict(cfg), sort_keys=False)
+
+
+def flat_dict(cfg: Config) -> dict:
+    """{'train.lr': 2e-5, ...} for trackers, which want scalars."""
+    out = {}
+
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+
+    walk(as_dict(cfg), "")
+    return out
