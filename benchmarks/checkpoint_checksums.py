@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from llmtrain.checkpoint import STATE_FILE, content_damage, manifest
+from llmtrain.output.checkpoint import STATE_FILE, content_damage, manifest
 
 
 def main() -> None:

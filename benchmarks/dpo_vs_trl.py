@@ -218,7 +218,7 @@ def data_counts(setup: dict) -> dict:
     from transformers import AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.pairs import process_pair
+    from llmtrain.preference.pairs import process_pair
 
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
     cfg = DataConfig(max_seq_len=setup["seq"])

@@ -45,8 +45,8 @@ def worker(args) -> None:
     from accelerate.utils import InitProcessGroupKwargs
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmtrain import export
-    from llmtrain.launch import fsdp_on_cpu, process_group_backend
+    from llmtrain.distributed.launch import fsdp_on_cpu, process_group_backend
+    from llmtrain.output import export
 
     backend = process_group_backend()  # gloo for DeepSpeed on CPU, as the recipes use
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else [])

@@ -161,7 +161,7 @@ def data_tokens(setup: dict) -> tuple[int, int]:
     from transformers import AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.data import prepare_split
+    from llmtrain.data.prepare import prepare_split
 
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
     ds, _ = prepare_split("data.train", [setup["data"]], tokenizer, DataConfig(max_seq_len=setup["seq"]))

@@ -1,6 +1,6 @@
 """llmtrain: fine-tune causal language models with Hugging Face Accelerate."""
 
-from .quiet import quiet_known_noise
+from .observe.quiet import quiet_known_noise
 
 __version__ = "0.1.0"
 

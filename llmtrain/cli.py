@@ -12,10 +12,10 @@ from pathlib import Path
 
 from . import demo
 from .config import Config, load_config
+from .data.mixture import names
+from .distributed.launch import process_group_backend
+from .distributed.watchdog import default_store
 from .errors import UserError
-from .launch import process_group_backend
-from .mixture import names
-from .watchdog import default_store
 
 
 def parse_args(argv: list[str] | None, default_config: Path | None, description: str = "", schema: type = Config):
@@ -127,7 +127,7 @@ def exit_now(code) -> None:
     import atexit
     import signal
 
-    from .stop import GRACEFUL
+    from .distributed.stop import GRACEFUL
 
     for sig in GRACEFUL:
         signal.signal(sig, signal.SIG_IGN)

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -22,27 +23,19 @@ import torch
 import yaml
 
 from . import demo
-from .batches import EpochSampler
-from .build import ROWS
 from .cli import user_errors
 from .config import Config, DPOConfig, load_config, to_yaml
-from .config.load import MAX_CONFIG_BYTES, BoundedLoader
-from .data import IGNORE
+from .config.load import MAX_CONFIG_BYTES, BoundedLoader, check
+from .data.batches import EpochSampler
+from .data.build import ROWS, DataKind
+from .data.mixture import names, packer, sources, split_and_mix, training_set
+from .data.rows import IGNORE
+from .data.stream import StreamedRows
 from .errors import ConfigError, DataError, describe
 from .files import read_own
-from .mixture import names, packer, sources, split_and_mix, training_set
-from .model import (
-    attention_backend,
-    check_model,
-    check_vocab,
-    chunkable_head,
-    hub_kwargs,
-    load_tokenizer,
-    meta_model,
-)
-from .pairs import PAIRS
-from .reference import check_reference
-from .stream import StreamedRows
+from .model import attention_backend, check_model, check_vocab, chunkable_head, hub_kwargs, load_tokenizer, meta_model
+from .preference.pairs import PAIRS
+from .preference.reference import check_reference
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
@@ -276,18 +269,20 @@ def plan(argv: list[str]) -> None:
         args.config = DEMO_CONFIG
         if not DEMO_CONFIG.is_file():
             raise ConfigError([f"--config: required; the demo's {DEMO_CONFIG} is not here, so give your YAML"])
-    dpo = args.recipe == "dpo" or (args.recipe is None and names_dpo(args.config, args.overrides))
-    cfg = load_config(args.config, args.overrides, DPOConfig if dpo else Config)
+    name = args.recipe or ("dpo" if names_dpo(args.config, args.overrides) else "finetune")
+    recipe = RECIPES[name]
+    cfg = load_config(args.config, args.overrides, recipe.schema)
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
+    check(cfg)
 
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
     check_vocab(cfg.model, mcfg, tokenizer)
-    if dpo:
-        check_reference(cfg, tokenizer)
+    if recipe.check is not None:
+        recipe.check(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    kind = PAIRS if dpo else ROWS
+    kind = recipe.kind
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
@@ -375,16 +370,44 @@ def plan(argv: list[str]) -> None:
     for key, n in memory.items():
         print(f"  {key}: {human(n)}")
     print(f"  total: {human(sum(memory.values()))}")
-    if dpo:
-        print(f"\n== preference ({cfg.dpo.loss}, beta {cfg.dpo.beta:g}) ==")
-        print(f"  reference: {reference_source(cfg)}")
-        print(f"\n== first training pair ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
-        for side in ("chosen", "rejected"):
-            row = {"input_ids": ds[0][f"{side}_input_ids"], "labels": ds[0][f"{side}_labels"]}
-            print(f"-- {side} --\n{preview_row(row, tokenizer)}")
-        return
-    print(f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
-    print(preview_row(ds[0], tokenizer))
+    for line in recipe.describe(cfg, ds[0], tokenizer):
+        print(line)
+
+
+def describe_rows(cfg, first: dict, tokenizer) -> list[str]:
+    return [
+        f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
+        preview_row(first, tokenizer),
+    ]
+
+
+def describe_pairs(cfg, first: dict, tokenizer) -> list[str]:
+    lines = [
+        f"\n== preference ({cfg.dpo.loss}, beta {cfg.dpo.beta:g}) ==",
+        f"  reference: {reference_source(cfg)}",
+        f"\n== first training pair ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
+    ]
+    for side in ("chosen", "rejected"):
+        row = {"input_ids": first[f"{side}_input_ids"], "labels": first[f"{side}_labels"]}
+        lines.append(f"-- {side} --\n{preview_row(row, tokenizer)}")
+    return lines
+
+
+@dataclass(frozen=True)
+class PlannedRecipe:
+    """What plan knows of a recipe: its config tree, its data, its own start-up checks, and
+    the lines it adds to the plan (its own section and its first training example)."""
+
+    schema: type
+    kind: DataKind
+    check: Callable | None
+    describe: Callable  # (cfg, the first training example, tokenizer) -> lines
+
+
+RECIPES = {
+    "finetune": PlannedRecipe(Config, ROWS, None, describe_rows),
+    "dpo": PlannedRecipe(DPOConfig, PAIRS, check_reference, describe_pairs),
+}
 
 
 def names_dpo(config: Path, overrides: list[str]) -> bool:

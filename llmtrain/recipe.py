@@ -15,19 +15,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import demo, rundir, safefs
-from .build import DataKind, build_datasets
+from . import demo, safefs
 from .cli import parse_args
 from .config import to_yaml
-from .export import model_for_sampling, sample, save_final
-from .launch import main_first, setup_accelerator
-from .metrics import describe_run, plot_losses
+from .config.load import check
+from .core.objective import Objective
+from .core.window import Outcome
+from .data.build import DataKind, build_datasets
+from .distributed.launch import main_first, setup_accelerator
+from .distributed.stop import StopRequest
+from .distributed.watchdog import Watchdog
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
-from .objective import Objective
-from .stop import StopRequest
+from .observe.metrics import describe_run, plot_losses
+from .output import rundir
+from .output.export import model_for_sampling, sample, save_final
 from .train import setup, train
-from .watchdog import Watchdog
-from .window import Outcome
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     mcfg = check_model(cfg.model, cfg.data.max_seq_len, sample_tokens)
     attention = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device)
     cfg.model.attn_implementation = attention.name
+    check(cfg)  # the config that runs is a checked one
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     start = rundir.prepare(cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg)))
     if start.finished_at is not None:

@@ -17,26 +17,26 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object, send_to_device
 
-from . import checkpoint
-from .backend import Backend
-from .batches import Collator, TrainBatches, make_loader
 from .config import Config, to_yaml
 from .config.load import flat_dict
+from .core.evaluate import evaluate
+from .core.objective import Objective
+from .core.optim import build_optimizer, learning_rate
+from .core.spike import SpikeGuard
+from .core.state import Skip, StepResult, TrainState
+from .core.step import train_step
+from .core.window import Outcome, Window, draw_window
+from .data.batches import Collator, TrainBatches, make_loader
+from .data.stream import StreamedRows
+from .distributed.backend import Backend
+from .distributed.stop import StopRequest
+from .distributed.watchdog import Watchdog
 from .errors import CheckpointError, DataError, TrainingError, warn
-from .evaluate import evaluate
-from .metrics import MetricsLog, tracker_name
 from .model import compile_blocks, pad_id
-from .objective import Objective
-from .optim import build_optimizer, learning_rate
-from .profiler import StepProfiler
-from .spike import SpikeGuard
-from .state import Skip, StepResult, TrainState
-from .step import train_step
-from .stop import StopRequest
-from .stream import StreamedRows
-from .throughput import StepMeter, peak_memory_gib
-from .watchdog import Watchdog
-from .window import Outcome, Window, draw_window
+from .observe.metrics import MetricsLog, tracker_name
+from .observe.profiler import StepProfiler
+from .observe.throughput import StepMeter, peak_memory_gib
+from .output import checkpoint
 
 # Fields of the metrics rows the loop writes itself (an objective's metrics join them).
 ROW_KEYS = set("step epoch loss lr grad_norm input_tokens_per_s data_wait peak_mem_gib mfu eval_loss skipped".split())  # noqa: SIM905

@@ -18,10 +18,10 @@ from pathlib import Path
 from llmtrain.cli import run_cli
 from llmtrain.config import DPOConfig
 from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id
-from llmtrain.pairs import PAIRS, PairCollator
-from llmtrain.preference import PreferenceLoss
+from llmtrain.preference.loss import PreferenceLoss
+from llmtrain.preference.pairs import PAIRS, PairCollator
+from llmtrain.preference.reference import ReferencePass, check_reference
 from llmtrain.recipe import Parts, Recipe, run
-from llmtrain.reference import ReferencePass, check_reference
 
 
 def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:

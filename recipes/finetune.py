@@ -14,10 +14,10 @@ after a complete checkpoint; run the same command again to continue.
 import sys
 from pathlib import Path
 
-from llmtrain.build import ROWS
 from llmtrain.cli import run_cli
 from llmtrain.config import Config
-from llmtrain.objective import TokenLoss
+from llmtrain.core.objective import TokenLoss
+from llmtrain.data.build import ROWS
 from llmtrain.recipe import Parts, Recipe, run
 
 

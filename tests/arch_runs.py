@@ -1,5 +1,5 @@
 """Runs recipes/finetune.py for each run named in a JSON file ({name: argv}), one after
-another in this one process, so the architecture matrix (tests/test_architectures.py)
+another in this one process, so the architecture matrix (tests/launch/test_architectures.py)
 starts Python and imports torch once rather than once a run. Prints {name: "ok" or what
 went wrong} as JSON on its last line."""
 

@@ -114,7 +114,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def zoo(tmp_path_factory, tokenizer):
     """name -> a saved tiny model of that architecture (tests/architectures.py), built on
     first use with the tiny model's tokenizer."""
-    from .architectures import build
+    from tests.architectures import build
 
     root, built = tmp_path_factory.mktemp("zoo"), {}
 
@@ -139,6 +139,34 @@ def chat_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "chat.jsonl"
     write_jsonl(make_rows(20, seed=3), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def finished_run(base_config, tiny_model, chat_file, cache_env, tmp_path_factory):
+    """A finished 4-step run with checkpoints at steps 2 and 4, and the arguments that made
+    it, shared by the tests that read it; a test that changes it works on a copy
+    (`copy_run`)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
+        "train.micro_batch_size=2",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+    )
+    run_recipe(args, cache_env)
+    return out, args
+
+
+def copy_run(run: tuple[Path, list[str]], to: Path) -> list[str]:
+    """Copy a finished run (`finished_run`) to `to`; returns its arguments writing there."""
+    import shutil
+
+    source, args = run
+    shutil.copytree(source, to)
+    return [f"output_dir={to}" if a.startswith("output_dir=") else a for a in args]
 
 
 BASE_CONFIG = """\
@@ -168,27 +196,27 @@ def recipe_args(config, model, data, out, *extra: str) -> list[str]:
     return ["--config", str(config), f"model.name_or_path={model}", f"data.train={data}", f"output_dir={out}", *extra]
 
 
-def recipe_command(args: list[str], nproc: int = 1, recipe: Path = RECIPE, precision: str = "no") -> list[str]:
-    if nproc == 1:
+def launch_command(
+    args: list[str], topology: str = "cpu_ddp", nproc: int = 2, precision: str = "no", recipe: Path = RECIPE
+) -> list[str]:
+    """A recipe's command as the docs give it: `python recipes/<r>.py ...` for topology
+    "one", else `accelerate launch --config_file accelerate_configs/<topology>.yaml` (a
+    shipped config, by name) with this process count and precision."""
+    if topology == "one":
         return [sys.executable, str(recipe), *args]
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(nproc),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        precision,
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        str(recipe),
-        *args,
-    ]
+    config = ROOT / "accelerate_configs" / f"{topology}.yaml"
+    flags = ["--config_file", str(config), "--num_processes", str(nproc), "--mixed_precision", precision]
+    port = ["--main_process_port", str(free_port())]
+    return [sys.executable, "-m", "accelerate.commands.launch", *flags, *port, str(recipe), *args]
+
+
+def launch_env(env: dict, topology: str) -> dict:
+    """A launch's environment: DeepSpeed picks its CPU accelerator itself; every other
+    multi-process CPU launch needs ACCELERATE_USE_CPU=1 (accelerate's launcher does not
+    pass the config's use_cpu on to the processes)."""
+    if topology == "one" or topology.startswith("ds_"):
+        return {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
+    return dict(env, ACCELERATE_USE_CPU="1")
 
 
 def run_python(command: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -200,22 +228,28 @@ def run_python(command: list[str], env: dict, timeout: float, cwd: Path = ROOT) 
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def run_recipe(
+def launch(
     args: list[str],
     env: dict,
-    nproc: int = 1,
-    check: bool = True,
-    timeout: int = 300,
-    recipe: Path = RECIPE,
+    topology: str = "cpu_ddp",
+    nproc: int = 2,
     precision: str = "no",
-):
-    """Run a recipe (recipes/finetune.py unless told) as a user would; returns the
-    CompletedProcess."""
-    env = dict(env, ACCELERATE_USE_CPU="1") if nproc > 1 else env
-    proc = run_python(recipe_command(args, nproc, recipe, precision), env, timeout)
+    recipe: Path = RECIPE,
+    check: bool = True,
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    """Run a recipe (recipes/finetune.py unless told) as a user would, on one process
+    (topology "one") or through a shipped accelerate config; returns the CompletedProcess,
+    after checking it succeeded unless `check` is false."""
+    proc = run_python(launch_command(args, topology, nproc, precision, recipe), launch_env(env, topology), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_recipe(args: list[str], env: dict, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
+    """`launch` on one process, or on `nproc` CPU processes under DDP (cpu_ddp.yaml)."""
+    return launch(args, env, "one" if nproc == 1 else "cpu_ddp", nproc, **kw)
 
 
 def metrics(output_dir: Path) -> list[dict]:
@@ -226,17 +260,13 @@ def train_rows(output_dir: Path) -> list[dict]:
     return [r for r in metrics(output_dir) if "loss" in r]
 
 
-def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE) -> subprocess.Popen:
-    """Start a recipe in the background (its own session, output on stdout)."""
-    return start(recipe_command(args, nproc=nproc, recipe=recipe), cache_env)
-
-
-def start(command: list[str], cache_env) -> subprocess.Popen:
-    """Start a launch command in the background (its own session, output on stdout)."""
-    env = dict(cache_env, ACCELERATE_USE_CPU="1")
+def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE, topology: str = "") -> subprocess.Popen:
+    """Start a recipe in the background as a real process (its own session, output on
+    stdout), on one process or `nproc` under DDP, or under the given topology."""
+    topology = topology or ("one" if nproc == 1 else "cpu_ddp")
     return subprocess.Popen(
-        command,
-        env=env,
+        launch_command(args, topology, nproc, recipe=recipe),
+        env=launch_env(cache_env, topology),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -263,55 +293,6 @@ def kill_tree(proc: subprocess.Popen) -> None:
     for p in [parent, *parent.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-
-
-def launch_deepspeed(
-    stage: str, args: list[str], env: dict, timeout: int = 600, recipe: Path = RECIPE, precision: str = "no"
-) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / f"ds_{stage}.yaml"),
-        "--num_processes",
-        "2",
-        "--mixed_precision",
-        precision,
-        "--main_process_port",
-        str(free_port()),
-        str(recipe),
-        *args,
-    ]
-    env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
-    return run_python(cmd, env, timeout)
-
-
-def fsdp_command(args: list[str], recipe: Path = RECIPE, precision: str = "no", nproc: int = 2) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "fsdp2.yaml"),
-        "--num_processes",
-        str(nproc),
-        "--mixed_precision",
-        precision,
-        "--main_process_port",
-        str(free_port()),
-        str(recipe),
-        *args,
-    ]
-
-
-def launch_fsdp(
-    args: list[str], env: dict, recipe: Path = RECIPE, precision: str = "no", nproc: int = 2
-) -> subprocess.CompletedProcess:
-    env = dict(env, ACCELERATE_USE_CPU="1")
-    proc = run_python(fsdp_command(args, recipe, precision, nproc), env, 600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
 
 
 def kill_run(proc: subprocess.Popen) -> None:

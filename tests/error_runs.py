@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import dpo  # noqa: E402
 import finetune  # noqa: E402
 
-from llmtrain import plan  # noqa: E402
-from llmtrain.cli import run_cli  # noqa: E402
+from llmtrain import plan
+from llmtrain.cli import run_cli
 
 
 def run(command: str, argv: list[str], cwd: str | None = None) -> dict:

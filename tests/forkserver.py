@@ -42,7 +42,7 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "llmtrain.cli",
-    "llmtrain.pairs",
+    "llmtrain.preference.pairs",
     "llmtrain.plan",
     "llmtrain.recipe",
     "llmtrain.train",

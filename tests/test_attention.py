@@ -1,5 +1,5 @@
 """attention.choose: the backend per model and device, and the errors for what a model or
-device cannot run. (Packed masks per architecture: tests/test_architectures.py.)"""
+device cannot run. (Packed masks per architecture: tests/launch/test_architectures.py.)"""
 
 import pytest
 import torch

@@ -8,10 +8,9 @@ import sys
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data import IGNORE, process_row
-from llmtrain.pairs import process_pair
-
-from .conftest import ROOT
+from llmtrain.data.rows import IGNORE, process_row
+from llmtrain.preference.pairs import process_pair
+from tests.conftest import ROOT
 
 
 def load(name: str):
@@ -90,7 +89,7 @@ def test_the_checksum_measurement_runs():
     import subprocess
     import sys
 
-    from .conftest import ROOT
+    from tests.conftest import ROOT
 
     proc = subprocess.run(
         [sys.executable, "benchmarks/checkpoint_checksums.py", "--gib", "0.01"],

@@ -3,7 +3,7 @@ rejected one wrong, in the three row shapes, with the model's own wrong answers 
 has them."""
 
 from llmtrain.demo import OPPOSITES, make_pairs
-from llmtrain.pairs import pair_messages
+from llmtrain.preference.pairs import pair_messages
 
 
 def right_answer(question: str) -> str:

@@ -18,8 +18,7 @@ from llmtrain.config import Config, DPOConfig, load_config
 from llmtrain.config.load import flat_dict
 from llmtrain.config.schema import field_docs
 from llmtrain.errors import ConfigError
-
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

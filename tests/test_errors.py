@@ -15,8 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtrain.errors import describe
-
-from .conftest import ROOT
+from tests.conftest import ROOT
 
 
 def test_describe_gives_the_first_line_and_what_a_colon_announces():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .conftest import FORKS, free_port
+from tests.conftest import FORKS, free_port
 
 SCRIPT = """\
 import atexit, json, os, signal, sys

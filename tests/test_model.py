@@ -3,8 +3,7 @@ import pytest
 from llmtrain.config import ModelConfig
 from llmtrain.errors import ModelError
 from llmtrain.model import check_model
-
-from .conftest import recipe_args, run_recipe
+from tests.conftest import recipe_args, run_recipe
 
 
 def test_sequences_within_the_model_positions_pass(tiny_model):

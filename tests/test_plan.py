@@ -8,8 +8,7 @@ import pytest
 from llmtrain.config import load_config
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.plan import Launch, count_params, memory_estimate
-
-from .conftest import ROOT, run_python
+from tests.conftest import ROOT, run_python
 
 LLMTRAIN = str(Path(sys.executable).parent / "llmtrain")
 

@@ -372,6 +372,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     return cfg
 
 
+def check(cfg: Config) -> None:
+    """Check a tree again after start-up has filled in what the YAML left to it (the demo's
+    names resolved to its files, model.attn_implementation=auto to the backend chosen), so
+    the config that runs, and that config.yaml records, is one that passes every check."""
+    if problems := cfg.problems():
+        raise ConfigError(problems)
+
+
 def _expand(value):
     """`~` or `~user` at the start of a path, expanded; anything else (a hub name, inline
     template text) as it is."""

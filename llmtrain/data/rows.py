@@ -1,0 +1,371 @@
+"""One row to token ids and labels: its format, its messages, the chat template's rendering
+(assistant turns located by character span), the loss mask and the length policy.
+
+Every example leaves here as `input_ids` plus `labels` that are already shifted: labels[t]
+is the token that position t must predict, or -100. Shifting per row (before any packing)
+means a packed sequence never trains a row's last token to predict the next row's first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+
+from ..config import DataConfig
+from ..errors import describe, shown
+from ..files import BAD
+from ..template import MAX_RENDERED, TemplateLimit, install, time_limit
+
+IGNORE = -100
+FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+REQUIRED = {
+    "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
+
+
+def check_line(row: dict) -> None:
+    """A line of a JSON Lines file that is not a row (files.BadLine) is a malformed row."""
+    if BAD in row:
+        raise RowError(row[BAD])
+
+
+def row_format(row: dict) -> str:
+    for fmt, need in REQUIRED.items():
+        if all(row.get(c) is not None for c in need):
+            return fmt
+    null = sorted(k for k, v in row.items() if v is None)
+    raise RowError(
+        f"no known format fits this row's fields {sorted(k for k, v in row.items() if v is not None)}"
+        + (f" ({', '.join(null)}: null)" if null else "")
+        + "; a row needs 'text', 'prompt'+'completion', 'instruction'+'output', 'messages' or 'conversations'"
+    )
+
+
+# --- one row -> token ids and labels -------------------------------------------------------------
+
+
+class RowError(ValueError):
+    """A malformed row: it stops the run, naming its file and line (or, with
+    data.bad_rows=skip, is dropped and counted)."""
+
+
+class NothingToTrain(RowError):
+    """A well-formed row with nothing to train (no assistant turn, an empty conversation
+    or answer): dropped and counted with the reason, never an error."""
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # ipython: Llama 3's tool results
+
+
+def message(m, i: int, field: str = "messages") -> dict:
+    """Message `i` of a chat row as the chat template takes it: its content parts joined
+    as text, its tool calls kept, and whether its assistant turn is trained (`train`).
+    Errors name it as `field`[i] (a preference pair's messages are 'chosen', ...)."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise RowError(f"{field}[{i}]: needs a 'role' of {', '.join(ROLES)}, got {shown(m)}")
+    out = {"role": m["role"], "content": content_text(m.get("content"), i, field)}
+    if m.get("tool_calls") is not None:
+        if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
+            raise RowError(f"{field}[{i}]: 'tool_calls' must be a list, on an assistant message")
+        out["tool_calls"] = m["tool_calls"]
+    elif m.get("content") is None:
+        raise RowError(f"{field}[{i}]: needs a 'content' (text or a list of text parts)")
+    for name in ("tool_call_id", "name"):
+        if m.get(name) is not None:
+            out[name] = m[name]
+    train, weight = m.get("train", True), m.get("weight", 1)
+    if not isinstance(train, bool) or weight not in (0, 1) or isinstance(weight, bool):
+        raise RowError(
+            f"{field}[{i}]: 'train' must be true or false and 'weight' 0 or 1, got {shown(train)}, {shown(weight)}"
+        )
+    out["train"] = train and weight == 1
+    return out
+
+
+def content_text(content, i: int, field: str = "messages") -> str:
+    """A message's content as text: a string, or OpenAI-style parts of type text joined
+    by newlines (as the chat APIs read them). Other part types cannot be trained here."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RowError(f"{field}[{i}]: 'content' must be a string or a list of parts, got {type(content).__name__}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RowError(
+                f"{field}[{i}]: content part {shown(part)} is not supported; only {{type: text, text: ...}} parts "
+                "can be trained"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
+    """A chat, sharegpt or alpaca row as chat messages, with `system_prompt` (data.system_prompt)
+    first when the row has no system message of its own."""
+    if fmt == "chat":
+        messages = row["messages"]
+        if not isinstance(messages, list):
+            raise RowError("'messages' must be a list of {role, content}")
+        out = [message(m, i) for i, m in enumerate(messages)]
+    elif fmt == "sharegpt":
+        turns = row["conversations"]
+        if not isinstance(turns, list):
+            raise RowError("'conversations' must be a list of {from, value}")
+        out = []
+        for t in turns:
+            if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES or not isinstance(t.get("value"), str):
+                raise RowError(
+                    f"each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {shown(t)}"
+                )
+            out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+    elif fmt == "alpaca":
+        instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
+        if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(extra, str):
+            raise RowError("'instruction', 'input' and 'output' must be strings")
+        out = (
+            [{"role": "system", "content": row["system"]}]
+            if isinstance(row.get("system"), str) and row["system"]
+            else []
+        )
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    else:
+        raise AssertionError(fmt)
+    if not out:
+        raise NothingToTrain("empty conversation")
+    if system_prompt and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out
+
+
+def chat_ids(
+    messages: list[dict], tokenizer, loss_on: str, train_from: int = 0, tools=None
+) -> tuple[list[int], list[int]]:
+    """Render messages (and `tools`, the row's tool definitions) with the tokenizer's chat
+    template (data.chat_template, where set, was put on the tokenizer when it was loaded);
+    label the assistant turns from message `train_from` on by character span, except
+    those marked `train: false`. Tool calls are part of their assistant turn.
+
+    The span of assistant turn i runs from the end of render(messages[:i], generation prompt)
+    to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
+
+    install()  # bounds rendering in size (llmtrain.template), in this process too
+
+    def render(msgs, gen=False, tools_=tools):
+        try:
+            with time_limit():
+                text = tokenizer.apply_chat_template(msgs, tools=tools_, tokenize=False, add_generation_prompt=gen)
+        except TemplateLimit:
+            raise
+        except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
+            raise RowError(
+                f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
+            ) from None
+        if isinstance(text, str) and len(text) > MAX_RENDERED:
+            raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
+        return text
+
+    check_control_tokens(messages, tools, tokenizer)
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
+    if not trained:
+        raise NothingToTrain("no assistant turn")
+    trained = [i for i in trained if messages[i].get("train", True)]
+    if loss_on != "all":
+        if not trained:
+            raise NothingToTrain("every assistant turn has train: false")
+        if not any(messages[i]["content"].strip() or messages[i].get("tool_calls") for i in trained):
+            raise NothingToTrain("empty answer")
+    text = render(messages)
+    check_rendered(messages, tools, text, render)
+    spans = []
+    for i in [] if loss_on == "all" else trained:
+        start, end = render(messages[:i], gen=True), render(messages[: i + 1])
+        if not (end.startswith(start) and text.startswith(end)):
+            raise RowError(
+                "the chat template does not render conversations as growing prefixes, so assistant "
+                "turns cannot be located; use another data.chat_template or data.loss_on=all"
+            )
+        spans.append((len(start), len(end)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if loss_on == "all":
+        return ids, list(ids)
+    labels = [
+        tok if any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE for tok, (s, e) in zip(ids, enc["offset_mapping"])
+    ]
+    return ids, labels
+
+
+_CONTROL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, control_tokens)
+
+
+def control_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern matching the tokenizer's special added tokens (`<|im_end|>`, `<|eot_id|>`,
+    `<|im_start|>`, ...), longest first, or None when it has none. Kept per tokenizer
+    (and its size, should tokens be added): listing them costs more than a row's render."""
+    size = len(tokenizer)
+    cached = _CONTROL.get(tokenizer)
+    if cached is None or cached[0] != size:
+        found = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+        cached = _CONTROL[tokenizer] = (size, re.compile("|".join(map(re.escape, found))) if found else None)
+    return cached[1]
+
+
+def check_control_tokens(messages: list[dict], tools, tokenizer) -> None:
+    """Refuse a conversation whose text (message content, tool calls, tool definitions)
+    spells one of the tokenizer's special tokens: the rendered chat is tokenized as a
+    whole, so such a string would become the control token itself, an answer holding
+    `<|im_end|>` would teach the model to stop there, and a user message holding
+    `<|im_start|>assistant` would forge an assistant turn.
+
+    Reported rather than encoded as text: transformers can encode user strings as text
+    (apply_chat_template(sanitize_control_tokens=True)), but only when it tokenizes the
+    chat itself, without the character offsets that locate the trained assistant turns;
+    and such a string in training data is nearly always a scraping or formatting slip
+    that the user should see, not silently reinterpret. Plain `text` and
+    `prompt_completion` rows are left alone: they are tokenized as written, often
+    pre-rendered with a template on purpose."""
+    pattern = control_tokens(tokenizer)
+    if pattern is None:
+        return
+    for m in messages:
+        for what, value in (("content", m["content"]), ("tool_calls", m.get("tool_calls"))):
+            text = value if isinstance(value, str) else json.dumps(value) if value else ""
+            if found := pattern.search(text):
+                raise RowError(
+                    f"{_a(m['role'])} message's {what} holds {found.group()!r}, a control token of the tokenizer: it "
+                    "would be read as that token (ending or forging a turn), not as text; remove it from the row"
+                )
+    if tools and (found := pattern.search(json.dumps(tools))):
+        raise RowError(f"'tools' holds {found.group()!r}, a control token of the tokenizer; remove it from the row")
+
+
+def _a(role: str) -> str:
+    return f"{'an' if role in ('assistant', 'ipython') else 'a'} {role}"
+
+
+def check_rendered(messages: list[dict], tools, text: str, render) -> None:
+    """Refuse a conversation whose chat template drops something the row carries: its
+    tool definitions, an assistant turn's tool calls, or a whole message of another role
+    than user and assistant (a system or tool message). The template renders the same
+    text without it, so it would be trained as if absent (a tool-call turn as an empty
+    answer). Found by rendering without each such part, only for rows that have one."""
+
+    def same(msgs, **kw) -> bool:
+        try:
+            return render(msgs, **kw) == text
+        except RowError:  # the template refuses the conversation without it: it does use it
+            return False
+
+    fix = "set data.chat_template to a template that renders it"
+    if tools and same(messages, tools_=None):
+        raise RowError(f"the chat template does not render the row's 'tools'; {fix}")
+    for i, m in enumerate(messages):
+        if m.get("tool_calls") and same([*messages[:i], {**m, "tool_calls": None}, *messages[i + 1 :]]):
+            raise RowError(f"the chat template does not render the 'tool_calls' of an assistant message; {fix}")
+        # A template that writes a default system prompt when there is none renders a row
+        # whose system message is that default the same without it: dropped only if its
+        # text is nowhere in the rendering.
+        content = m["content"].strip()
+        other_role = m["role"] not in ("user", "assistant")
+        if other_role and content and content not in text and same(messages[:i] + messages[i + 1 :]):
+            raise RowError(f"the chat template drops {_a(m['role'])} message; {fix}")
+
+
+def _with_eos(ids: list[int], tokenizer) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def tokenize_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> tuple[list[int], list[int]]:
+    """Return (input_ids, labels) before shifting; labels are IGNORE where no loss is taken."""
+    check_line(row)
+    if fmt == "auto":
+        fmt = row_format(row)
+    elif missing := [c for c in REQUIRED[fmt] if row.get(c) is None]:
+        raise RowError(f"data.format={fmt} needs {missing}, which this row does not fill")
+    if fmt == "text":
+        if not isinstance(row["text"], str):
+            raise RowError("'text' must be a string")
+        if not row["text"].strip():
+            raise NothingToTrain("empty text")
+        ids = _with_eos(tokenizer(row["text"], add_special_tokens=True)["input_ids"], tokenizer)
+        return ids, list(ids)
+    if fmt == "prompt_completion":
+        prompt, completion = row["prompt"], row["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise RowError("'prompt' and 'completion' must be strings")
+        if not completion.strip() and cfg.loss_on != "all":
+            raise NothingToTrain("empty answer")
+        p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        c = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
+        return p + c, (list(p) if cfg.loss_on == "all" else [IGNORE] * len(p)) + c
+    tools = row.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RowError("'tools' must be a list of tool definitions")
+    messages = to_messages(row, fmt, cfg.system_prompt)
+    return chat_ids(messages, tokenizer, cfg.loss_on, tools=tools or None)
+
+
+def shift(labels: list[int]) -> list[int]:
+    return labels[1:] + [IGNORE]
+
+
+def process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
+    """One row -> {input_ids, labels (shifted), status}. status is 'ok', 'truncated', or a
+    reason the row is dropped ('too long', 'no trained tokens', 'error: ...')."""
+    try:
+        ids, labels = tokenize_row(row, fmt, tokenizer, cfg)
+    except NothingToTrain as e:
+        return _dropped(str(e))
+    except RowError as e:
+        return _dropped(f"error: {e}")
+    status = "ok"
+    if len(ids) > cfg.max_seq_len:
+        if cfg.overlong != "truncate":
+            return _dropped(f"too long ({len(ids)} tokens)")
+        ids, labels, status = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len], "truncated"
+    labels = shift(labels)
+    if all(t == IGNORE for t in labels):
+        return _dropped("no trained tokens")
+    n_trained = sum(1 for t in labels if t != IGNORE)
+    return {"input_ids": ids, "labels": labels, "length": len(ids), "n_trained": n_trained, "status": status}
+
+
+KEPT = ("ok", "truncated")
+
+
+def row_problem(status: str, cfg: DataConfig) -> str | None:
+    """Why a row of this process_row status stops the run (a malformed row, or an
+    over-long one under data.overlong=error), for the caller to put after the row's
+    location; None for rows that are kept or dropped (a malformed one too, under
+    data.bad_rows=skip)."""
+    if status.startswith("error") and cfg.bad_rows == "error":
+        return f"{status[len('error: ') :]}; data.bad_rows=skip would drop malformed rows instead"
+    if status.startswith("too long") and cfg.overlong == "error":
+        return (
+            f"row is {status[len('too long (') : -1]}, above data.max_seq_len={cfg.max_seq_len}; "
+            "raise data.max_seq_len or set data.overlong=truncate or drop"
+        )
+    return None
+
+
+def _dropped(status: str) -> dict:
+    return {"input_ids": [], "labels": [], "length": 0, "n_trained": 0, "status": status}

@@ -1,0 +1,99 @@
+"""What differs between DDP, DeepSpeed, FSDP2 and the fp16 loss scaler within one
+optimizer step, kept in one place so that the step (`step.train_step`) never asks which
+backend it runs on. Everything goes through the Accelerator's public API.
+
+The step's contract with every backend: the gradient the optimizer sees is
+sum(losses of the global batch) / (its count), a partial last window included. Each
+backend averages gradients over processes, so each micro-batch's summed loss is scaled by
+processes / count (`loss_scale`); DeepSpeed also divides every backward by its
+accumulation count, which the scale undoes.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+
+from accelerate.utils import DistributedType
+
+
+class Backend:
+    def __init__(self, accelerator, grad_accum_steps: int):
+        self.accelerator = accelerator
+        kind = accelerator.distributed_type
+        self.deepspeed = kind == DistributedType.DEEPSPEED
+        # DeepSpeed and FSDP place the weights themselves (and with offload keep them off the GPU).
+        self.places_weights = kind in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        self.fp16 = accelerator.mixed_precision == "fp16"
+        zero3 = self.deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
+        self.sharded = zero3 or kind == DistributedType.FSDP  # each process holds a shard of the weights
+        self.accum_divisor = grad_accum_steps if self.deepspeed else 1
+
+    def place(self, model):
+        """The model on the process's device, unless the backend places it in `prepare`
+        or it was loaded quantized, straight onto the device (model.quantization)."""
+        from ..model import is_quantized
+
+        return model if self.places_weights or is_quantized(model) else model.to(self.accelerator.device)
+
+    def loss_scale(self, count: int) -> float:
+        """The factor for each micro-batch's summed loss (see the module docstring)."""
+        return self.accelerator.num_processes * self.accum_divisor / count
+
+    @contextmanager
+    def micro_batch(self, model, last: bool):
+        """Around a micro-batch's forward and backward. Gradients are reduced across
+        processes only on the last micro-batch of the step, and DeepSpeed takes its
+        optimizer step inside that backward (the accumulation boundary it reads from
+        `sync_gradients`)."""
+        self.accelerator.sync_gradients = last
+        with nullcontext() if last else self.accelerator.no_sync(model):
+            yield
+
+    def backward(self, loss) -> None:
+        self.accelerator.backward(loss)
+
+    def sum_over_processes(self, tensor):
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def clip_grad_norm(self, model, max_norm: float) -> float:
+        """The global gradient norm before clipping (clipped to `max_norm`, 0 for none);
+        nan where the backend gives none."""
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+        return float(norm) if norm is not None else math.nan
+
+    def engine_skipped(self) -> bool:
+        """Before our optimizer.step(): DeepSpeed has already stepped, inside backward,
+        and skips (and clears) a step whose gradient norm is not finite; in bf16 or fp32
+        that is the same fault our non-finite check looks for."""
+        return self.deepspeed and not self.fp16 and self.accelerator.optimizer_step_was_skipped
+
+    def grad_norm_is_ours(self) -> bool:
+        """Whether a non-finite gradient norm is ours to skip: in fp16 it is the loss
+        scaler's overflow, which the scaler skips (`scaler_skipped`) and handles."""
+        return not self.fp16
+
+    def nonfinite_weights(self, model) -> int:
+        """Non-finite values in the trainable weights, counted over all processes: under
+        ZeRO-3 and FSDP each process counts the shard it holds, and the counts are summed
+        (one all-reduce); elsewhere every process holds the same whole weights."""
+        import torch
+
+        counts = [(~torch.isfinite(_local(p))).sum() for p in model.parameters() if p.requires_grad]
+        total = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.long)
+        if self.sharded:
+            total = self.accelerator.reduce(total.to(self.accelerator.device), reduction="sum")
+        return int(total)
+
+    def scaler_skipped(self) -> bool:
+        """After optimizer.step(): the fp16 loss scaler (or DeepSpeed's) found an
+        overflow, skipped the update and lowered its scale."""
+        return self.accelerator.optimizer_step_was_skipped
+
+
+def _local(p):
+    """The part of a parameter this process holds: ZeRO-3's partition, FSDP2's local shard,
+    or the parameter itself."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor
+    return p.to_local() if hasattr(p, "to_local") else p

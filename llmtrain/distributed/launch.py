@@ -1,0 +1,230 @@
+"""Launch checks and the Accelerator: what `accelerate launch` set up, checked before
+anything loads, and the recipe's batch settings made DeepSpeed's."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType, parse_flag_from_env
+
+from ..config import Config
+from ..errors import ConfigError, UserError
+from ..observe.metrics import tracker_name
+
+
+def process_group_backend() -> str | None:
+    """gloo for DeepSpeed on a CPU-only machine (its CPU accelerator): Accelerate finds no
+    device backend there and would leave the processes without a group. None otherwise
+    (Accelerate chooses)."""
+    if (
+        parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+        and not parse_flag_from_env("ACCELERATE_USE_CPU")
+        and not torch.cuda.is_available()
+    ):
+        return "gloo"
+    return None
+
+
+def setup_accelerator(cfg: Config):
+    """The Accelerator; topology and precision come from `accelerate launch` / its config."""
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+        set_seed,
+    )
+
+    backend = process_group_backend()
+    handlers = [InitProcessGroupKwargs(backend=backend)] if backend else []
+    tracker = tracker_name(cfg.log.tracker)
+    accelerator = Accelerator(
+        log_with=tracker,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
+        # Uneven last batches are not padded by repeating rows (which would count them
+        # twice); a process with nothing left runs an empty batch instead (see `window`).
+        # Batches from pinned memory (batches.make_loader) are copied to the GPU without blocking.
+        dataloader_config=DataLoaderConfiguration(even_batches=False, non_blocking=True),
+        kwargs_handlers=handlers,
+    )
+    check_topology(accelerator)
+    # torchrun/accelerate launch tell every process the world size. If the processes did
+    # not form a group (no GPU and no ACCELERATE_USE_CPU=1), each would train alone on the
+    # whole data set and overwrite the others' output.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise ConfigError(
+            [
+                f"launch: {launched} processes were started but they did not join one process group "
+                "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"
+            ]
+        )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator, cfg)
+        # DeepSpeed calls torch.distributed functions that torch has renamed; torch warns on
+        # every call, burying the training log under advice meant for DeepSpeed's authors.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    set_seed(cfg.train.seed)
+    return accelerator
+
+
+def check_topology(accelerator) -> None:
+    """Refuse launches that would silently not be what was asked for."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        raise ConfigError(
+            [
+                "launch: ACCELERATE_USE_CPU=1 (or use_cpu: true) turns DeepSpeed off in Accelerate; "
+                "for DeepSpeed on CPU launch without it (DeepSpeed picks its CPU accelerator by itself)"
+            ]
+        )
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind == DistributedType.MULTI_CPU:
+        fsdp_on_cpu(accelerator)
+        kind = accelerator.distributed_type
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
+        raise ConfigError(
+            [
+                "launch: FSDP was asked for but this launch has no process group to shard over (one process, "
+                "or no GPU without ACCELERATE_USE_CPU=1); launch several processes, on CPU with "
+                "ACCELERATE_USE_CPU=1 (see accelerate_configs/fsdp2.yaml)"
+            ]
+        )
+    if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
+        raise ConfigError(
+            [
+                "launch: FSDP1 is not supported; set fsdp_config.fsdp_version: 2 in the accelerate config "
+                "(see accelerate_configs/fsdp2.yaml)"
+            ]
+        )
+
+
+def fsdp_on_cpu(accelerator) -> None:
+    """Make a CPU launch that asked for FSDP (ACCELERATE_USE_FSDP, set by accelerate
+    launch from an FSDP config) an FSDP run. PyTorch's FSDP2 (fully_shard) runs on CPU over
+    gloo, but Accelerate turns FSDP on only for device backends and leaves a CPU launch
+    MULTI_CPU. Written by hand because Accelerate has no switch for it: its state objects
+    keep their fields in class-level shared dicts, and `prepare`, `save_state`,
+    `load_state` and `get_state_dict` all read `distributed_type` and `fsdp_plugin` from
+    there, so both are set in AcceleratorState's and PartialState's (the plugin built from
+    the same FSDP_* variables Accelerate reads). tests/distributed/test_launch.py fails if an
+    Accelerate upgrade moves this."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.state.fsdp_plugin is not plugin:
+        raise RuntimeError("Accelerate no longer keeps its state where llmtrain.launch.fsdp_on_cpu sets FSDP")
+
+
+def configure_deepspeed(accelerator, cfg: Config) -> None:
+    """Make the recipe's batch settings DeepSpeed's: "auto" (or absent) values are filled
+    in from train.*; an explicit value that differs is an error naming both settings."""
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    t, world = cfg.train, accelerator.num_processes
+    if t.spike_factor:
+        raise ConfigError(
+            [
+                "train.spike_factor: the spike guard cannot run under DeepSpeed (its engine takes the "
+                "optimizer step inside backward, before the step's loss is known); "
+                "set train.spike_factor=0"
+            ]
+        )
+    if t.compile:
+        raise ConfigError(
+            [
+                "train.compile: not supported with DeepSpeed (its ZeRO hooks run inside every block); "
+                "set train.compile=false, or use DDP or FSDP2"
+            ]
+        )
+    if cfg.model.quantization != "none" and plugin.zero_stage == 3:
+        raise ConfigError(
+            [
+                f"model.quantization: {cfg.model.quantization} weights cannot be partitioned by DeepSpeed ZeRO-3; "
+                "use ZeRO-1/2, DDP or FSDP2 for QLoRA, or set model.quantization=none"
+            ]
+        )
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
+    wanted = [
+        ("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
+        ("gradient_accumulation_steps", t.grad_accum_steps, "train.grad_accum_steps"),
+        (
+            "train_batch_size",
+            t.global_batch(world),
+            f"train.micro_batch_size x train.grad_accum_steps x {world} processes",
+        ),
+        ("gradient_clipping", float(t.max_grad_norm or 0.0), "train.max_grad_norm"),
+    ]
+    problems = []
+    for key, ours, name in wanted:
+        theirs = ds.get(key, "auto")
+        if theirs == "auto":
+            ds[key] = ours
+        elif not _is_number(theirs):
+            problems.append(
+                f'{key}={theirs!r} in {where} is not a number; set it to "auto" (the recipe\'s {name} is then used)'
+            )
+        elif float(theirs) != float(ours):
+            problems.append(
+                f'{name}={ours} conflicts with {key}={theirs} in {where}; set {key} to "auto" '
+                f"there (the recipe's value is then used) or make them equal"
+            )
+    if problems:
+        raise ConfigError(problems)
+    # Accelerate compares its own count with DeepSpeed's; it does not scale the loss
+    # under DeepSpeed, so matching it only silences a mismatch warning.
+    accelerator.gradient_accumulation_steps = t.grad_accum_steps
+
+
+def _is_number(value) -> bool:
+    """Whether a DeepSpeed config value reads as a number (a typo such as "four" is the user's to fix)."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, bool)
+
+
+@contextmanager
+def main_first(accelerator):
+    """Like `accelerator.main_process_first()`: the main process runs the body first (it
+    builds the demo files and the data cache), then the others. Unlike it, a user error
+    the main process meets there reaches every process: the others wait for the main
+    process's outcome rather than in a barrier it never joins, and raise the same error
+    (printed once, `cli.report_once`) instead of dying in a broken collective."""
+    if accelerator.num_processes == 1:
+        yield
+        return
+    from accelerate.utils import broadcast_object_list
+
+    outcome: list = [None]
+    if not accelerator.is_main_process:
+        broadcast_object_list(outcome)
+        if outcome[0] == FAILED:
+            sys.exit(1)  # the main process shows the traceback
+        if outcome[0] is not None:
+            raise UserError(outcome[0])
+        yield
+        return
+    try:
+        yield
+    except UserError as e:
+        broadcast_object_list([str(e)])
+        raise
+    except Exception:
+        broadcast_object_list([FAILED])
+        raise
+    broadcast_object_list(outcome)
+
+
+FAILED = "\0failed"  # what main_first sends when the main process met a bug

@@ -1,0 +1,362 @@
+"""One run per output directory, and what a rerun finds there.
+
+A run holds an exclusive lock on output_dir for its lifetime (`lock`): an flock on
+output_dir/.llmtrain.lock, taken by the main process. The kernel releases it however the
+process ends (a crash, SIGKILL), so a lock is never stale on one machine; on a shared
+filesystem that supports locks (NFSv4, Lustre mounted with flock) it also holds across
+nodes, and the server releases the lock of a crashed node when its lease runs out. The
+lock file says who holds it, so a second run stops at once naming the first.
+
+A finished run leaves final/train_state.json, the state it was exported at. A rerun of a
+finished run says so and exits instead of exporting again; a fresh start in a directory
+that holds a finished run (and no checkpoint to continue it) is refused rather than
+overwriting it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import safefs
+from ..errors import CheckpointError, shown, warn
+from ..files import load_json, read_own
+from ..observe.throughput import full_numel
+from . import checkpoint
+from .checkpoint import STATE_FILE, checkpoint_root, complete_checkpoints
+
+LOCK_FILE = ".llmtrain.lock"
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts in its output directory (`prepare`)."""
+
+    identity: dict  # the recipe and the training files' content (`identity`), recorded with the run
+    resume_from: Path | None = None  # the checkpoint to continue from; None: from the start
+    finished_at: int | None = None  # the step a finished run with these settings ended at: nothing to do
+
+
+def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
+    """Take output_dir for this run, on every process alike, and say where it starts:
+    output_dir must be writable and hold no planted link; the run locks it; the
+    directory must hold this recipe's run on this data, or none; a finished run with
+    these settings is left as it is; otherwise the disk must hold `need` (one checkpoint
+    and the export, `output_bytes`), what a killed run left half done is finished, and the
+    checkpoint to resume from (checkpoint.resume) is found and checked against this
+    run's settings."""
+    out = cfg.output_dir
+    check_writable(out)
+    safefs.check_output_dir(out)  # no planted link where the run will write
+    lock(out, accelerator)  # one run per output_dir, until this process ends
+    ident = identity(recipe, cfg)
+    check_same_run(out, ident)
+    if (step := already_finished(cfg)) is not None:
+        return Start(ident, finished_at=step)
+    check_free_space(out, need)
+    if accelerator.is_main_process:
+        checkpoint.clean_leftovers(out)  # what a killed run left half written or half deleted
+    accelerator.wait_for_everyone()
+    resume_from = checkpoint.find_resume(
+        out, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
+    )
+    check_rerun(cfg, resume_from)
+    check_same_run(out, ident, resume_from)
+    if resume_from is not None:
+        warn_changes(resume_from, cfg)
+    return Start(ident, resume_from)
+
+
+def check_writable(output_dir: str) -> None:
+    """Create output_dir and write and remove a file in it, so that an unwritable directory
+    stops the run at start-up rather than at its first checkpoint."""
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        safefs.new_temp(output_dir, ".llmtrain-write-test-").unlink()  # created exclusively: never a planted link
+    except OSError as e:
+        raise CheckpointError(
+            f"output_dir: cannot write to {output_dir} ({e.strerror or e}); choose a directory "
+            "you can write to, or fix its permissions"
+        ) from None
+
+
+def output_bytes(model) -> dict[str, int]:
+    """Rough size on disk of one checkpoint and the export: the weights, and AdamW's two
+    moments per trainable parameter (in the parameter's dtype)."""
+    weights = optimizer = 0
+    for p in model.parameters():
+        n = full_numel(p) * p.element_size()
+        weights += n
+        optimizer += 2 * n if p.requires_grad else 0
+    return {"checkpoint": weights + optimizer, "export": weights}
+
+
+def check_free_space(output_dir: str, need: dict[str, int]) -> None:
+    """Refuse to start when output_dir cannot hold one checkpoint and the final export."""
+    free, total = shutil.disk_usage(output_dir).free, need["checkpoint"] + need["export"]
+    if free < total:
+        gib = 2**30
+        raise CheckpointError(
+            f"output_dir: {output_dir} has {free / gib:.2f} GiB free, but one checkpoint "
+            f"({need['checkpoint'] / gib:.2f} GiB) and the final export ({need['export'] / gib:.2f} GiB) need "
+            f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk"
+        )
+
+
+_HELD: dict[str, object] = {}  # output_dir -> the open lock file, for the life of the process
+
+
+def lock(output_dir: str, accelerator) -> None:
+    """Hold output_dir for this run, from the main process until it ends (the kernel
+    releases the lock then, however it ends). Every process raises the same
+    CheckpointError if another run holds it."""
+    import fcntl
+
+    from accelerate.utils import broadcast_object_list
+
+    refused = [""]
+    if accelerator.is_main_process and output_dir not in _HELD:
+        path = Path(output_dir) / LOCK_FILE
+        try:  # O_NOFOLLOW: a link planted in place of the lock file is refused, never followed
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError:
+            if path.is_symlink():
+                raise safefs.link_error(path) from None
+            raise
+        handle = os.fdopen(fd, "r+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            refused[0] = (
+                f"output_dir: {output_dir} is in use by another run ({handle.read().strip() or 'its holder'}); "
+                "wait for it to end, or choose another output_dir"
+            )
+            handle.close()
+        except OSError as e:  # a filesystem without locks: go on, unguarded
+            warn(f"output_dir: cannot lock {path} ({e.strerror}); a second run into it would not be stopped")
+            handle.close()
+        else:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            handle.flush()
+            _HELD[output_dir] = handle
+    if accelerator.num_processes > 1:
+        broadcast_object_list(refused)
+    if refused[0]:
+        raise CheckpointError(refused[0])
+
+
+def finished_state(output_dir: str) -> dict | None:
+    """The TrainState a finished run exported final/ at, or None when there is no final/.
+    A final/ whose state cannot be read (written by hand, by an older version, or
+    damaged) still holds a finished run: its step is None then."""
+    final = Path(output_dir) / "final"
+    if not final.is_dir():
+        return None
+    try:
+        state = load_json(final / STATE_FILE)
+    except (OSError, ValueError):
+        state = None
+    step = state.get("step") if isinstance(state, dict) else None
+    return state if isinstance(step, int) and not isinstance(step, bool) else {"step": None}
+
+
+def holds_run(output_dir: str) -> bool:
+    """Whether output_dir holds what a run writes: metrics, checkpoints or an export."""
+    out = Path(output_dir)
+    return (out / "metrics.jsonl").is_file() or (out / "final").is_dir() or bool(complete_checkpoints(out))
+
+
+# Settings that do not change what a run computes: where and how it reports, how it
+# checkpoints, how fast it reads. A rerun that changes only these is the same run.
+SAME_RUN = (
+    "output_dir",
+    "log.",
+    "checkpoint.",
+    "data.num_workers",
+    "train.hang_timeout_s",
+    "train.profile_steps",
+    "eval.sample_prompts",
+    "eval.sample_max_new_tokens",
+)
+
+
+def changed_settings(saved_yaml: str, cfg) -> list[str]:
+    """'key: old -> new' for each setting that alters the run and differs from the
+    config a checkpoint or export was written with."""
+    import yaml
+
+    from ..config.load import BoundedLoader, as_dict
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    try:
+        saved = yaml.load(saved_yaml, Loader=BoundedLoader)
+    except yaml.YAMLError:
+        saved = None
+    if not isinstance(saved, dict):
+        return ["(the saved config cannot be read, so changes are not known)"]
+    old, new = flat(saved), flat(as_dict(cfg))
+    return [
+        f"{key}: {shown(old.get(key))} -> {shown(value)}"
+        for key, value in new.items()
+        if not key.startswith(SAME_RUN) and key in old and old[key] != value
+    ]
+
+
+def already_finished(cfg) -> int | None:
+    """The step of final/ when output_dir holds this very run, finished (its export was
+    written with the same settings, but for how it reports and checkpoints); else None."""
+    done, config = finished_state(cfg.output_dir), Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"
+    if done is None or done["step"] is None or not config.is_file():
+        return None
+    try:
+        if changed_settings(read_own(config), cfg):
+            return None
+    except (OSError, ValueError):
+        return None
+    return done["step"]
+
+
+def up_to_date(output_dir: str, step: int, total_steps: int) -> bool:
+    """Whether a resumed run has no step left and final/ was exported at that step (the
+    settings changed, say the rate, but not the length: exporting again would change
+    nothing)."""
+    done = finished_state(output_dir)
+    return step >= total_steps and done is not None and done["step"] == step
+
+
+def check_rerun(cfg, resume_from: Path | None) -> None:
+    """Refuse a run that would overwrite another's results: a fresh start over a finished
+    run (it would train again from scratch and replace its metrics and final/), and a
+    resume from another directory's checkpoint into one that holds a run (the two runs'
+    metrics and checkpoints would mix)."""
+    out = cfg.output_dir
+    foreign = resume_from is not None and resume_from.resolve().parent != checkpoint_root(out).resolve()
+    if foreign and holds_run(out):
+        raise CheckpointError(
+            f"output_dir: {out} holds another run, and resuming {resume_from} into it would mix the two runs' "
+            "metrics, checkpoints and final/; resume it into a new output_dir"
+        )
+    done = finished_state(out)
+    if done is not None and resume_from is None:
+        at = f"exported at step {done['step']}" if done["step"] is not None else "whose train_state.json cannot be read"
+        raise CheckpointError(
+            f"output_dir: {out} holds a finished run (final/ {at}) with other settings, and no checkpoint to "
+            "continue it from; choose another output_dir, or delete its final/ to train again from scratch"
+        )
+
+
+def identity(recipe: str, cfg) -> dict:
+    """What an output_dir's run belongs to: the recipe that trains it and the content of
+    each local training file (its name in data.train -> `files.content_hash`). Recorded in
+    every train_state.json (checkpoints and final/) and run.json. Hub data sets are named
+    by the config and pinned by their revision, so only files are fingerprinted; streamed
+    files by size and modification time only (data.streaming is for corpora too large to
+    read an extra time at every start)."""
+    from ..data.mixture import names
+    from ..files import content_hash
+
+    data = {}
+    for name in names(cfg.data.train):
+        try:
+            if not Path(name).is_file():
+                continue
+            if cfg.data.streaming:  # a corpus too large to prepare is not read whole at every start
+                stat = Path(name).stat()
+                data[name] = f"size {stat.st_size}, modified {stat.st_mtime_ns}"
+            else:
+                data[name] = content_hash(Path(name))
+        except OSError:  # unreadable: the data loader names the file and the fix
+            pass
+    return {"recipe": recipe, "data": data, "streamed": bool(cfg.data.streaming)}
+
+
+def identity_change(saved, now: dict, elsewhere: bool = False) -> str | None:
+    """How the run that wrote a train_state.json's `saved` record differs from this one
+    (`now`, from `identity`), as the end of a sentence, or None. A state written before
+    runs were recorded has none, and passes. A file named by only one of the two is a
+    change of data.train itself, which `warn_changes` reports as a setting. `elsewhere`:
+    the state is a checkpoint of another output_dir (checkpoint.resume=<path>), so the fix
+    is another checkpoint, not another output_dir."""
+    if saved is None:
+        return None
+    readable = isinstance(saved, dict) and isinstance(saved.get("recipe"), str) and isinstance(saved.get("data"), dict)
+    if not readable:
+        return "has a run record (recipe, data) that cannot be read; " + (
+            "give another checkpoint" if elsewhere else "choose another output_dir"
+        )
+    if saved["recipe"] != now["recipe"]:
+        fix = (
+            f"resume from a checkpoint of a {now['recipe']} run instead"
+            if elsewhere
+            else f"choose another output_dir for this {now['recipe']} run"
+        )
+        return (
+            f"was trained by the {saved['recipe']} recipe, not {now['recipe']}: its optimizer, schedule and metrics "
+            f"are that recipe's; {fix} (to start from that run's weights, set model.name_or_path to its final/)"
+        )
+    for name, digest in now["data"].items():
+        if saved["data"].get(name, digest) != digest:
+            fix = "start afresh (checkpoint.resume=auto)" if elsewhere else "choose another output_dir"
+            return (
+                f"was trained on other content of {name} (the file changed since, same path): its position and "
+                f"weights are from the old rows; restore the file, or {fix} to train on the new one"
+            )
+    return None
+
+
+def check_same_run(output_dir: str, now: dict, resume_from: Path | None = None) -> None:
+    """Refuse to go on with a run whose final/ or checkpoint `resume_from` was written by
+    another recipe or on other content of the same training files: the export would be
+    called up to date, or training would continue at a data position that no longer
+    means the same rows, with the other recipe's optimizer and schedule. Starting afresh
+    instead would overwrite that run's results, so neither is done silently."""
+    for where in (Path(output_dir) / "final", resume_from):
+        if where is None:
+            continue
+        try:
+            state = load_json(where / STATE_FILE)
+        except (OSError, ValueError):
+            continue  # no state or an unreadable one: finished_state and the checkpoint checks say so
+        elsewhere = where is resume_from and where.resolve().parent != checkpoint_root(output_dir).resolve()
+        saved = state.get("run") if isinstance(state, dict) else None
+        key = "checkpoint.resume" if elsewhere else "output_dir"
+        # A stream stopped by a bad row is resumed once the row is fixed (the run reads on
+        # from the checkpoint's position): there a changed file is said, not refused.
+        mid_stream = where is resume_from and now.get("streamed")
+        if change := identity_change(saved, {**now, "data": {}} if mid_stream else now, elsewhere):
+            raise CheckpointError(f"{key}: {where} {change}")
+        if mid_stream and (change := identity_change(saved, now, elsewhere)):
+            warn(
+                f"{key}: {where} {change.split(':')[0]}; data.streaming reads on from the checkpoint's position: "
+                "a fixed row continues the run exactly, other edits change what it trains"
+            )
+
+
+def warn_changes(resume_from: Path, cfg) -> None:
+    """Warn, naming each, about settings that alter the run and differ from those the
+    checkpoint was written with (those that fix what its data position means are refused
+    by checkpoint.load instead)."""
+    from .checkpoint import POSITION_KEYS
+
+    try:
+        saved = read_own(resume_from / "config.yaml")
+    except (OSError, ValueError):
+        saved = ""
+    changes = [c for c in changed_settings(saved, cfg) if c.split(":")[0] not in POSITION_KEYS]
+    if changes:
+        warn(
+            f"checkpoint.resume: {resume_from} was written with other settings; the run goes on with the new "
+            f"ones: {'; '.join(changes)}"
+        )

@@ -1,0 +1,1 @@
+"""Tests of llmtrain/config/: loading, overrides, checks, bounds on config files."""

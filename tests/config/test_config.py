@@ -1,0 +1,309 @@
+import pytest
+
+from llmtrain.config import Config, DPOConfig, load_config
+from llmtrain.config.load import parse_override
+from llmtrain.errors import ConfigError
+from tests.conftest import ROOT, run_recipe
+
+SHIPPED = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+    assert len(SHIPPED) >= 3
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    """Each loads into its recipe's tree: recipes/dpo.py's configs have a dpo section."""
+    import yaml
+
+    text = path.read_text()
+    assert text.startswith("#"), "each shipped YAML opens with the command that uses it"
+    dpo = "dpo" in yaml.safe_load(text)
+    header = "".join(line for line in text.splitlines() if line.startswith("#"))
+    assert ("recipes/dpo.py" in header) == dpo, "the opening comment names the recipe"
+    cfg = load_config(path, schema=DPOConfig if dpo else Config)
+    assert isinstance(cfg, DPOConfig if dpo else Config)
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        ROOT / "recipes/configs/demo.yaml",
+        ["train.lr=2e-5", "data.packing=false", "data.train=[a.jsonl,b.parquet]", "train.max_steps=7"],
+    )
+    assert cfg.train.lr == 2e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.data.packing is False
+    assert cfg.data.train == ["a.jsonl", "b.parquet"]
+    assert cfg.train.max_steps == 7
+
+
+def test_unknown_key_names_the_closest_valid_one():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=x", "data.train=a.jsonl", "train.lrr=1e-4"])
+    assert "train.lrr: unknown key; did you mean 'train.lr'?" in str(e.value)
+
+
+def test_unknown_section_and_nested_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name_or_path: x\n  lora:\n    rank: 8\ndata:\n  train: a.jsonl\ntrian:\n  lr: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    text = str(e.value)
+    assert "model.lora.rank: unknown key; did you mean 'model.lora.r'?" in text
+    assert "trian: unknown key; did you mean 'train'?" in text
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.micro_batch_size=abc", "train.lr=-1", "data.overlong=cut", "data.max_seq_len=0"])
+    problems = e.value.problems
+    keys = [p.split(":")[0] for p in problems]
+    for key in [
+        "train.micro_batch_size",
+        "train.lr",
+        "data.overlong",
+        "data.max_seq_len",
+        "model.name_or_path",
+        "data.train",
+    ]:
+        assert key in keys, problems
+    assert any("expected an integer" in p for p in problems)
+    assert any("one of 'truncate', 'drop', 'error'" in p for p in problems)
+
+
+def test_a_stream_needs_max_steps():
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true", "data.shuffle_buffer=0"]
+        )
+    assert e.value.problems == [
+        "data.streaming: a stream's length is not known ahead; set train.max_steps",
+        "data.shuffle_buffer: must be at least 1, got 0",
+    ]
+    load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "data.streaming=true", "train.max_steps=5"])
+
+
+def test_bool_is_not_an_int_and_string_is_not_a_bool():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=x", "data.train=a", "train.epochs=true", "data.packing=yes please"])
+    assert {p.split(":")[0] for p in e.value.problems} == {"train.epochs", "data.packing"}
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("train.lr")
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: 1\n  epochs: [1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(path)
+
+
+def test_recipe_reports_config_errors_before_loading_anything(cache_env, tmp_path):
+    proc = run_recipe(
+        [f"output_dir={tmp_path}/out", "train.lrr=1", "model.name_or_path=/nonexistent"], cache_env, check=False
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: train.lrr: unknown key; did you mean 'train.lr'?"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_arithmetic_is_one_set_of_methods():
+    """What the recipe, `llmtrain plan` and the DeepSpeed config use for steps and batches."""
+    from llmtrain.config import TrainConfig
+
+    t = TrainConfig(micro_batch_size=2, grad_accum_steps=2)
+    assert t.global_batch(2) == 8
+    assert t.steps_per_epoch(20, 2) == 3  # 10 micro-batches, 5 per process: steps of 2, 2 and 1
+    assert t.steps_per_epoch(18, 2) == 3  # 9 micro-batches: 5 and 4, the last step on one process only
+    assert t.steps_per_epoch(16, 2) == 2
+    assert t.total_steps(3) == 3 and TrainConfig(epochs=2).total_steps(3) == 6
+    assert TrainConfig(max_steps=5, epochs=2).total_steps(None) == 5  # a stream, or a fixed length
+
+
+@pytest.mark.parametrize(
+    "value, expected", [("10-12", (10, 12)), ("5", (5, 5)), ("", None), ("0", None), ("'0'", None)]
+)
+def test_profile_steps_take_a_step_or_a_range(value, expected):
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"train.profile_steps={value}"])
+    assert cfg.train.profile_range() == expected
+
+
+@pytest.mark.parametrize("value", ["12-10", "x", "3-", "0-2", "1-2-3"])
+def test_a_bad_profile_range_names_the_key(value):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"train.profile_steps={value}"])
+    assert e.value.problems == [
+        f"train.profile_steps: expected a step or a range of steps such as 10-12 (counted from 1), got {value!r}"
+    ]
+
+
+def numeric_keys() -> list[str]:
+    import typing
+
+    from llmtrain.config.schema import field_docs
+
+    keys = []
+    for key, _, _ in field_docs():
+        node = DPOConfig()
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = getattr(node, part)
+        if typing.get_type_hints(type(node))[leaf] in (int, float):
+            keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("key", numeric_keys())
+def test_every_number_is_checked_from_the_schema(key):
+    """No numeric field can take a value that cannot train: inf and nan for every float,
+    negative values for every number (all are counts, sizes, rates or factors), and a
+    number beyond any float or 64-bit integer."""
+    huge = "1" + "0" * 400
+    values = ["-1", ".nan", ".inf", huge] if isinstance(_default(key), float) else ["-1", huge]
+    for value in values:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"], DPOConfig)
+        assert [p for p in e.value.problems if p.startswith(f"{key}: ")], (key, value, e.value.problems)
+
+
+def _default(key: str):
+    node = DPOConfig()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def test_number_messages_say_the_range():
+    with pytest.raises(ConfigError) as e:
+        overrides = ["train.lr=.inf", "train.adam_eps=-1e-8", "train.seed=-3", "model.lora.dropout=1"]
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", *overrides, "eval.sample_max_new_tokens=0"])
+    assert e.value.problems == [
+        "model.lora.dropout: must be in [0, 1), got 1.0",
+        "train.lr: must be a finite number, got inf",
+        "train.adam_eps: must be positive, got -1e-08",
+        "train.seed: must be in [0, 4294967295], got -3",
+        "eval.sample_max_new_tokens: must be at least 1, got 0",
+    ]
+
+
+def test_a_key_given_twice_in_yaml_is_an_error_naming_it_and_its_line(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\ndata:\n  train: a.jsonl\ntrain:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m"])
+    assert e.value.problems == [f"{path}:5: 'train' is given twice (first on line 1); give each key once"]
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("output_dir: runs/x\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m", "data.train=d.jsonl"])
+    assert e.value.problems == [f"{path}:2: not UTF-8 text; save the file as UTF-8"]
+
+
+def test_a_chat_template_path_must_exist_and_a_template_must_parse(tmp_path):
+    base = ["model.name_or_path=m", "data.train=d.jsonl"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f"data.chat_template={tmp_path}/chat.jinja"])
+    assert e.value.problems == [
+        f"data.chat_template: no such file: {tmp_path}/chat.jinja; give a Jinja template file, or the template "
+        "text itself"
+    ]
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f"data.chat_template={broken}"])
+    assert e.value.problems[0].startswith(f"data.chat_template: {broken} line 2: Jinja syntax error (")
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_config(None, [*base, f"data.chat_template={good}"]).data.chat_template == str(good)
+
+
+def test_keys_in_yaml_are_names_and_merge_keys_work(tmp_path):
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("data:\n  <<: &d {max_seq_len: 64, packing: true}\n  max_seq_len: 128\n")
+    cfg = load_config(merged, ["model.name_or_path=m", "data.train=d.jsonl"])
+    assert (cfg.data.max_seq_len, cfg.data.packing) == (128, True)  # merged, and overridden after the merge
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("train:\n  ? [a, b]\n  : 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(odd, ["model.name_or_path=m", "data.train=d.jsonl"])
+    assert e.value.problems == [f"{odd}:2: a key here is a list, not a name; keys are plain names such as lr"]
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path):
+    assert_problems(tmp_path, [f"--config: {tmp_path} is not a regular file; give a YAML file"])
+    assert_problems(tmp_path / "no.yaml", [f"--config: no such file: {tmp_path / 'no.yaml'}"])
+
+
+def assert_problems(path, problems, overrides=()):
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", *overrides])
+    assert e.value.problems == problems
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("train=5", "train: is a section; set its keys (e.g. train.<key>=value), got 5"),
+        ("train=null", "train: is a section; set its keys (e.g. train.<key>=value), got None"),
+        ("train.lr.x=1", "train.lr.x: train.lr is set to 2e-05, not a section; set train.lr as a section"),
+        ("=5", "(empty)=5: the key has an empty part; write key.sub=value"),
+        ("train..lr=1", "train..lr=1: the key has an empty part; write key.sub=value"),
+        ("data.train=[a.jsonl, '', null]", "data.train[1]: empty; give a file path or a hub data set name"),
+    ],
+)
+def test_an_override_never_silently_drops_a_section(tmp_path, override, problem):
+    """A value for a whole section is refused, not put in place of the YAML's section."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 2.0e-5\n  max_steps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", override])
+    assert e.value.problems[0] == problem
+
+
+def test_a_mapping_for_a_section_sets_only_its_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 2.0e-5\n  max_steps: 3\n")
+    cfg = load_config(path, ["model.name_or_path=m", "data.train=d.jsonl", "train={lr: 1.0e-4, epochs: 2}"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.epochs) == (1e-4, 3, 2)
+
+
+def test_preference_settings_that_cannot_apply_are_errors_naming_the_key():
+    base = ["model.name_or_path=m", "data.train=d.jsonl"]
+    bad = ["dpo.loss=simpo", "dpo.reference=other", "data.streaming=true", "train.max_steps=5"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, *bad, "data.format=chat", "data.loss_on=all", "dpo.beta=0"], DPOConfig)
+    keys = sorted(problem.split(":")[0] for problem in e.value.problems)
+    assert keys == ["data.format", "data.loss_on", "data.streaming", "dpo.beta", "dpo.reference"]
+    with pytest.raises(ConfigError, match="dpo: unknown key"):
+        load_config(None, [*base, "dpo.beta=0.2"])  # finetune.py's tree has no dpo section
+
+
+def test_quantization_needs_lora_and_names_both_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "model.quantization=nf4"])
+    assert e.value.problems[0].startswith("model.quantization: nf4 weights cannot be trained directly")
+    assert "model.lora.enabled=true" in e.value.problems[0]
+    cfg = load_config(
+        None, ["model.name_or_path=m", "data.train=d.jsonl", "model.quantization=nf4", "model.lora.enabled=true"]
+    )
+    assert cfg.model.quantization == "nf4"
+
+
+def test_a_config_filled_in_at_start_up_is_checked_again():
+    """What start-up fills in (demo names, the attention backend) is checked like the YAML:
+    a value that would fail the checks stops the run naming its key."""
+    from llmtrain.config.load import check
+
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=d.jsonl"])
+    check(cfg)  # as loaded: fine
+    cfg.data.train = ""  # a start-up step that left a required key empty
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert e.value.problems == ["data.train: required; a path, a list of paths, or a hub data set name"]

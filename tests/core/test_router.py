@@ -1,0 +1,97 @@
+"""The router load-balancing loss of mixture-of-experts models (llmtrain/router.py): the
+model's own function over each sample, weighted by trained tokens, so the same for any
+batch layout; trained as the model's config says or as model.router_aux_loss sets."""
+
+import pytest
+import torch
+
+from llmtrain.config import DataConfig
+from llmtrain.core.objective import TokenLoss
+from llmtrain.data.batches import Collator
+from llmtrain.data.packing import PackedDataset
+from llmtrain.data.rows import IGNORE, process_row
+from llmtrain.demo import make_rows, write_jsonl
+from tests.architectures import MOE
+from tests.conftest import final_weights, recipe_args, run_recipe, train_rows
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    return [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(6, seed=21)]
+
+
+def load(zoo, name, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation="eager", **kwargs).eval()
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_each_sample_gets_the_models_own_loss_weighted_by_its_trained_tokens(zoo, tokenizer, examples, name):
+    """Padded rows, packed rows and one row at a time give the same sum, and it is
+    sum(trained tokens x the aux_loss the model itself returns for that row run alone)."""
+    model = load(zoo, name)
+    objective = TokenLoss.for_model(model, 0, "train")
+    collate = Collator(tokenizer.pad_token_id)
+    rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
+    with torch.no_grad():
+        expected = sum(
+            sum(x != IGNORE for x in e["labels"])
+            * model(input_ids=torch.tensor([e["input_ids"]]), output_router_logits=True).aux_loss
+            for e in examples
+        )
+        padded = objective(model, collate(rows)).metrics["router_aux"]
+        packed_set = PackedDataset(__import__("datasets").Dataset.from_list(examples), capacity=512)
+        packed = objective(model, collate([packed_set[j] for j in range(len(packed_set))])).metrics["router_aux"]
+        one_by_one = sum(objective(model, collate([r])).metrics["router_aux"] for r in rows)
+    assert len(packed_set) < len(rows)
+    for got in (padded, packed, one_by_one):
+        torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_trains_the_router_term_as_the_setting_says(zoo, tokenizer, examples):
+    model = load(zoo, "qwen3_moe")
+    coef = model.config.router_aux_loss_coef
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
+    with torch.no_grad():
+        losses = {s: TokenLoss.for_model(model, 0, s)(model, batch) for s in ("model", "train", "log")}
+    assert not model.config.output_router_logits  # so "model" trains no router term
+    aux = losses["log"].metrics["router_aux"]
+    assert aux > 0 and torch.equal(losses["model"].total, losses["log"].total)
+    torch.testing.assert_close(losses["train"].total, losses["log"].total + coef * aux)
+    on_by_config = load(zoo, "qwen3_moe", output_router_logits=True)
+    assert TokenLoss.for_model(on_by_config, 0, "model").router.coef == coef
+    dense = load(zoo, "llama")
+    assert TokenLoss.for_model(dense, 0, "train").router is None
+    assert TokenLoss.for_model(dense, 0, "train").metric_names == ()
+
+
+@pytest.mark.slow
+def test_moe_steps_do_not_depend_on_how_the_global_batch_is_split(zoo, base_config, cache_env, tmp_path):
+    """A packed Qwen3-MoE run with the router loss on: 8 x 1, 2 x 4 and 2 processes x 2 x 2
+    give the same losses, router terms and weights."""
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(make_rows(40, seed=12), data)
+    layouts = {"8x1": (1, 8, 1), "2x4": (1, 2, 4), "2proc_2x2": (2, 2, 2)}
+    results = {}
+    for layout, (nproc, micro, accum) in layouts.items():
+        out = tmp_path / layout
+        extra = [
+            f"train.micro_batch_size={micro}",
+            f"train.grad_accum_steps={accum}",
+            "train.max_steps=3",
+            "data.packing=true",
+            "data.max_seq_len=128",
+            "model.router_aux_loss=train",
+        ]
+        run_recipe(recipe_args(base_config, zoo("qwen3_moe"), data, out, *extra), cache_env, nproc=nproc)
+        results[layout] = train_rows(out), final_weights(out / "final")
+    ref_rows, ref_w = results["8x1"]
+    assert [r["step"] for r in ref_rows] == [1, 2, 3] and all(r["router_aux"] > 0 for r in ref_rows)
+    for layout, (rows, weights) in results.items():
+        for a, b in zip(rows, ref_rows):
+            assert a["tokens"] == b["tokens"], layout
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), layout
+            assert a["router_aux"] == pytest.approx(b["router_aux"], rel=1e-5), layout
+        for key in ref_w:
+            torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-6, msg=f"{layout}: {key}")

@@ -1,0 +1,1 @@
+"""Tests of llmtrain/data/: sources, rows, chat templates, packing, mixing, streaming, files."""

@@ -1,0 +1,1 @@
+"""Tests of llmtrain/distributed/: launch checks, backends, stop signals, the watchdog."""

@@ -1,0 +1,137 @@
+"""Launch topologies that would silently not be what was asked for are refused, and the
+recipe's batch settings drive DeepSpeed's."""
+
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType
+
+from llmtrain.config import load_config
+from llmtrain.distributed.launch import check_topology, configure_deepspeed, process_group_backend
+from llmtrain.errors import ConfigError
+
+
+def fake(kind, fsdp_version=2):
+    return SimpleNamespace(
+        distributed_type=kind, state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))
+    )
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        DistributedType.NO,
+        DistributedType.MULTI_GPU,
+        DistributedType.MULTI_CPU,
+        DistributedType.DEEPSPEED,
+        DistributedType.FSDP,
+    ],
+)
+def test_supported_topologies_run(kind, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    if kind == DistributedType.FSDP:
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    check_topology(fake(kind))
+
+
+def test_fsdp1_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="fsdp_version: 2"):
+        check_topology(fake(DistributedType.FSDP, fsdp_version=1))
+
+
+def test_fsdp_asked_for_without_a_process_group_is_refused(monkeypatch):
+    """One process (or several without ACCELERATE_USE_CPU=1 on a machine without a GPU):
+    Accelerate drops FSDP silently, and training unsharded instead would mislead. Several
+    CPU processes run real FSDP2 (tests/launch/test_fsdp.py)."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="no process group to shard over"):
+        check_topology(fake(DistributedType.NO))
+
+
+def test_deepspeed_with_use_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="turns DeepSpeed off"):
+        check_topology(fake(DistributedType.MULTI_CPU))
+
+
+def test_deepspeed_on_a_cpu_machine_uses_gloo(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert process_group_backend() == "gloo"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    assert process_group_backend() is None
+
+
+def recipe(*overrides):
+    return load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", *overrides])
+
+
+def ds_accelerator(ds_config: dict, world: int = 2):
+    plugin = SimpleNamespace(deepspeed_config=ds_config)
+    return SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=world, gradient_accumulation_steps=1
+    )
+
+
+def test_recipe_fills_deepspeed_auto_values():
+    cfg = recipe("train.micro_batch_size=3", "train.grad_accum_steps=4", "train.max_grad_norm=0.5")
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 3},
+    }
+    acc = ds_accelerator(ds, world=2)
+    configure_deepspeed(acc, cfg)
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 24
+    assert ds["gradient_clipping"] == 0.5
+    assert acc.gradient_accumulation_steps == 4
+
+
+def test_conflicting_deepspeed_value_names_both_settings(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    cfg = recipe("train.micro_batch_size=2", "train.grad_accum_steps=4")
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError) as err:
+        configure_deepspeed(ds_accelerator(ds), cfg)
+    msg = str(err.value)
+    assert "train.grad_accum_steps=4 conflicts with gradient_accumulation_steps=8 in ds.json" in msg
+    assert "micro_batch" not in msg  # equal values are no conflict
+
+
+@pytest.mark.slow
+def test_a_user_error_the_main_process_meets_first_ends_every_process_quietly(
+    base_config, tiny_model, cache_env, tmp_path
+):
+    """The main process tokenizes first while the others wait: its data error reaches them,
+    so it is printed once and no process dies in a collective the main one left."""
+    from tests.conftest import run_recipe
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": 5}\n')
+    args = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={bad}"]
+    proc = run_recipe([*args, f"output_dir={tmp_path / 'run'}"], cache_env, nproc=2, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: data.train: {bad} line 2: 'text' must be a string; data.bad_rows=skip would drop malformed "
+        "rows instead"
+    ]
+    assert "exitcode  : 2" in proc.stderr  # the launcher's report: the process that exited first, with 2
+    ours = [line for line in proc.stderr.splitlines() if "llmtrain/" in line or 'recipes/finetune.py", line' in line]
+    assert not ours and "gloo" not in proc.stderr and "[rank" not in proc.stderr
+
+
+def test_a_deepspeed_value_that_is_no_number_names_its_key(monkeypatch):
+    """A typo in the DeepSpeed config is the user's to fix, not a float() traceback."""
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    ds = {"gradient_accumulation_steps": "four", "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError) as err:
+        configure_deepspeed(ds_accelerator(ds), recipe("train.grad_accum_steps=4"))
+    assert err.value.problems == [
+        "gradient_accumulation_steps='four' in ds.json is not a number; set it to \"auto\" (the recipe's "
+        "train.grad_accum_steps is then used)"
+    ]

@@ -1,0 +1,169 @@
+"""The sbatch templates, submitted to a real two-node Slurm cluster started on this machine
+(CPU processes over gloo). Skipped, with the reason, where Slurm cannot be installed."""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmtrain.demo import make_rows, write_jsonl
+from tests.conftest import ROOT, recipe_args, run_recipe, train_rows
+from tests.slurm_cluster import LocalSlurm, missing_reason
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    c = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("slurmdata") / "rows.jsonl"
+    write_jsonl(make_rows(80, seed=21), path)  # 2 nodes x 1 process x 2 rows: 20 steps
+    return path
+
+
+@pytest.fixture(scope="module")
+def args(base_config, tiny_model, data):
+    def make(out: Path) -> list[str]:
+        return recipe_args(
+            base_config,
+            tiny_model,
+            data,
+            out,
+            "train.schedule=cosine",
+            "checkpoint.every_steps=4",
+            "checkpoint.keep_last=2",
+        )
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def reference(args, cache_env, tmp_path_factory) -> list[dict]:
+    """The same global batch (4 rows) in one process: micro-batch 2 x 2 accumulation steps."""
+    out = tmp_path_factory.mktemp("slurmref") / "ref"
+    run_recipe(args(out) + ["train.micro_batch_size=2", "train.grad_accum_steps=2"], cache_env)
+    return train_rows(out)
+
+
+def submit(cluster, template: str, args: list[str], cache_env: dict, log: Path, **extra_env) -> str:
+    # The templates run `python` and `accelerate` from PATH, as in the user's activated
+    # environment: put this interpreter's first, also when pytest was started without activating it.
+    env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "ACCELERATE_USE_CPU": "1",
+        "LLMTRAIN_PROCS_PER_NODE": "1",
+        "LLMTRAIN_MIXED_PRECISION": "no",
+        "HF_DATASETS_CACHE": cache_env["HF_DATASETS_CACHE"],
+        "LLMTRAIN_CACHE": cache_env["LLMTRAIN_CACHE"],
+        "OMP_NUM_THREADS": "1",
+        **extra_env,
+    }
+    proc = cluster.run(
+        "sbatch",
+        "--parsable",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={log}",
+        "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()),
+        f"recipes/slurm/{template}",
+        *args,
+        "train.micro_batch_size=2",
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def wait_until(condition, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def assert_matches(rows: list[dict], reference: list[dict]):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 21))
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in reference]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+
+
+def test_templates_read_rank_inside_each_task():
+    body = (ROOT / "recipes/slurm/job.sh").read_text()
+    per_node = body.split("bash -c '", 1)[1].split("\n'", 1)[0]  # what each srun task runs
+    batch_shell = body.replace(per_node, "")
+    for var in ("$SLURM_NODEID", "$SLURM_NNODES", "SLURM_GPUS_ON_NODE"):
+        assert var in per_node and var not in batch_shell, var
+    for name in ("single_node.sbatch", "multi_node.sbatch"):
+        for line in (ROOT / "recipes/slurm" / name).read_text().splitlines():
+            if line.startswith("#SBATCH"):
+                assert "$" not in line, f"{name}: {line}"
+
+
+def test_multi_node_job_matches_a_single_process_run(cluster, args, reference, cache_env, tmp_path):
+    out = tmp_path / "out"
+    job = submit(cluster, "multi_node.sbatch", args(out), cache_env, tmp_path / "job.log")
+    state = cluster.wait(job)
+    log = (tmp_path / "job.log").read_text()
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    assert "2 node(s), head n1 at 127.0.0.1" in log
+    assert "on 2 process(es)" in log
+    assert log.replace("\r", "\n").count("tokenizing rows.jsonl: 100%") <= 1  # never once per node
+    assert_matches(train_rows(out), reference)
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, reference, cache_env, tmp_path):
+    out = tmp_path / "out"
+    job = submit(cluster, "multi_node.sbatch", args(out), cache_env, tmp_path / "job.log")
+    wait_until(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 6)
+    # What `#SBATCH --signal=B:USR1@300` does 300 s before the time limit:
+    cluster.run("scancel", "--batch", f"--signal={signal.SIGUSR1.name[3:]}", job, check=True)
+    state = cluster.wait(job, timeout=300)
+    log = (tmp_path / "job.log").read_text()
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    assert state["Restarts"] == "1", log[-3000:]
+    assert "requeueing job" in log and "stopped on SIGUSR1 after step" in log and "resumed from" in log
+    assert_matches(train_rows(out), reference)
+
+
+def test_killed_rank_restarts_from_the_newest_checkpoint(cluster, args, reference, cache_env, tmp_path):
+    import psutil
+
+    from llmtrain.output.checkpoint import complete_checkpoints
+
+    out = tmp_path / "out"
+    job = submit(cluster, "multi_node.sbatch", args(out), cache_env, tmp_path / "job.log", LLMTRAIN_MAX_RESTARTS="1")
+    wait_until(lambda: any(step >= 4 for step, _ in complete_checkpoints(out)))
+
+    def workers():
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            # a training process: python [-u] recipes/finetune.py ..., started by the launcher
+            if f"output_dir={out}" in cmd and "python" in Path(cmd[0]).name and "recipes/finetune.py" in cmd[1:3]:
+                yield p
+
+    victim = next(workers())
+    victim.send_signal(signal.SIGKILL)
+    state = cluster.wait(job, timeout=300)
+    log = (tmp_path / "job.log").read_text()
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    assert "resumed from" in log, log[-3000:]
+    assert_matches(train_rows(out), reference)
+    assert json.loads((out / "checkpoints" / "step-20" / "train_state.json").read_text())["step"] == 20

@@ -1,0 +1,1 @@
+"""Tests of llmtrain/observe/: throughput, the profiler, quiet imports."""

@@ -1,0 +1,600 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from llmtrain.output.checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, find_resume, manifest
+from tests.conftest import recipe_args
+
+
+def fake_checkpoint(root, name, complete=True):
+    path = root / "checkpoints" / name
+    (path / "pytorch_model").mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shard")
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, path / "random_states_0.pkl")
+    if complete:
+        (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": manifest(path)}))
+    return path
+
+
+POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "truncated",
+        "flipped",
+        "missing_rng",
+        "garbled_rng",
+        "no_position",
+        "no_file_list",
+        "bad_json",
+        "no_settings",
+        "settings_a_list",
+        "a_layout_setting_a_string",
+        "run_record_a_string",
+        "negative_step",
+        "epoch_a_bool",
+        "losses_garbled",
+        "skips_a_string",
+        "an_entry_without_size",
+        "empty_file_list",
+        "a_file_left_out",
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
+    fake_checkpoint(tmp_path, "step-2")
+    newest = fake_checkpoint(tmp_path, "step-4")
+    if fault == "truncated":
+        (newest / "pytorch_model" / "shard_0.pt").write_bytes(b"opt")
+    elif fault == "flipped":  # same size, other content: only the checksum sees it
+        (newest / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shart")
+    elif fault == "missing_rng":
+        (newest / "random_states_0.pkl").unlink()
+    elif fault == "garbled_rng":  # same size, not a pickle Accelerate can read
+        rng = newest / "random_states_0.pkl"
+        rng.write_bytes(bytes(rng.stat().st_size))
+    elif fault == "no_position":
+        (newest / STATE_FILE).write_text(json.dumps({"files": manifest(newest)}))
+    elif fault == "no_file_list":
+        (newest / STATE_FILE).write_text(json.dumps(POSITION))
+    elif fault == "bad_json":
+        (newest / STATE_FILE).write_text('{"step": 4, "fi')
+    else:  # train_state.json edited by hand: every field is checked for its type
+        state = json.loads((newest / STATE_FILE).read_text())
+        rel = "pytorch_model/shard_0.pt"
+        edits = {
+            "no_settings": lambda s: s.pop("settings"),
+            "settings_a_list": lambda s: s.update(settings=[]),
+            # a resume converts the position with these: a string would be multiplied as text
+            "a_layout_setting_a_string": lambda s: s.update(settings={"train.micro_batch_size": "abc"}),
+            "run_record_a_string": lambda s: s.update(run="finetune"),
+            "negative_step": lambda s: s.update(step=-5),
+            "epoch_a_bool": lambda s: s.update(epoch=True),
+            "losses_garbled": lambda s: s.update(recent_losses="garbage"),
+            "skips_a_string": lambda s: s.update(skips_in_a_row="x"),
+            "an_entry_without_size": lambda s: s["files"][rel].pop("size"),
+            "empty_file_list": lambda s: s.update(files={}),
+            "a_file_left_out": lambda s: s["files"].pop(rel),
+        }
+        edits[fault](state)
+        (newest / STATE_FILE).write_text(json.dumps(state))
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-2"
+    assert len(warnings) == 1 and "step-4 is damaged" in warnings[0]
+    with pytest.raises(CheckpointError, match="step-4 is damaged"):
+        find_resume(str(tmp_path), str(newest))
+
+
+@pytest.mark.parametrize("fault", ["missing", "garbled"])
+def test_rng_state_may_be_waived_with_a_warning(tmp_path, fault):
+    path = fake_checkpoint(tmp_path, "step-4")
+    rng = path / "random_states_0.pkl"
+    rng.unlink() if fault == "missing" else rng.write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="random_states_0.pkl"):
+        find_resume(str(tmp_path), "auto")
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append, rng_required=False) == path
+    assert len(warnings) == 1 and "random_states_0.pkl missing or unreadable; resuming without it" in warnings[0]
+    warnings.clear()
+    assert find_resume(str(tmp_path), str(path), warnings.append, rng_required=False) == path
+    assert len(warnings) == 1
+
+
+def test_a_pickle_that_is_not_plain_data_is_never_executed(tmp_path):
+    """RNG states are read with weights_only: a pickle that would run code is refused."""
+    path = fake_checkpoint(tmp_path, "step-4")
+    marker = tmp_path / "ran"
+    torch.save({"torch_manual_seed": Boom(str(marker))}, path / "random_states_0.pkl")
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": manifest(path)}))
+    with pytest.raises(CheckpointError, match="random_states_0.pkl cannot be read"):
+        find_resume(str(tmp_path), "auto")
+    assert not marker.exists()
+
+
+class Boom:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_only_damaged_checkpoints_is_an_error_not_a_fresh_start(tmp_path):
+    path = fake_checkpoint(tmp_path, "step-4")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step-4: model.safetensors is missing"):
+        find_resume(str(tmp_path), "auto")
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    fake_checkpoint(tmp_path, "step-10")
+    fake_checkpoint(tmp_path, "step-2")
+    fake_checkpoint(tmp_path, ".tmp-step-20")  # being written when the job died
+    fake_checkpoint(tmp_path, "step-30", complete=False)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 10]
+    assert find_resume(str(tmp_path), "auto").name == "step-10"
+
+
+def test_resume_modes(tmp_path):
+    assert find_resume(str(tmp_path), "auto") is None
+    assert find_resume(str(tmp_path), "none") is None
+    path = fake_checkpoint(tmp_path, "step-4")
+    assert find_resume(str(tmp_path), str(path)) == path
+    with pytest.raises(CheckpointError, match="checkpoint.resume=none but .* holds checkpoints of an earlier run"):
+        find_resume(str(tmp_path), "none")
+    with pytest.raises(CheckpointError, match="checkpoint.resume: no such directory: .*step-99; give a checkpoints/"):
+        find_resume(str(tmp_path), str(tmp_path / "checkpoints" / "step-99"))
+    with pytest.raises(CheckpointError, match="checkpoint.resume: .* is not a complete llmtrain checkpoint"):
+        find_resume(str(tmp_path), str(tmp_path))
+
+
+def test_resume_with_other_data_settings_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from llmtrain.config import Config
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import load, position_settings
+
+    cfg = Config()
+    path = fake_checkpoint(tmp_path, "step-4")
+    (path / STATE_FILE).write_text(
+        json.dumps({"step": 4, "settings": position_settings(cfg, 2), "files": manifest(path)})
+    )
+    cfg.train.micro_batch_size, cfg.train.seed = 16, 3  # 2 processes x 4 -> 1 x 16: another global batch
+    with pytest.raises(CheckpointError, match=r"global_batch was 8, now 16; train.seed was 42, now 3"):
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    cfg.train.micro_batch_size, cfg.train.seed, cfg.data.streaming = 8, 42, True  # the same, but a stream
+    with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    from accelerate.utils import DistributedType
+
+    cfg.data.streaming = False  # the same global batch on 1 process: DeepSpeed's partitions cannot follow
+    deepspeed = SimpleNamespace(num_processes=1, distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(CheckpointError, match=r"written by 2 DeepSpeed processes.*cannot be resharded to 1"):
+        load(deepspeed, path, cfg, TrainState())
+
+
+@pytest.mark.slow
+def test_recipe_falls_back_past_a_truncated_checkpoint(finished_run, cache_env, tmp_path):
+    """A node died mid-write of step-4 (a shard cut short): the restart warns, resumes from
+    step-2 and redoes steps 3-4 exactly."""
+    from tests.conftest import copy_run, run_recipe, train_rows
+
+    out = tmp_path / "run"
+    args = copy_run(finished_run, out)
+    before = [(r["step"], r["loss"]) for r in train_rows(out)]
+    weights = out / "checkpoints" / "step-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.rmtree(out / "final")  # the run died writing step-4: it never exported
+    proc = run_recipe(args, cache_env)
+    assert "warning: checkpoint" in proc.stderr and "step-4 is damaged (model.safetensors is" in proc.stderr
+    assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
+    assert [(r["step"], r["loss"]) for r in train_rows(out)] == before
+    assert find_resume(str(out), "auto").name == "step-4"  # rewritten whole
+
+
+class FakeAccelerator:
+    """One process; save_state writes part of a checkpoint, then the disk is full."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        import errno
+        from pathlib import Path
+
+        (Path(path) / "model.safetensors").write_bytes(b"half a model")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_mid_checkpoint_is_one_clear_error_and_keeps_the_previous_one(tmp_path):
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import save
+
+    previous = fake_checkpoint(tmp_path, "step-2")
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint: writing .*\.tmp-step-4 failed \(No space left on device\); "
+        r"the newest complete checkpoint, .*step-2, is intact",
+    ):
+        save(FakeAccelerator(), str(tmp_path), TrainState(step=4), {}, "", keep_last=1)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-4").exists()  # the partial write is cleaned up
+    assert find_resume(str(tmp_path), "auto") == previous
+
+
+class RecordingAccelerator(FakeAccelerator):
+    """One process whose save_state writes a file and whose load_state does nothing."""
+
+    num_processes = 1
+
+    def save_state(self, path):
+        from pathlib import Path
+
+        (Path(path) / "model.safetensors").write_bytes(b"weights")
+
+    def load_state(self, path):
+        pass
+
+
+def test_the_train_state_is_saved_and_loaded_whole(tmp_path):
+    """Every field of the run's state comes back from a checkpoint, the spike window with
+    it; a checkpoint written before skips_in_a_row was saved loads with 0 skips."""
+    from llmtrain.config import Config
+    from llmtrain.core.spike import SpikeGuard
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import load, position_settings, save
+
+    cfg = Config()
+    state = TrainState(step=7, epoch=1, batches_in_epoch=12, skips_in_a_row=2, spikes=SpikeGuard(2.0, 3, [1.0, 2.0]))
+    path = save(RecordingAccelerator(), str(tmp_path), state, position_settings(cfg, 1), "", keep_last=0)
+    assert path.name == "step-7" and find_resume(str(tmp_path), "auto") == path
+    loaded = TrainState(spikes=SpikeGuard(2.0, 3))
+    load(RecordingAccelerator(), path, cfg, loaded)
+    assert loaded.state_dict() == state.state_dict() and loaded.spikes.window == 3
+    saved = json.loads((path / STATE_FILE).read_text())
+    del saved["skips_in_a_row"]
+    (path / STATE_FILE).write_text(json.dumps(saved))
+    load(RecordingAccelerator(), path, cfg, loaded)
+    assert (loaded.step, loaded.skips_in_a_row, loaded.spikes.recent) == (7, 0, [1.0, 2.0])
+
+
+def test_an_unwritable_output_dir_is_refused_at_start_up(tmp_path):
+    from llmtrain.output.rundir import check_writable
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CheckpointError, match=r"output_dir: cannot write to .*a_file/run \(Not a directory\)"):
+        check_writable(str(tmp_path / "a_file" / "run"))
+    check_writable(str(tmp_path / "new" / "run"))
+    assert list((tmp_path / "new" / "run").iterdir()) == []  # the probe is gone
+
+
+def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    from llmtrain.output.rundir import check_free_space, output_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 10), torch.nn.Linear(10, 10, bias=False))
+    model[1].weight.requires_grad_(False)  # frozen: saved, but no optimizer state
+    need = output_bytes(model)
+    assert need == {"export": 4 * (1010 + 100), "checkpoint": 4 * (1010 + 100) + 2 * 4 * 1010}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=need["checkpoint"] + need["export"]))
+    check_free_space(str(tmp_path), need)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(CheckpointError, match=r"output_dir: .* has 0.00 GiB free, but one checkpoint .* need"):
+        check_free_space(str(tmp_path), need)
+
+
+@pytest.mark.slow
+def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    from tests.conftest import run_recipe
+
+    (tmp_path / "a_file").write_text("")
+    proc = run_recipe(
+        recipe_args(base_config, tiny_model, chat_file, tmp_path / "a_file" / "run"),
+        cache_env,
+        nproc=2,
+        check=False,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("output_dir: cannot write to" in line for line in errors), proc.stderr[-3000:]
+
+
+def test_deepspeed_files_are_checked_before_deepspeed_unpickles_them(tmp_path):
+    """DeepSpeed loads *.pt with weights_only=False: a file carrying anything but tensors,
+    plain data and DeepSpeed's own state classes is refused, and its code never runs."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from llmtrain.output.checkpoint import check_pickles
+
+    path = fake_checkpoint(tmp_path, "step-4")
+    (path / "pytorch_model" / "shard_0.pt").unlink()  # a stand-in, not a torch file
+    torch.save(
+        {"zero_stage": ZeroStageEnum.weights, "module": {"w": torch.ones(2)}},
+        path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    )
+    check_pickles(path)  # DeepSpeed's own state: fine
+    marker = tmp_path / "ran"
+    torch.save({"loss_scaler": Boom(str(marker))}, path / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError) as refused:
+        check_pickles(path)
+    assert not marker.exists()
+    message = str(refused.value)
+    assert (
+        "refusing to unpickle" in message and "zero_pp_rank_1_mp_rank_00_optim_states.pt: it holds io.open" in message
+    )
+    assert "\n" not in message and "weights_only" not in message  # one line, and no advice to lower the guard
+
+
+def test_a_same_size_corruption_is_named_by_its_file(tmp_path):
+    fake_checkpoint(tmp_path, "step-2")
+    newest = fake_checkpoint(tmp_path, "step-4")
+    weights = newest / "model.safetensors"
+    weights.write_bytes(b"wEights")  # one byte changed
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-2"
+    assert warnings == [
+        f"checkpoint {newest} is damaged (model.safetensors does not match the checksum it was written with); "
+        "skipping it and trying the one before"
+    ]
+
+
+def test_a_checkpoint_listing_sizes_only_still_resumes(tmp_path):
+    """Checkpoints written before checksums were kept list sizes: checked by size."""
+    path = fake_checkpoint(tmp_path, "step-4")
+    sizes = {rel: entry["size"] for rel, entry in manifest(path).items()}
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": sizes}))
+    assert find_resume(str(tmp_path), "auto") == path
+
+
+def test_checksums_are_shared_out_across_processes(tmp_path):
+    """Each process hashes every N-th file and all get every result."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from llmtrain.output.checkpoint import checksum, checksums
+
+    for i in range(5):
+        (tmp_path / f"f{i}").write_bytes(bytes([i]) * 100)
+    rels = [f"f{i}" for i in range(5)]
+    hashed = []
+    real = checksum
+
+    def counting(path):
+        hashed.append(path.name)
+        return real(path)
+
+    theirs = [("f0", real(tmp_path / "f0")), ("f2", real(tmp_path / "f2")), ("f4", real(tmp_path / "f4"))]
+    with (
+        mock.patch("llmtrain.output.checkpoint.checksum", counting),
+        mock.patch("accelerate.utils.gather_object", lambda mine: theirs + mine),
+    ):
+        got = checksums(tmp_path, rels, SimpleNamespace(num_processes=2, process_index=1))
+    assert hashed == ["f1", "f3"]  # this process's share only
+    assert got == {rel: real(tmp_path / rel) for rel in rels}
+
+
+def test_a_kill_while_pruning_never_leaves_a_half_deleted_step(tmp_path, monkeypatch):
+    import shutil
+
+    from llmtrain.output.checkpoint import clean_leftovers, remove
+
+    old = fake_checkpoint(tmp_path, "step-2")
+    fake_checkpoint(tmp_path, "step-4")
+
+    def killed(path, ignore_errors=False):
+        if ".deleting-" in str(path) and (path / "model.safetensors").exists():
+            (path / "model.safetensors").unlink()  # part of it is gone...
+            raise KeyboardInterrupt  # ...when the process dies
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove(old)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert [p.name for _, p in complete_checkpoints(tmp_path)] == ["step-4"]
+    assert (tmp_path / "checkpoints" / ".deleting-step-2").exists()
+    clean_leftovers(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-4"]
+
+
+def test_leftovers_of_a_killed_run_are_cleaned_or_put_back(tmp_path):
+    from llmtrain.output.checkpoint import clean_leftovers
+
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(tmp_path, ".tmp-step-6")  # being written
+    fake_checkpoint(tmp_path, ".deleting-step-2")  # being deleted
+    fake_checkpoint(tmp_path, ".old-step-4")  # set aside while step-4 was saved again, and step-4 not yet back
+    fake_checkpoint(tmp_path, ".old-step-5")
+    fake_checkpoint(tmp_path, "step-5")  # ...here the new one is in place
+    (tmp_path / ".old-final").mkdir()
+    (tmp_path / "final").mkdir()
+    (root / ".tmp-notes").mkdir()  # not ours: left alone
+    clean_leftovers(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-notes", "step-4", "step-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "final"]
+    assert find_resume(str(tmp_path), "auto").name == "step-5"
+
+
+class FailingAccelerator(FakeAccelerator):
+    def __init__(self, error):
+        self.error = error
+
+    def save_state(self, path):
+        from pathlib import Path
+
+        (Path(path) / "optimizer.bin").write_bytes(b"half")
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error, reported",
+    [
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "unexpected pos"),
+        (Exception("Error while serializing: I/O error: No space left on device (os error 28)"), "No space left"),
+    ],
+    ids=["torch", "safetensors"],
+)
+def test_a_full_disk_is_reported_whatever_layer_raises_it(tmp_path, error, reported):
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import save
+
+    with pytest.raises(CheckpointError, match=rf"checkpoint: writing .*\.tmp-step-4 failed \({reported}: "):
+        save(FailingAccelerator(error), str(tmp_path), TrainState(step=4), {}, "", keep_last=1)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-4").exists()
+
+
+def test_a_failure_that_is_not_a_write_fault_stays_a_bug(tmp_path):
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import save
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        save(FailingAccelerator(RuntimeError("a bug")), str(tmp_path), TrainState(step=4), {}, "", keep_last=1)
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_in_torchs_writer_is_the_documented_error(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    """For real: the recipe with a limit on file size (as a full disk does, writes fail
+    part way), so torch's zip writer fails on optimizer.bin with a RuntimeError, not an
+    OSError. One error line, exit 2, and no partial directory left behind."""
+    import resource
+    import signal
+    import subprocess
+
+    from tests.conftest import ROOT, launch_command
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (700_000, 700_000))  # the weights fit, the optimizer does not
+
+    out = tmp_path / "run"
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
+        "train.micro_batch_size=2",
+        "train.max_steps=2",
+        "checkpoint.every_steps=1",
+    )
+    proc = subprocess.run(
+        launch_command(args, "one"),
+        env=cache_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint: writing {out}/checkpoints/.tmp-step-1 failed (unexpected pos: RuntimeError: "
+    ), errors
+    assert "there is no earlier checkpoint" in errors[0] and "Traceback" not in proc.stderr
+    assert list((out / "checkpoints").iterdir()) == []
+
+
+def test_an_export_is_not_taken_for_a_checkpoint(tmp_path):
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "llmtrain_config.yaml").write_text("train: {}\n")
+    (final / STATE_FILE).write_text(json.dumps(POSITION))
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint.resume: {final} is an export \(final/\), not a checkpoint"
+    ):
+        find_resume(str(tmp_path), str(final))
+
+
+def test_a_checkpoint_that_passes_the_checks_but_does_not_load_is_an_error_naming_it(tmp_path):
+    """Say a file was deleted and taken out of the list, or the model settings changed."""
+    from types import SimpleNamespace
+
+    from llmtrain.config import load_config
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import load, position_settings
+
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=d.jsonl"])
+    path = fake_checkpoint(tmp_path, "step-4")
+    torch.save({"exp_avg": torch.zeros(2)}, path / "pytorch_model" / "shard_0.pt")
+    state = json.loads((path / STATE_FILE).read_text())
+    (path / STATE_FILE).write_text(json.dumps(state | {"settings": position_settings(cfg, 1), "files": manifest(path)}))
+
+    def load_state(where):
+        raise FileNotFoundError(f"No such file or directory: {where}/model.safetensors")
+
+    accelerator = SimpleNamespace(num_processes=1, load_state=load_state)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: cannot load {path} \(FileNotFoundError: No such"):
+        load(accelerator, path, cfg, TrainState())
+
+
+RESPLIT = {
+    # name: (processes, micro-batch, accumulation) of the first run, then of the resumed one
+    "2x2x2 -> 1x8x1": ((2, 2, 2), (1, 8, 1)),
+    "2x2x2 -> 1x4x2": ((2, 2, 2), (1, 4, 2)),
+    "1x8x1 -> 2x1x4": ((1, 8, 1), (2, 1, 4)),
+    "1x4x2 -> 2x2x2": ((1, 4, 2), (2, 2, 2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_run_resumes_on_another_process_count_and_split(base_config, tiny_model, cache_env, tmp_path, packing):
+    """A requeued job that comes back with fewer or more processes (DDP) and another split
+    of the same global batch of 8: every later step reads the rows it would have read, so
+    the losses and token counts are those of the run that was not interrupted (to float
+    rounding: the sums are taken in another order), resumed mid-epoch."""
+    # Packed sequences are made once from the whole data, whatever the processes: two of
+    # the four cases show that they resplit alike.
+    cases = {k: v for i, (k, v) in enumerate(RESPLIT.items()) if not packing or i in (1, 3)}
+    from llmtrain.demo import make_rows, write_jsonl
+    from tests.conftest import rewind, run_recipe, train_rows
+
+    data = tmp_path / "rows.jsonl"
+    write_jsonl(make_rows(48 if not packing else 160, seed=19), data)
+
+    def args(out, layout):
+        nproc, micro, accum = layout
+        return recipe_args(
+            base_config,
+            tiny_model,
+            data,
+            out,
+            f"data.packing={str(packing).lower()}",
+            "train.epochs=2",
+            "checkpoint.every_steps=4",
+            "checkpoint.keep_last=5",
+            "checkpoint.resume=auto",
+            f"train.micro_batch_size={micro}",
+            f"train.grad_accum_steps={accum}",
+        ), nproc
+
+    firsts = {}
+    for name, (first, then) in cases.items():
+        if first not in firsts:
+            out = tmp_path / f"whole-{'x'.join(map(str, first))}"
+            a, n = args(out, first)
+            run_recipe(a, cache_env, nproc=n)
+            firsts[first] = out
+        whole = firsts[first]
+        rows = train_rows(whole)
+        assert len(rows) >= 10 and rows[4]["epoch"] == 0  # two epochs, the checkpoint at step 4 mid-epoch
+        out = tmp_path / name.replace(" -> ", "-to-")
+        rewind(out, 4, whole)
+        a, n = args(out, then)
+        proc = run_recipe(a, cache_env, nproc=n)
+        assert f"as {then[0]} process(es) x {then[1]} x {then[2]}, the same global batch of 8" in proc.stdout
+        got = train_rows(out)
+        assert [r["step"] for r in got] == [r["step"] for r in rows], name
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in rows], name
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in rows], rel=1e-5), name

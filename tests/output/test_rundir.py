@@ -1,0 +1,310 @@
+"""One run per output directory, and no finished work lost on a rerun: the lock, a rerun
+of a finished run, a fresh start over one, a rerun that fails on bad input, changed
+settings at a resume, a torn metrics line, and the free-space check before anything
+loads."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmtrain.config import load_config
+from llmtrain.errors import CheckpointError
+from llmtrain.observe.metrics import MetricsLog, plot_losses
+from llmtrain.output.checkpoint import STATE_FILE
+from llmtrain.output.rundir import changed_settings, check_same_run, identity
+from tests.conftest import DPO_RECIPE, ROOT, launch_command, metrics, recipe_args, run_recipe, train_rows
+
+
+def snapshot(out: Path) -> dict:
+    """Content hash of every file of a run directory but the lock file."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != ".llmtrain.lock"
+    }
+
+
+def test_changed_settings_name_what_alters_the_run():
+    before = load_config(None, ["model.name_or_path=m", "data.train=[a.jsonl]"])
+    after = load_config(
+        None,
+        [
+            "model.name_or_path=m",
+            "data.train=[a.jsonl,b.jsonl]",
+            "train.lr=1e-4",
+            "log.progress_bar=false",
+            "checkpoint.keep_last=5",
+            "output_dir=elsewhere",
+        ],
+    )
+    from llmtrain.config import to_yaml
+
+    assert changed_settings(to_yaml(before), after) == [
+        "data.train: ['a.jsonl'] -> ['a.jsonl', 'b.jsonl']",
+        "train.lr: 2e-05 -> 0.0001",
+    ]  # how it reports, checkpoints or where it writes do not change the run
+
+
+def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    MetricsLog(accelerator, str(tmp_path), resume_step=3)
+    assert metrics(tmp_path) == rows
+
+
+def test_hand_edited_metrics_lines_do_not_stop_a_resume(tmp_path, capsys):
+    """A step that is not a number is not a row (dropped, with one warning); another field
+    that is not a number stays, and the loss curve leaves it out."""
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": "abc"}, {"step": 3, "loss": 1.2}]
+    lines = [json.dumps(r) for r in rows] + ['{"step": "abc", "loss": 1.0}', "[1, 2]", json.dumps({"step": 4})]
+    (tmp_path / "metrics.jsonl").write_bytes("\n".join(lines).encode() + b"\n\xff\xfe\n")
+    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    MetricsLog(accelerator, str(tmp_path), resume_step=3)
+    assert metrics(tmp_path) == rows
+    assert capsys.readouterr().err == (
+        f"warning: {tmp_path / 'metrics.jsonl'}: 3 line(s) are not a metrics row (a JSON object with a numeric "
+        "step; first at line 4), dropped on resume\n"
+    )
+    pytest.importorskip("matplotlib")
+    assert plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+
+
+def recorded_checkpoint(out: Path, run: dict) -> Path:
+    """A checkpoint directory whose train_state.json records `run` (only what
+    check_same_run reads)."""
+    path = out / "checkpoints" / "step-2"
+    path.mkdir(parents=True)
+    (path / STATE_FILE).write_text(json.dumps({"step": 2, "run": run}))
+    return path
+
+
+def test_a_resume_on_changed_data_or_by_another_recipe_is_refused(tmp_path):
+    """The training file replaced by one of the same size and mtime (`cp -p`): the
+    checkpoint's position would read other rows. A checkpoint of another recipe holds its
+    optimizer and schedule. A checkpoint written before runs were recorded passes."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "first"}\n')
+    cfg = load_config(None, ["model.name_or_path=m", f"data.train=[{data}, owner/hub]", f"output_dir={tmp_path}"])
+    saved = identity("finetune", cfg)
+    checkpoint = recorded_checkpoint(tmp_path / "out", saved)
+    check_same_run(str(tmp_path / "out"), identity("finetune", cfg), checkpoint)  # the same run
+
+    stat = data.stat()
+    data.write_text('{"text": "fir5t"}\n')
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(CheckpointError) as e:
+        check_same_run(str(tmp_path / "out"), identity("finetune", cfg), checkpoint)
+    assert str(e.value) == (
+        f"output_dir: {checkpoint} was trained on other content of {data} (the file changed since, same path): "
+        "its position and weights are from the old rows; restore the file, or choose another output_dir to train "
+        "on the new one"
+    )
+    with pytest.raises(CheckpointError, match=r"was trained by the finetune recipe, not dpo: its optimizer"):
+        check_same_run(str(tmp_path / "out"), saved | {"recipe": "dpo"}, checkpoint)
+    # Another directory's checkpoint (checkpoint.resume=<path>): the key and the fix are that setting's.
+    with pytest.raises(CheckpointError) as e:
+        check_same_run(str(tmp_path / "new"), saved | {"recipe": "dpo"}, checkpoint)
+    assert str(e.value).startswith(f"checkpoint.resume: {checkpoint} was trained by the finetune recipe, not dpo")
+    assert "resume from a checkpoint of a dpo run instead" in str(e.value)
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 2}))  # an older llmtrain's
+    check_same_run(str(tmp_path / "out"), identity("dpo", cfg), checkpoint)
+
+
+def test_a_rerun_of_a_finished_run_says_so_and_changes_nothing(finished_run, cache_env):
+    out, args = finished_run
+    before = snapshot(out)
+    proc = run_recipe(args + ["log.progress_bar=true"], cache_env)  # a setting that does not alter the run
+    assert f"{out} already finished at step 4 with these settings; final/ is up to date" in proc.stdout
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_rerun_that_fails_on_bad_input_overwrites_nothing(finished_run, cache_env, tmp_path):
+    out, args = finished_run
+    before = snapshot(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": oops}\n')
+    proc = run_recipe(
+        [a for a in args if not a.startswith("data.train=")] + [f"data.train={bad}"], cache_env, check=False
+    )
+    assert proc.returncode == 2 and f"error: data.train: {bad} line 1: invalid JSON" in proc.stderr
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_settings_names_them(finished_run, cache_env, tmp_path):
+    """The learning rate changed, the length did not: the checkpoint at step 4 is the end,
+    so nothing is trained or exported again."""
+    out, args = finished_run
+    copy = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    args = [a if not a.startswith("output_dir=") else f"output_dir={copy}" for a in args]
+    before = snapshot(copy)
+    proc = run_recipe(args + ["train.lr=5e-4"], cache_env)
+    assert (
+        f"warning: checkpoint.resume: {copy}/checkpoints/step-4 was written with other settings; the run goes "
+        "on with the new ones: train.lr: 0.001 -> 0.0005" in proc.stderr
+    )
+    assert "nothing left to train at step 4; final/ is up to date" in proc.stdout
+    assert snapshot(copy) == before
+
+
+@pytest.mark.slow
+def test_a_fresh_start_over_a_finished_run_is_refused(finished_run, cache_env, tmp_path):
+    """No checkpoint to continue from (say checkpoints were removed): training again from
+    scratch would replace the finished run."""
+    out, args = finished_run
+    copy = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    subprocess.run(["rm", "-r", str(copy / "checkpoints")], check=True)
+    args = [a if not a.startswith("output_dir=") else f"output_dir={copy}" for a in args]
+    before = snapshot(copy)
+    proc = run_recipe(args + ["train.max_steps=6"], cache_env, check=False)
+    assert proc.returncode == 2
+    assert (
+        f"error: output_dir: {copy} holds a finished run (final/ exported at step 4) with other settings" in proc.stderr
+    )
+    assert snapshot(copy) == before
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_output_dir_stops_at_once_naming_the_first(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    from tests.conftest import kill_tree, start_run, wait_for
+
+    out = tmp_path / "run"
+    args = recipe_args(
+        base_config,
+        tiny_model,
+        chat_file,
+        out,
+        "train.micro_batch_size=1",
+        "train.epochs=1000",
+        "checkpoint.every_steps=5",
+    )
+    first = start_run(args, cache_env, nproc=2)
+    try:
+        assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 2, first)
+        rows = len(train_rows(out))
+        second = run_recipe(args, cache_env, nproc=2, check=False, timeout=120)
+        assert second.returncode != 0
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: output_dir: {out} is in use by another run (pid ")
+        assert "started 20" in errors[0] and first.poll() is None  # the first run goes on
+        assert wait_for(lambda: len(train_rows(out)) > rows + 2, first)
+    finally:
+        kill_tree(first)  # SIGKILL: the kernel releases its lock
+        first.wait()
+    assert first.returncode == -signal.SIGKILL
+    proc = run_recipe(args[:-2] + ["train.epochs=1", "checkpoint.every_steps=5"], cache_env, check=False)
+    assert "is in use by another run" not in proc.stderr  # no stale lock after a crash
+
+
+@pytest.mark.slow
+def test_free_space_is_checked_before_data_or_weights_load(base_config, tiny_model, cache_env, tmp_path):
+    """A full disk and a malformed data file: the disk is what the run reports, at once."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": oops}\n')
+    script = (
+        "import shutil, sys, runpy\n"
+        "from types import SimpleNamespace\n"
+        "shutil.disk_usage = lambda path: SimpleNamespace(total=10**12, used=10**12, free=1000)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    args = recipe_args(base_config, tiny_model, bad, tmp_path / "run")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *launch_command(args, "one")[1:]],
+        env=cache_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: output_dir: {tmp_path / 'run'} has 0.00 GiB free")
+
+
+def test_a_final_dir_whose_state_cannot_be_read_still_holds_a_finished_run(tmp_path):
+    from llmtrain.errors import CheckpointError
+    from llmtrain.output.rundir import already_finished, check_rerun, finished_state
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path))
+    assert finished_state(str(tmp_path)) is None  # no final/: nothing finished here
+    (tmp_path / "final").mkdir()
+    for text in ("oops", "[]", '{"step": "4"}', '{"step": true}'):
+        (tmp_path / "final" / "train_state.json").write_text(text)
+        assert finished_state(str(tmp_path)) == {"step": None}
+        assert already_finished(cfg) is None  # unknown: not called up to date
+        with pytest.raises(CheckpointError) as e:
+            check_rerun(cfg, None)  # a fresh start would overwrite it
+        assert str(e.value).startswith(
+            f"output_dir: {tmp_path} holds a finished run (final/ whose train_state.json cannot be read)"
+        )
+
+
+def test_another_runs_checkpoint_is_resumed_only_into_a_directory_without_a_run(tmp_path):
+    from llmtrain.errors import CheckpointError
+    from llmtrain.output.rundir import check_rerun
+
+    other = tmp_path / "other" / "checkpoints" / "step-2"
+    other.mkdir(parents=True)
+    new, own = tmp_path / "new", tmp_path / "own"
+    new.mkdir()
+    (own / "checkpoints" / "step-4").mkdir(parents=True)
+    (own / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    check_rerun(SimpleNamespace(output_dir=str(new)), other)  # an empty directory: fine
+    check_rerun(SimpleNamespace(output_dir=str(own)), own / "checkpoints" / "step-4")  # its own checkpoint
+    for holds in ("metrics.jsonl", "final"):
+        target = tmp_path / f"with-{holds}"
+        target.mkdir()
+        (target / holds).mkdir() if holds == "final" else (target / holds).write_text("{}\n")
+        with pytest.raises(CheckpointError) as e:
+            check_rerun(SimpleNamespace(output_dir=str(target)), other)
+        assert str(e.value) == (
+            f"output_dir: {target} holds another run, and resuming {other} into it would mix the two runs' "
+            "metrics, checkpoints and final/; resume it into a new output_dir"
+        )
+
+
+def test_a_saved_config_that_cannot_be_read_is_reported_as_such():
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=a.jsonl"])
+    for saved in ("", "train: [", "- a list"):
+        assert changed_settings(saved, cfg) == ["(the saved config cannot be read, so changes are not known)"]
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_not_up_to_date_for_new_data_or_another_recipe(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    """The training file replaced by one of the same size and mtime: final/ is from the
+    old rows, and the checkpoint would resume their position. The DPO recipe on the same
+    output_dir would take on the fine-tune's optimizer and metrics. Both are refused,
+    changing nothing."""
+    data, out = tmp_path / "chat.jsonl", tmp_path / "run"
+    subprocess.run(["cp", "-p", str(chat_file), str(data)], check=True)
+    args = recipe_args(base_config, tiny_model, data, out, "train.micro_batch_size=4", "train.max_steps=2")
+    run_recipe(args + ["checkpoint.every_steps=1"], cache_env)
+    before, stat, text = snapshot(out), data.stat(), data.read_text()
+    data.write_text(text.replace("a", "b"))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    proc = run_recipe(args, cache_env, check=False)
+    assert proc.returncode == 2
+    assert f"error: output_dir: {out}/final was trained on other content of {data} (the file changed since" in (
+        proc.stderr
+    )
+    data.write_text(text)
+    proc = run_recipe(args, cache_env, check=False, recipe=DPO_RECIPE)
+    assert proc.returncode == 2
+    assert f"error: output_dir: {out}/final was trained by the finetune recipe, not dpo" in proc.stderr
+    assert snapshot(out) == before

@@ -1,0 +1,284 @@
+"""llmtrain never writes through a symbolic link it did not make (an output_dir may be
+shared with others, who can plant one), an unusable cache is one line at start-up, and
+`~` in a path-valued key is the home directory wherever the key was set."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmtrain import safefs
+from llmtrain.errors import CacheError, LinkError
+from tests.conftest import recipe_args, run_recipe
+
+VICTIM_TEXT = "precious\n"
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file and a directory outside output_dir that a planted link points at."""
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "file").write_text(VICTIM_TEXT)
+    (outside / "dir" / "keep").write_text(VICTIM_TEXT)
+    out = tmp_path / "run"
+    out.mkdir()
+    return SimpleNamespace(out=out, file=outside / "file", dir=outside / "dir")
+
+
+def untouched(victim):
+    assert victim.file.read_text() == VICTIM_TEXT
+    assert sorted(p.name for p in victim.dir.iterdir()) == ["keep"]
+    assert (victim.dir / "keep").read_text() == VICTIM_TEXT
+
+
+class OneProcess:
+    is_main_process = True
+    num_processes = 1
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        (Path(path) / "model.safetensors").write_bytes(b"weights")
+
+    def log(self, *args, **kwargs):
+        pass
+
+
+NAMES = [*safefs.OUTPUT_NAMES, "checkpoints/step-3", "checkpoints/.tmp-step-4", "profile/steps-1-2"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_link_in_place_of_anything_a_run_writes_is_refused_at_start_up(victim, name):
+    link = victim.out / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim.dir)
+    with pytest.raises(LinkError) as e:
+        safefs.check_output_dir(victim.out)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"output_dir: {link} is a symbolic link (to ")
+    assert "llmtrain does not write through links it did not make" in message
+    untouched(victim)
+
+
+def test_output_dir_itself_may_be_a_link(victim, tmp_path):
+    (tmp_path / "alias").symlink_to(victim.out)
+    safefs.check_output_dir(tmp_path / "alias")
+
+
+def test_run_files_are_never_written_through_a_link(victim):
+    """Past the start-up check (a link planted while the run goes on), each writer refuses
+    rather than follows: the lock, config.yaml, run.json, metrics.jsonl, loss.png."""
+    from llmtrain.config import Config
+    from llmtrain.observe.metrics import MetricsLog, describe_run, plot_losses
+    from llmtrain.output import rundir
+
+    def planted(name):
+        path = victim.out / name
+        path.unlink(missing_ok=True)
+        path.symlink_to(victim.file)
+        return path
+
+    planted(rundir.LOCK_FILE)
+    with pytest.raises(LinkError, match=r"\.llmtrain\.lock is a symbolic link"):
+        rundir.lock(str(victim.out), OneProcess())
+    cfg = Config(output_dir=str(victim.out))
+    accelerator = SimpleNamespace(
+        is_main_process=True, num_processes=1, distributed_type=SimpleNamespace(value="NO"), mixed_precision="no"
+    )
+    for name in ("config.yaml", "run.json"):
+        planted(name)
+        if name == "run.json":
+            (victim.out / "config.yaml").unlink()
+        with pytest.raises(LinkError, match=rf"{name} is a symbolic link"):
+            describe_run(cfg, accelerator, None)
+    planted("metrics.jsonl")
+    with pytest.raises(LinkError, match=r"metrics\.jsonl is a symbolic link"):
+        MetricsLog(OneProcess(), str(victim.out), resume_step=None)
+    (victim.out / "metrics.jsonl").unlink()
+    log = MetricsLog(OneProcess(), str(victim.out), resume_step=None)
+    log.log({"step": 1, "loss": 1.0})
+    planted("metrics.jsonl")
+    with pytest.raises(LinkError):
+        log.log({"step": 2, "loss": 1.0})
+    (victim.out / "metrics.jsonl").unlink()
+    (victim.out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    planted("loss.png")
+    with pytest.raises(LinkError):
+        plot_losses(victim.out / "metrics.jsonl", victim.out / "loss.png")
+    untouched(victim)
+
+
+def test_checkpoint_directories_replace_links_instead_of_writing_through_them(victim):
+    """A link left where a checkpoint's temporary directory goes is removed, not written
+    into or emptied; pruning a step-N that is a link removes the link, not its target."""
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import clean_leftovers, remove, save
+
+    root = victim.out / "checkpoints"
+    root.mkdir()
+    (root / ".tmp-step-4").symlink_to(victim.dir)
+    path = save(OneProcess(), str(victim.out), TrainState(step=4), {}, "", keep_last=0)
+    assert path.is_dir() and not path.is_symlink() and (path / "model.safetensors").is_file()
+    (root / "step-9").symlink_to(victim.dir)
+    remove(root / "step-9")
+    (root / ".deleting-step-5").symlink_to(victim.dir)
+    (root / ".old-step-6").symlink_to(victim.dir)
+    clean_leftovers(victim.out)
+    assert sorted(p.name for p in root.iterdir()) == ["step-4"]
+    untouched(victim)
+
+
+def test_temporary_files_and_directories_are_never_links(victim):
+    """The reference cache's temporary file is made exclusively and renamed over a link at
+    its name; the export's and profiler's directories are made afresh; the demo's rows
+    refuse a link."""
+    from llmtrain.demo import write_jsonl
+    from llmtrain.preference.reference import CACHE, save_cached
+
+    (victim.out / f".tmp-{CACHE}").symlink_to(victim.file)
+    (victim.out / CACHE).symlink_to(victim.file)
+    save_cached(victim.out / CACHE, "key", torch.zeros(2, 2))
+    assert not (victim.out / CACHE).is_symlink()
+    assert torch.load(victim.out / CACHE, weights_only=True)["key"] == "key"
+    (victim.out / ".tmp-final").symlink_to(victim.dir)
+    safefs.fresh_dir(victim.out / ".tmp-final")
+    assert (victim.out / ".tmp-final").is_dir() and not (victim.out / ".tmp-final").is_symlink()
+    (victim.out / "profile").symlink_to(victim.dir)
+    with pytest.raises(LinkError):
+        safefs.make_dir(victim.out / "profile")
+    (victim.out / "train.jsonl").symlink_to(victim.file)
+    with pytest.raises(LinkError, match=r"^LLMTRAIN_CACHE: .*train\.jsonl is a symbolic link"):
+        write_jsonl([{"a": 1}], victim.out / "train.jsonl")
+    untouched(victim)
+
+
+@pytest.mark.slow
+def test_a_recipe_refuses_a_planted_metrics_link_in_one_line(base_config, tiny_model, chat_file, cache_env, victim):
+    (victim.out / "metrics.jsonl").symlink_to(victim.file)
+    proc = run_recipe(recipe_args(base_config, tiny_model, chat_file, victim.out), cache_env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: output_dir: {victim.out / 'metrics.jsonl'} is a symbolic link (to {victim.file}); llmtrain does "
+        "not write through links it did not make; remove it or choose another output_dir"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    untouched(victim)
+
+
+# --- caches -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    for var in ("HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME", "LLMTRAIN_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "a_file").write_text("")
+    return SimpleNamespace(set=monkeypatch.setenv, file=tmp_path / "a_file", tmp=tmp_path)
+
+
+def test_usable_caches_pass(env):
+    safefs.check_caches(uses_demo=True)  # HOME does not exist yet: its parent is writable
+    env.set("HF_DATASETS_CACHE", str(env.tmp / "datasets"))
+    env.set("LLMTRAIN_CACHE", str(env.tmp / "llmtrain"))
+    safefs.check_caches(uses_demo=True)
+
+
+@pytest.mark.parametrize(
+    "var, value, demo, line",
+    [
+        ("HF_DATASETS_CACHE", "{file}", False, "HF_DATASETS_CACHE: {file} is not a directory; set HF_DATASETS_CACHE"),
+        ("HF_DATASETS_CACHE", "{file}/sub", False, "HF_DATASETS_CACHE: {file}/sub cannot be made ({file} is not a"),
+        ("HF_HOME", "{file}", False, "HF_HOME: {file} is not a directory; set HF_HOME to a directory"),
+        (
+            "HOME",
+            "{file}",
+            False,
+            "HOME: {file}/.cache/huggingface/datasets cannot be made ({file} is not a directory)",
+        ),
+        ("LLMTRAIN_CACHE", "{file}", True, "LLMTRAIN_CACHE: {file} is not a directory; set LLMTRAIN_CACHE"),
+    ],
+)
+def test_an_unusable_cache_is_one_line_naming_its_variable(env, var, value, demo, line):
+    env.set(var, value.format(file=env.file))
+    with pytest.raises(CacheError) as e:
+        safefs.check_caches(uses_demo=demo)
+    assert str(e.value).startswith(line.format(file=env.file)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_demo_cache_is_checked_only_for_demo_names(env):
+    env.set("LLMTRAIN_CACHE", str(env.file))
+    safefs.check_caches(uses_demo=False)
+
+
+@pytest.mark.slow
+def test_a_recipe_with_an_unusable_datasets_cache_stops_in_one_line(
+    base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    (tmp_path / "a_file").write_text("")
+    env = dict(cache_env, HF_DATASETS_CACHE=str(tmp_path / "a_file"))
+    proc = run_recipe(recipe_args(base_config, tiny_model, chat_file, tmp_path / "run"), env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: HF_DATASETS_CACHE: {tmp_path / 'a_file'} is not a directory; set HF_DATASETS_CACHE to a directory "
+        "you can write to"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # stopped before anything was written
+
+
+# --- ~ in paths ---------------------------------------------------------------------------
+
+
+def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch, tmp_path):
+    from llmtrain.config import DPOConfig, load_config
+
+    home = tmp_path / "home"
+    (home / "t").mkdir(parents=True)
+    (home / "t" / "chat.jinja").write_text("{{ messages }}")
+    monkeypatch.setenv("HOME", str(home))
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "output_dir: ~/runs/x\n"
+        "model: {name_or_path: ~/models/m}\n"
+        "data: {train: [~/a.jsonl, {path: ~/b.jsonl, fraction: 0.5}], eval: ~/e.jsonl, chat_template: ~/t/chat.jinja}\n"
+        "checkpoint: {resume: ~/runs/old/checkpoints/step-2}\n"
+        "dpo: {reference: ~/models/ref}\n"
+    )
+    cfg = load_config(config, [], DPOConfig)
+    assert cfg.output_dir == f"{home}/runs/x"
+    assert cfg.model.name_or_path == f"{home}/models/m"
+    assert cfg.data.train[0] == f"{home}/a.jsonl" and cfg.data.train[1].path == f"{home}/b.jsonl"
+    assert cfg.data.eval == [f"{home}/e.jsonl"] or cfg.data.eval == f"{home}/e.jsonl"
+    assert cfg.data.chat_template == f"{home}/t/chat.jinja"
+    assert cfg.checkpoint.resume == f"{home}/runs/old/checkpoints/step-2"
+    assert cfg.dpo.reference == f"{home}/models/ref"
+    cfg = load_config(None, ["output_dir=~/runs/y", "data.train=~/c.jsonl", "model.name_or_path=owner/name"])
+    assert cfg.output_dir == f"{home}/runs/y" and cfg.data.train in (f"{home}/c.jsonl", [f"{home}/c.jsonl"])
+    assert cfg.model.name_or_path == "owner/name"  # a hub name is left alone
+
+
+def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
+    """Under a group-writable umask a group member could plant links inside a checkpoint's
+    or the export's directory while save_state or save_pretrained write into it: it is
+    0700 until it is published, then gets the umask's mode."""
+    import os
+    import stat
+
+    from llmtrain import safefs
+    from llmtrain.output.checkpoint import publish
+
+    old = os.umask(0o002)
+    try:
+        safefs.fresh_dir(tmp_path / ".tmp-step-2")
+        assert stat.S_IMODE((tmp_path / ".tmp-step-2").stat().st_mode) == 0o700
+        publish(tmp_path / ".tmp-step-2", tmp_path / "step-2")
+        assert stat.S_IMODE((tmp_path / "step-2").stat().st_mode) == 0o775
+    finally:
+        os.umask(old)

@@ -1,0 +1,1 @@
+"""Tests of llmtrain/preference/: pairs, the preference losses, the reference."""
