@@ -1,5 +1,5 @@
 """A data source (a local file or a hub data set) loaded as a datasets.Dataset, and the row
-format its columns allow. Local .jsonl, .json and .csv files are read by files.py, so
+format its columns allow. Local .jsonl, .json and .csv files are read by llmtrain/files.py, so
 every row keeps its file line."""
 
 from __future__ import annotations
