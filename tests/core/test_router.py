@@ -93,5 +93,9 @@ def test_moe_steps_do_not_depend_on_how_the_global_batch_is_split(zoo, base_conf
             assert a["tokens"] == b["tokens"], layout
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), layout
             assert a["router_aux"] == pytest.approx(b["router_aux"], rel=1e-5), layout
+        # atol 1e-5, a hundredth of one step's update at lr 1e-3: an expert that saw few tokens
+        # has weights with gradients near 0, where Adam's g/sqrt(v) turns summation-order noise
+        # into updates of a few 1e-6 (one element of 4096 in transformers 5.24's experts).
+        # A batch weighted by its layout moves whole tensors by 1e-4 and more.
         for key in ref_w:
-            torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-6, msg=f"{layout}: {key}")
+            torch.testing.assert_close(weights[key], ref_w[key], rtol=1e-5, atol=1e-5, msg=f"{layout}: {key}")
