@@ -281,6 +281,27 @@ def build_pairs(root: Path) -> None:
         os.replace(tmp, root / name)
 
 
+def make_prompts(n: int, seed: int) -> list[dict]:
+    """Prompt rows for the RL demo: a question (a string, or messages with the system turn)
+    and its checkable `answer`, which the built-in accuracy reward compares with."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q, a = _task(rng)
+        prompt = q if i % 2 == 0 else [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        rows.append({"prompt": prompt, "answer": a})
+    return rows
+
+
+def build_prompts(root: Path) -> None:
+    """prompts-train.jsonl (2000) and prompts-eval.jsonl (200) under root, once."""
+    for name, n, seed in (("prompts-train.jsonl", 2000, 5), ("prompts-eval.jsonl", 200, 6)):
+        if not (root / name).exists():
+            tmp = safefs.new_temp(root, f".tmp-{name}-")  # created exclusively: never a planted link
+            write_jsonl(make_prompts(n, seed), tmp)
+            os.replace(tmp, root / name)
+
+
 SFT_OVERRIDES = ["train.epochs=2", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
 
 
@@ -322,6 +343,8 @@ DEMO_NAMES = {
     "demo:tiny-llama-sft": "tiny-llama-sft",
     "demo:pairs-train": "pairs-train.jsonl",
     "demo:pairs-eval": "pairs-eval.jsonl",
+    "demo:prompts-train": "prompts-train.jsonl",
+    "demo:prompts-eval": "prompts-eval.jsonl",
 }
 
 
@@ -330,6 +353,8 @@ def named(cfg) -> list[tuple[str, str]]:
     keys = [("model.name_or_path", cfg.model.name_or_path)]
     if hasattr(cfg, "dpo"):
         keys.append(("dpo.reference", cfg.dpo.reference))
+    if hasattr(cfg, "grpo"):
+        keys.append(("grpo.reference", cfg.grpo.reference))
     entries = [(f"data.{split}", e) for split in ("train", "eval") for e in _as_list(getattr(cfg.data, split))]
     return keys + [(key, getattr(e, "path", e)) for key, e in entries]  # a data.train entry may be {path, fraction}
 
@@ -351,6 +376,8 @@ def resolve_demo_names(cfg) -> None:
     names = _names(cfg)
     if any(n.startswith("demo:pairs") for n in names):
         build_pairs(root)
+    if any(n.startswith("demo:prompts") for n in names):
+        build_prompts(root)
     if "demo:tiny-llama-sft" in names:
         build_sft_model(root)
 
@@ -363,6 +390,8 @@ def resolve_demo_names(cfg) -> None:
     cfg.model.name_or_path = fix(cfg.model.name_or_path)
     if hasattr(cfg, "dpo"):
         cfg.dpo.reference = fix(cfg.dpo.reference)
+    if hasattr(cfg, "grpo"):
+        cfg.grpo.reference = fix(cfg.grpo.reference)
     cfg.data.train = [fix_entry(e) for e in _as_list(cfg.data.train)]
     cfg.data.eval = [fix(n) for n in _as_list(cfg.data.eval)]
 

@@ -47,6 +47,12 @@ class TrainingError(UserError):
     """Training cannot go on; the message says what happened and what to try."""
 
 
+class RewardError(DataError):
+    """A reward function (grpo.rewards) that cannot be loaded, does not fit the data, or
+    fails or returns something other than a number per completion: named in the message.
+    A DataError, so one met during training stops every process after a checkpoint."""
+
+
 class LinkError(UserError):
     """A link where llmtrain writes, which it will not write through."""
 

@@ -42,6 +42,10 @@ class Parts:
     # run's weights are loaded, so the model still holds its starting weights:
     # after_prepare(model, accelerator, empty_batch, beat).
     after_prepare: Callable | None = None
+    # Makes the training micro-batches from the prepared model instead of a loader over the
+    # training set (recipes/grpo.py: completions generated as training goes): source(model,
+    # backend, beat) -> a rl/rollout.Rollouts-like object (see train.setup).
+    source: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class Recipe:
     schema: type  # the config tree (config.Config or an extension of it)
     default_config: Path  # the offline demo's YAML, used when no --config is given
     description: str
-    data: DataKind  # what its examples are (build.ROWS, pairs.PAIRS): build.build_datasets makes them
+    data: DataKind | Callable  # what its examples are (build.ROWS, pairs.PAIRS), or cfg -> that
     parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
     # What the run trains for ('finetune', 'dpo'): an output_dir holds one recipe's run,
     # recorded with its data's fingerprint (rundir.identity) and checked on every rerun.
@@ -83,7 +87,8 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     check_vocab(cfg.model, mcfg, tokenizer)
     if recipe.check is not None:
         recipe.check(cfg, tokenizer)
-    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, recipe.data)
+    kind = recipe.data if isinstance(recipe.data, DataKind) else recipe.data(cfg)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model)
@@ -104,6 +109,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             watchdog,
             parts.collator,
             parts.after_prepare,
+            parts.source,
         )
         run.state.run = identity  # recorded in every checkpoint and final/
         if rundir.up_to_date(cfg.output_dir, run.state.step, run.total_steps):

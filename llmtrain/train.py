@@ -77,8 +77,8 @@ class Run:
     objective: Objective
     backend: Backend
     state: TrainState
-    data: TrainBatches
-    eval_loader: object | None
+    data: TrainBatches  # or a recipe's own source of micro-batches (rl/rollout.Rollouts)
+    evaluator: object | None  # () -> the evaluation's metrics, {"eval_loss": ...}; None: no evaluation
     empty: dict  # a micro-batch with nothing to train, run by a process with no data left
     total_steps: int
     log: MetricsLog
@@ -102,23 +102,28 @@ def setup(
     watchdog: Watchdog,
     collator=None,
     after_prepare=None,
+    source=None,
 ) -> Run:
     """Loaders, optimizer and `accelerator.prepare`, then the state from `resume_from`
     (a checkpoint, or None for a fresh start), metrics and trackers. `collator` makes the
     objective's micro-batches (batches.Collator, for token sequences, by default).
     `after_prepare(model, accelerator, empty, beat)` runs once the model is prepared and
-    before a checkpoint's weights are loaded (see recipe.Parts)."""
+    before a checkpoint's weights are loaded (see recipe.Parts). `source(model, backend,
+    beat)`, where given, makes the training micro-batches from the prepared model instead
+    of a loader over `train_set` (rl/rollout.Rollouts: completions generated as the loop
+    draws them), and evaluates on `eval_set` itself."""
     t, world = cfg.train, accelerator.num_processes
     check_metric_names(objective)
     streaming = isinstance(train_set, StreamedRows)
     collator = collator or Collator(pad_id(tokenizer), cfg.data.max_seq_len if cfg.data.packing else 0)
-    loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle, cfg.data.num_workers)
-    sampler = None if streaming else loader.sampler  # kept: prepare() wraps it, and we set its epoch
-    eval_loader = None
-    if eval_set is not None:
-        eval_micro = cfg.eval.micro_batch_size or t.micro_batch_size
-        eval_loader = make_loader(eval_set, eval_micro, collator, t.seed, False, cfg.data.num_workers)
-    per_epoch = None if streaming else t.steps_per_epoch(len(sampler), world)  # a mixture's epoch size
+    loader = sampler = eval_loader = per_epoch = None
+    if source is None:
+        loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle, cfg.data.num_workers)
+        sampler = None if streaming else loader.sampler  # kept: prepare() wraps it, and we set its epoch
+        if eval_set is not None:
+            eval_micro = cfg.eval.micro_batch_size or t.micro_batch_size
+            eval_loader = make_loader(eval_set, eval_micro, collator, t.seed, False, cfg.data.num_workers)
+        per_epoch = None if streaming else t.steps_per_epoch(len(sampler), world)  # a mixture's epoch size
 
     backend = Backend(accelerator, t.grad_accum_steps)
     model = backend.place(model)
@@ -127,13 +132,18 @@ def setup(
     meter = StepMeter(model, accelerator.device, world, objective.unit, objective.head)
     optimizer = build_optimizer(model, t, accelerator.device)
     watchdog.beat("setting up the model and optimizer across processes")
-    if streaming:  # each process already reads only its part (see batches.TrainBatches)
+    if streaming or source is not None:  # each process reads only its part (see batches.TrainBatches)
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
+    if source is not None:
+        data = source(model, backend, watchdog.beat)
+        per_epoch, empty = data.steps_per_epoch, send_to_device(data.empty_batch(), accelerator.device)
+    else:
+        data = TrainBatches(loader, sampler, accelerator)
+        empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
     if after_prepare is not None:
         after_prepare(model, accelerator, empty, watchdog.beat)
 
@@ -142,7 +152,7 @@ def setup(
     nonfinite = backend.nonfinite_weights(model)
     if resume_from is not None:
         watchdog.beat(f"loading {resume_from}")
-        checkpoint.load(accelerator, resume_from, cfg, state, model)
+        data.restore(checkpoint.load(accelerator, resume_from, cfg, state, model))
         nonfinite = backend.nonfinite_weights(model)
         if nonfinite > state.nonfinite_weights:
             raise CheckpointError(
@@ -164,8 +174,20 @@ def setup(
     accelerator.print(
         f"training {total_steps} steps ("
         + ("a pass over the stream ends when every process has run out" if streaming else f"{per_epoch} per epoch")
-        + f"), global batch {t.global_batch(world)} {collator.items} on {world} process(es)"
+        + f"), global batch {t.global_batch(world)} {data.items} on {world} process(es)"
     )
+    evaluator = None
+    if eval_loader is not None:
+
+        def evaluator() -> dict[str, float]:
+            loss, metrics = evaluate(model, eval_loader, objective, accelerator, empty, watchdog.beat)
+            return {"eval_loss": loss} | {f"eval_{k}": v for k, v in metrics.items()}
+
+    elif source is not None and eval_set is not None:
+
+        def evaluator() -> dict[str, float]:
+            return data.evaluate(eval_set)
+
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:
         from tqdm.auto import tqdm
@@ -180,8 +202,8 @@ def setup(
         objective=objective,
         backend=backend,
         state=state,
-        data=TrainBatches(loader, sampler, accelerator),
-        eval_loader=eval_loader,
+        data=data,
+        evaluator=evaluator,
         empty=empty,
         total_steps=total_steps,
         log=log,
@@ -199,7 +221,7 @@ def train(run: Run) -> Outcome:
     data met by any process stops all of them alike, after a checkpoint, with its error."""
     cfg, state = run.cfg, run.state
     try:
-        if run.eval_loader is not None and state.step == 0:
+        if run.evaluator is not None and state.step == 0:
             run_eval(run)  # the baseline the run improves on
         run.model.train()
         batches = run.data.epoch(state.epoch, state.batches_in_epoch)
@@ -229,7 +251,7 @@ def train(run: Run) -> Outcome:
             if result.skip is not None:
                 check_skips(run, result)
                 continue
-            if run.eval_loader is not None and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
+            if run.evaluator is not None and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
                 run_eval(run)
             if cfg.checkpoint.every_steps and (
                 state.step == run.total_steps or due(state.step, cfg.checkpoint.every_steps)
@@ -261,7 +283,10 @@ def report(run: Run, window: Window, result: StepResult) -> None:
     if state.step % run.cfg.log.every_steps == 0 or state.step == run.total_steps:
         row = {"step": state.step, "epoch": state.epoch, "loss": result.loss, "lr": result.lr}
         row |= {"grad_norm": result.grad_norm, run.objective.unit: result.count}
-        run.log.log(row | result.metrics | figures)
+        run.log.log(row | result.metrics | run.data.metrics | figures)
+        for line in run.data.samples_shown:  # completions an RL run shows, once per generation round
+            run.accelerator.print(line)
+        run.data.samples_shown = []
     if run.progress is not None:
         run.progress.update(1)
         bar = {"loss": f"{result.loss:.4f}"}
@@ -314,17 +339,19 @@ def run_step(run: Run, window: Window) -> StepResult:
 
 
 def run_eval(run: Run) -> None:
-    loss, metrics = evaluate(run.model, run.eval_loader, run.objective, run.accelerator, run.empty, run.watchdog.beat)
-    run.log.log({"step": run.state.step, "eval_loss": loss} | {f"eval_{k}": v for k, v in metrics.items()})
-    shown = "".join(f", eval_{k} {v:.4f}" for k, v in metrics.items() if k in run.objective.progress_metrics)
-    run.accelerator.print(f"step {run.state.step}: eval_loss {loss:.4f}{shown}")
+    metrics = run.evaluator()
+    run.log.log({"step": run.state.step} | metrics)
+    shown = {f"eval_{k}" for k in run.objective.progress_metrics} | {"eval_loss", "eval_reward"}
+    line = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in shown)
+    run.accelerator.print(f"step {run.state.step}: {line}")
 
 
 def save_checkpoint(run: Run) -> Path:
     run.watchdog.beat(f"writing the checkpoint of step {run.state.step}")
     settings = checkpoint.position_settings(run.cfg, run.accelerator.num_processes)
+    extra = run.data.saved(run.state.batches_in_epoch, run.state.epoch)  # a rollout in progress
     return checkpoint.save(
-        run.accelerator, run.cfg.output_dir, run.state, settings, to_yaml(run.cfg), run.cfg.checkpoint.keep_last
+        run.accelerator, run.cfg.output_dir, run.state, settings, to_yaml(run.cfg), run.cfg.checkpoint.keep_last, extra
     )
 
 

@@ -127,8 +127,19 @@ class TrainBatches:
     processes), so reading it again up to a saved position gives a resumed run exactly the
     rows that come next."""
 
+    items = "sequences"
+    metrics: dict = {}  # nothing of its own to log per step (rl/rollout.Rollouts has)
+    samples_shown: list = []
+
     def __init__(self, loader, sampler: EpochSampler | None, accelerator):
         self.loader, self.sampler, self.accelerator = loader, sampler, accelerator
+
+    def saved(self, batches_in_epoch: int, epoch: int) -> None:
+        """Nothing beyond the position: the data is read again up to it on resume."""
+        return None
+
+    def restore(self, tensors) -> None:
+        pass
 
     def epoch(self, epoch: int, skip: int = 0):
         """An iterator over pass `epoch`'s micro-batches after its first `skip`."""

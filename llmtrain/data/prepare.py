@@ -85,7 +85,9 @@ class DataStats:
         return "; ".join(hints) or "check data.max_seq_len and data.overlong" + ("" if pairs else " and data.loss_on")
 
     def summary(self, key: str) -> str:
-        parts = [f"{key}: {self.kept}/{self.rows} rows kept, {self.trained_tokens} trained tokens"]
+        parts = [f"{key}: {self.kept}/{self.rows} rows kept"]
+        if self.trained_tokens or not self.kept:  # prompt rows (recipes/grpo.py) train no token of their own
+            parts[0] += f", {self.trained_tokens} trained tokens"
         if self.truncated:
             parts.append(f"{self.truncated} truncated to data.max_seq_len")
         for reason, n in sorted(self.dropped.items()):

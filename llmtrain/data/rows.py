@@ -166,21 +166,8 @@ def chat_ids(
     The span of assistant turn i runs from the end of render(messages[:i], generation prompt)
     to the end of render(messages[:i+1]), so it includes the template's end-of-turn token."""
 
-    install()  # bounds rendering in size (llmtrain.template), in this process too
-
     def render(msgs, gen=False, tools_=tools):
-        try:
-            with time_limit():
-                text = tokenizer.apply_chat_template(msgs, tools=tools_, tokenize=False, add_generation_prompt=gen)
-        except TemplateLimit:
-            raise
-        except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
-            raise RowError(
-                f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
-            ) from None
-        if isinstance(text, str) and len(text) > MAX_RENDERED:
-            raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
-        return text
+        return render_chat(tokenizer, msgs, tools_, gen)
 
     check_control_tokens(messages, tools, tokenizer)
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
@@ -211,6 +198,26 @@ def chat_ids(
         tok if any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE for tok, (s, e) in zip(ids, enc["offset_mapping"])
     ]
     return ids, labels
+
+
+def render_chat(tokenizer, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages`, bounded in time and size (llmtrain.template);
+    a template that refuses or fails on the conversation is the row's RowError."""
+    install()  # bounds rendering in size (llmtrain.template), in this process too
+    try:
+        with time_limit():
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+    except TemplateLimit:
+        raise
+    except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
+        raise RowError(
+            f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
+        ) from None
+    if isinstance(text, str) and len(text) > MAX_RENDERED:
+        raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
+    return text
 
 
 _CONTROL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, control_tokens)

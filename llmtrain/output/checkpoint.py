@@ -281,6 +281,12 @@ def position_settings(cfg, world_size: int) -> dict:
         "data.shuffle": cfg.data.shuffle,
         "world_size": world_size,
         **({"data.streaming": True, "data.shuffle_buffer": cfg.data.shuffle_buffer} if cfg.data.streaming else {}),
+        # An RL run's position counts generation rounds of this many prompts and steps.
+        **(
+            {"grpo.num_generations": cfg.grpo.num_generations, "grpo.num_iterations": cfg.grpo.num_iterations}
+            if hasattr(cfg, "grpo")
+            else {}
+        ),
     }
 
 
@@ -299,10 +305,16 @@ def publish(tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
 
 
-def save(accelerator, output_dir: str, state: TrainState, settings: dict, config_yaml: str, keep_last: int) -> Path:
+ROLLOUT_FILE = "rollout.safetensors"
+
+
+def save(
+    accelerator, output_dir: str, state: TrainState, settings: dict, config_yaml: str, keep_last: int, extra=None
+) -> Path:
     """Write checkpoint step-<state.step> on all ranks: what Accelerate saves (model,
     optimizer, every rank's RNG), the run's TrainState with the `settings` that fix what
-    its data position means (`position_settings`), and the config. Returns its path. A
+    its data position means (`position_settings`), the config, and `extra` tensors (an RL
+    run's generation round in progress) as rollout.safetensors. Returns its path. A
     failed write (disk full, permissions) removes the partial directory and raises
     CheckpointError; the previous checkpoint is untouched."""
     root = checkpoint_root(output_dir)
@@ -315,6 +327,10 @@ def save(accelerator, output_dir: str, state: TrainState, settings: dict, config
             (tmp / "config.yaml").write_text(config_yaml)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
+        if extra is not None and accelerator.is_main_process:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / ROLLOUT_FILE))
         accelerator.wait_for_everyone()
         # Sizes and checksums let a resume detect a missing, cut or damaged file.
         files = manifest(tmp, accelerator)
@@ -436,9 +452,10 @@ def check_pickles(path: Path) -> None:
             ) from None
 
 
-def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> None:
+def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | None:
     """Restore model, optimizer and RNG from `path` and `state` from its train_state.json,
-    after checking that the run's data settings are the ones it was written with.
+    after checking that the run's data settings are the ones it was written with. Returns
+    the checkpoint's `extra` tensors (see `save`), or None.
 
     The global batch may be split differently (another number of processes, micro-batch
     size or accumulation): each pass's order is seeded and the loader deals its batches
@@ -501,6 +518,12 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> None:
                 else ""
             )
         )
+    rollout = Path(path) / ROLLOUT_FILE
+    if not rollout.exists():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(rollout))  # tensors only: nothing in it is unpickled
 
 
 def is_deepspeed(accelerator) -> bool:

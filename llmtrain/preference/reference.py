@@ -32,8 +32,8 @@ from ..model import hub_kwargs, ids_past
 CACHE = "reference_logps.pt"
 
 
-def check_reference(cfg, tokenizer) -> None:
-    """dpo.reference must read the policy's token ids as the policy does, or every
+def check_reference(cfg, tokenizer, section: str = "dpo") -> None:
+    """dpo.reference (or grpo.reference: `section`) must read the policy's token ids as the policy does, or every
     log-ratio compares two different texts. Checked from the reference's config and
     tokenizer (no weights) before any data or weights load: its vocabulary must hold
     every id of the policy's tokenizer (a smaller one ends in an index error mid-pass),
@@ -41,20 +41,20 @@ def check_reference(cfg, tokenizer) -> None:
     to the same ids (a larger vocabulary is accepted only as padding of the same one)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    name = cfg.dpo.reference
+    name, key = getattr(cfg, section).reference, f"{section}.reference"
     if not name:
         return
     kw = {"trust_remote_code": cfg.model.trust_remote_code}
     try:
         rcfg = AutoConfig.from_pretrained(name, **kw)
     except Exception as e:
-        raise ModelError(f"dpo.reference: could not load a model config from '{name}' ({describe(e)})") from None
+        raise ModelError(f"{key}: could not load a model config from '{name}' ({describe(e)})") from None
     policy = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
     text = rcfg.get_text_config() if hasattr(rcfg, "get_text_config") else rcfg
     ref_vocab = getattr(text, "vocab_size", None)
     if past := ids_past(tokenizer, ref_vocab):
         raise ModelError(
-            f"dpo.reference: '{name}' embeds {ref_vocab} tokens, but the policy's tokenizer has {past}; "
+            f"{key}: '{name}' embeds {ref_vocab} tokens, but the policy's tokenizer has {past}; "
             "the reference must be a model with the policy's tokenizer (usually the model you fine-tune)"
         )
     try:
@@ -67,7 +67,7 @@ def check_reference(cfg, tokenizer) -> None:
         if differ:
             example = ", ".join(repr(t) for t in differ[:3])
             raise ModelError(
-                f"dpo.reference: the tokenizer of '{name}' maps {len(differ)} tokens differently from the policy's "
+                f"{key}: the tokenizer of '{name}' maps {len(differ)} tokens differently from the policy's "
                 f"(e.g. {example}); the reference must share the policy's tokenizer (usually it is the model you "
                 "fine-tune, before training)"
             )
@@ -75,7 +75,7 @@ def check_reference(cfg, tokenizer) -> None:
     policy_vocab = (policy.get_text_config() if hasattr(policy, "get_text_config") else policy).vocab_size
     if ref_vocab != policy_vocab:
         raise ModelError(
-            f"dpo.reference: '{name}' has a vocabulary of {ref_vocab} tokens and no tokenizer to show it is the "
+            f"{key}: '{name}' has a vocabulary of {ref_vocab} tokens and no tokenizer to show it is the "
             f"policy's ({policy_vocab} tokens); save the policy's tokenizer with the reference model "
             "(tokenizer.save_pretrained) or use a reference with the policy's vocabulary"
         )

@@ -1,6 +1,6 @@
 import pytest
 
-from llmtrain.config import Config, DPOConfig, load_config
+from llmtrain.config import Config, DPOConfig, GRPOConfig, load_config
 from llmtrain.config.load import parse_override
 from llmtrain.errors import ConfigError
 from tests.conftest import ROOT, run_recipe
@@ -14,16 +14,19 @@ def test_there_are_shipped_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    """Each loads into its recipe's tree: recipes/dpo.py's configs have a dpo section."""
+    """Each loads into its recipe's tree: recipes/dpo.py's configs have a dpo section,
+    recipes/grpo.py's a grpo section."""
     import yaml
 
     text = path.read_text()
     assert text.startswith("#"), "each shipped YAML opens with the command that uses it"
-    dpo = "dpo" in yaml.safe_load(text)
+    raw = yaml.safe_load(text)
+    recipe, schema = next(((r, s) for r, s in (("dpo", DPOConfig), ("grpo", GRPOConfig)) if r in raw), ("", Config))
     header = "".join(line for line in text.splitlines() if line.startswith("#"))
-    assert ("recipes/dpo.py" in header) == dpo, "the opening comment names the recipe"
-    cfg = load_config(path, schema=DPOConfig if dpo else Config)
-    assert isinstance(cfg, DPOConfig if dpo else Config)
+    for name in ("dpo", "grpo"):
+        assert (f"recipes/{name}.py" in header) == (recipe == name), "the opening comment names the recipe"
+    cfg = load_config(path, schema=schema)
+    assert type(cfg) is schema
 
 
 def test_overrides_are_typed():
@@ -141,6 +144,11 @@ def test_a_bad_profile_range_names_the_key(value):
     ]
 
 
+def schema_of(key: str) -> type:
+    """The tree a key belongs to (recipes/grpo.py's grpo section, or every other)."""
+    return GRPOConfig if key.startswith("grpo.") else DPOConfig
+
+
 def numeric_keys() -> list[str]:
     import typing
 
@@ -148,7 +156,7 @@ def numeric_keys() -> list[str]:
 
     keys = []
     for key, _, _ in field_docs():
-        node = DPOConfig()
+        node = schema_of(key)()
         *parents, leaf = key.split(".")
         for part in parents:
             node = getattr(node, part)
@@ -166,12 +174,12 @@ def test_every_number_is_checked_from_the_schema(key):
     values = ["-1", ".nan", ".inf", huge] if isinstance(_default(key), float) else ["-1", huge]
     for value in values:
         with pytest.raises(ConfigError) as e:
-            load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"], DPOConfig)
+            load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", f"{key}={value}"], schema_of(key))
         assert [p for p in e.value.problems if p.startswith(f"{key}: ")], (key, value, e.value.problems)
 
 
 def _default(key: str):
-    node = DPOConfig()
+    node = schema_of(key)()
     for part in key.split("."):
         node = getattr(node, part)
     return node

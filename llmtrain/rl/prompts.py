@@ -1,0 +1,143 @@
+"""Prompt rows for online RL: a `prompt` (a string, or a list of messages) plus any other
+columns, which the reward functions receive (an `answer`, test cases, ...).
+
+A string prompt is a user message when the tokenizer has a chat template (as in the
+preference recipe), and plain text otherwise; messages are read as chat rows' are
+(`data/rows.message`), data.system_prompt goes first where the prompt has no system
+message, and the template is rendered with its generation prompt, so the model's
+completion is the assistant's answer. A prompt must leave grpo.max_completion_length
+tokens within data.max_seq_len: a longer one is dropped, refused or cut from the left,
+by data.overlong.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..config import DataConfig
+from ..data.build import DataKind
+from ..data.packing import PackedDataset
+from ..data.rows import NothingToTrain, RowError, check_control_tokens, check_line, check_rendered, message, render_chat
+
+PROMPT_COLUMNS = ("prompt_ids", "prompt", "columns")
+
+
+def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
+    """The row's prompt as the model is asked it: a message list, or a string without a
+    chat template."""
+    check_line(row)
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise RowError(f"a prompt row needs 'prompt' (a string or a list of messages); this row has {sorted(row)[:8]}")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise NothingToTrain("empty prompt")
+        if not tokenizer.chat_template:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, dict):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise RowError("'prompt' must be a string or a non-empty list of {role, content} messages")
+    messages = [{k: v for k, v in message(m, i, "prompt").items() if k != "train"} for i, m in enumerate(prompt)]
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    return messages
+
+
+def prompt_ids(prompt, tokenizer, tools=None) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    check_control_tokens(prompt, tools, tokenizer)
+    text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
+    check_rendered(prompt, tools, text, lambda msgs, gen=True, tools_=tools: render_chat(tokenizer, msgs, tools_, gen))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def process_prompt(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int) -> dict:
+    """One row -> {prompt_ids, prompt (JSON: the prompt as the reward functions see it: a
+    string as given, or the messages),
+    columns (JSON: the row's other fields), length, n_trained, status}; status as for
+    data.process_row."""
+    try:
+        prompt = prompt_messages(row, tokenizer, cfg)
+        tools = row.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RowError("'tools' must be a list of tool definitions")
+        ids = prompt_ids(prompt, tokenizer, tools)
+    except NothingToTrain as e:
+        return _dropped(str(e))
+    except RowError as e:
+        return _dropped(f"error: {e}")
+    if not ids:
+        return _dropped("empty prompt")
+    budget, status = cfg.max_seq_len - max_completion_length, "ok"
+    if len(ids) > budget:
+        if cfg.overlong != "truncate":
+            return _dropped(f"too long ({len(ids) + max_completion_length} tokens with the completion)")
+        ids, status = ids[len(ids) - budget :], "truncated"  # the end of a prompt is what it asks
+    columns = {k: v for k, v in row.items() if k != "prompt" and not k.startswith("__")}
+    # The rewards see the prompt as the row gives it, a string or messages, as in TRL.
+    shown = row["prompt"] if isinstance(row["prompt"], str) else prompt
+    return {
+        "prompt_ids": ids,
+        "prompt": json.dumps(shown),
+        "columns": json.dumps(columns, default=str),
+        "length": len(ids),
+        "n_trained": 0,
+        "status": status,
+    }
+
+
+def _dropped(status: str) -> dict:
+    return {"prompt_ids": [], "prompt": "", "columns": "", "length": 0, "n_trained": 0, "status": status}
+
+
+def prepare_prompts(key: str, names: list[str], tokenizer, cfg: DataConfig, max_completion_length: int):
+    """Load, tokenize, filter and concatenate the prompt sources of one split, as
+    data.prepare_split does for SFT rows. Returns (datasets.Dataset, DataStats)."""
+    from ..data.prepare import tokenize_sources
+    from ..errors import DataError
+
+    def check(src) -> str:
+        if "prompt" not in src.columns:
+            raise DataError(
+                f"{key}: {src.name}: prompt rows need a 'prompt' column (a string or a list of messages), plus the "
+                f"columns your rewards read; found columns {sorted(src.columns)}"
+            )
+        return f"prompts-v1-{max_completion_length}"
+
+    def process(src, row: dict) -> dict:
+        return process_prompt(row, tokenizer, cfg, max_completion_length)
+
+    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
+    if stats.kept == 0:
+        raise DataError(f"{key}: no usable prompts: {stats.summary(key)}; {stats.fixes()}")
+    return ds, stats
+
+
+def prompt_kind(max_completion_length: int, check_columns=None) -> DataKind:
+    """The DataKind of recipes/grpo.py's prompts (never packed: completions are generated).
+    `check_columns(key, columns)` sees each split's columns as soon as it is read, before
+    any weights load (the reward functions' parameters against them)."""
+
+    def prepare(key, names, tokenizer, cfg):
+        ds, stats = prepare_prompts(key, names, tokenizer, cfg, max_completion_length)
+        if check_columns is not None:
+            check_columns(key, prompt_columns(ds))
+        return ds, stats
+
+    return DataKind(prepare, PackedDataset, unit="prompts", batched=("prompts", "prompts"))
+
+
+def prompt_columns(prompts) -> set[str]:
+    """The columns the prompt rows carry besides the prompt (any row's)."""
+    found: set[str] = set()
+    for text in prompts["columns"]:
+        found |= set(json.loads(text))
+    return found
+
+
+def decoded(example: dict) -> tuple[object, dict]:
+    """(prompt, other columns) of a prepared example, as the reward functions receive them."""
+    return json.loads(example["prompt"]), json.loads(example["columns"])

@@ -1,0 +1,224 @@
+"""Reward functions (grpo.rewards): the built-ins and the user's own, loaded by name and
+called with TRL's signature, so functions written for TRL's GRPOTrainer work unchanged:
+
+    def my_reward(prompts, completions, completion_ids, **kwargs) -> list[float | None]
+
+`prompts` and `completions` are strings, or message lists where the data's prompts are
+messages (a completion is then [{"role": "assistant", "content": ...}]); the keyword
+arguments are the data set's other columns (one value per completion) and
+`trainer_state` (global_step, max_steps, epoch). A function names only the columns it
+reads, or takes **kwargs. None (or NaN) leaves a completion unscored by that function.
+
+Every call is checked: an exception, a wrong signature, a column the data lacks, or
+anything but a number or None per completion is one line naming the function
+(`RewardError`). The first generation batch is scored before any update, so a broken
+function stops the run before it has trained anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import RewardError, describe, shown
+
+STANDARD = ("prompts", "completions", "completion_ids")
+
+
+def completion_text(completion) -> str:
+    """A completion as text: a string, or the content of a message list's messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion)
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def as_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def accuracy(prompts, completions, answer, **kwargs) -> list[float | None]:
+    """1.0 where the completion gives the row's `answer`, else 0.0 (None where the row has
+    no answer). A numeric answer is compared as a number with the completion's last number
+    (or its \\boxed{...}), so '1,000', '1000.0' and 'The answer is 1000' all match 1000;
+    any other answer must be the whole completion, spaces and a final period aside."""
+    out = []
+    for completion, right in zip(completions, answer):
+        if right is None:
+            out.append(None)
+            continue
+        text = completion_text(completion).strip()
+        boxed = BOXED.findall(text)
+        text = boxed[-1].strip() if boxed else text
+        want = as_number(str(right))
+        if want is not None:
+            found = NUMBER.findall(text)
+            got = as_number(found[-1]) if found else None
+            out.append(float(got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)))
+        else:
+            out.append(float(text.rstrip(".").strip() == str(right).strip().rstrip(".").strip()))
+    return out
+
+
+def format_reward(pattern: str) -> Callable:
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format(completions, **kwargs) -> list[float]:  # noqa: A001 (the reward's name in the config)
+        """1.0 where the whole completion (stripped) matches grpo.format_pattern, else 0.0."""
+        return [float(compiled.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+
+    return format
+
+
+@dataclass
+class Reward:
+    name: str  # as grpo.rewards gives it
+    fn: Callable
+    takes: set[str] | None  # the keyword arguments it accepts; None: any (**kwargs)
+
+    def __call__(self, prompts, completions, completion_ids, columns: dict[str, list], state) -> list[float]:
+        given = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+        given |= columns | {"trainer_state": state}
+        if self.takes is not None:
+            given = {k: v for k, v in given.items() if k in self.takes}
+        try:
+            out = self.fn(**given)
+        except Exception as e:  # the user's code: its failure is one line naming it
+            raise RewardError(f"grpo.rewards: {self.name} raised {describe(e)}; fix the function") from None
+        return self.checked(out, len(completions))
+
+    def checked(self, out, n: int) -> list[float]:
+        if isinstance(out, torch.Tensor):
+            out = out.tolist()
+        if not isinstance(out, (list, tuple)) or len(out) != n:
+            got = f"{len(out)} values" if isinstance(out, (list, tuple)) else shown(out)
+            raise RewardError(
+                f"grpo.rewards: {self.name} returned {got} for {n} completions; return a list with one number (or "
+                "None) per completion"
+            )
+        values = []
+        for i, v in enumerate(out):
+            if v is None:
+                values.append(math.nan)
+            elif isinstance(v, numbers.Real) and not math.isinf(v):
+                values.append(float(v))
+            else:
+                raise RewardError(
+                    f"grpo.rewards: {self.name} returned {shown(v)} for completion {i}; return a finite number "
+                    "or None per completion"
+                )
+        return values
+
+
+def load_function(spec: str) -> Callable:
+    """'module:function' (importable, e.g. from the working directory) or
+    'path/to/file.py:function'."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise RewardError(
+            f"grpo.rewards: {spec!r} is neither a built-in (accuracy, format) nor 'module:function' or "
+            "'path/to/file.py:function'"
+        )
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise RewardError(f"grpo.rewards: {spec}: no file {path}; give the path of a .py file")
+            module_name = f"llmtrain_reward_{abs(hash(str(path.resolve())))}"
+            module = sys.modules.get(module_name)
+            if module is None:
+                found = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(found)
+                found.loader.exec_module(module)
+                sys.modules[module_name] = module
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))  # a module in the working directory, as python -m finds it
+            module = importlib.import_module(where)
+    except RewardError:
+        raise
+    except Exception as e:
+        raise RewardError(f"grpo.rewards: loading {spec} failed: {describe(e)}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardError(f"grpo.rewards: {where} has no function {name!r}")
+    return fn
+
+
+def load_rewards(names: list[str], columns: set[str] | None, format_pattern: str = "") -> list[Reward]:
+    """The reward functions of grpo.rewards, checked against the data's columns (None: not
+    known yet): a parameter without a default that is neither a standard argument nor a
+    column is an error now, not at the first call."""
+    rewards = []
+    for name in names:
+        if name == "accuracy":
+            fn = accuracy
+            if columns is not None and "answer" not in columns:
+                raise RewardError(
+                    f"grpo.rewards: accuracy compares completions with an 'answer' column, which the prompt data "
+                    f"lacks (its columns: {sorted(columns)}); add one, or use other rewards"
+                )
+        elif name == "format":
+            fn = format_reward(format_pattern)
+        else:
+            fn = load_function(name)
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            params = None
+        takes = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+            takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+            if positional_only:
+                raise RewardError(
+                    f"grpo.rewards: {name} takes {positional_only} by position only; rewards are called with keyword "
+                    f"arguments ({', '.join(STANDARD)}, the data's columns)"
+                )
+        if params is not None and columns is not None:
+            needed = [
+                p.name
+                for p in params
+                if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.name not in (*STANDARD, "trainer_state")
+            ]
+            missing = [n for n in needed if n not in columns]
+            if missing:
+                raise RewardError(
+                    f"grpo.rewards: {name} needs column(s) {missing}, which the prompt data lacks (its columns: "
+                    f"{sorted(columns)}); add them to the rows or give the parameters defaults"
+                )
+        rewards.append(Reward(name, fn, takes))
+    return rewards
+
+
+def score(
+    rewards: list[Reward], prompts: list, completions: list, completion_ids: list, columns: list[dict], state
+) -> torch.Tensor:
+    """[completions, functions] rewards, NaN where a function left a completion unscored."""
+    keys = sorted({k for c in columns for k in c})
+    by_column = {k: [c.get(k) for c in columns] for k in keys}
+    table = [r(prompts, completions, completion_ids, by_column, state) for r in rewards]
+    return torch.tensor(table, dtype=torch.float32).T.reshape(len(completions), len(rewards))
+
+
+def trainer_state(step: int, max_steps: int, epoch: int) -> SimpleNamespace:
+    return SimpleNamespace(global_step=step, max_steps=max_steps, epoch=epoch)

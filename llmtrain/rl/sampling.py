@@ -1,0 +1,144 @@
+"""Generation for online RL: completions sampled with Hugging Face `generate` (batched, with
+the KV cache), each from a seed of its own.
+
+Each completion's seed comes from (train.seed, pass, the prompt's place in the pass, the
+completion's number in its group), and its tokens are drawn with its own generator
+(`SeededSampling`). So a completion never depends on which process generated it, what
+other prompts shared its batch, or where a resumed run restarted: the same global batch
+of prompts gives the same completions on one process or eight. `generate` is kept for
+what it does well (the cache, stopping, sharded models); only the draw is ours, because
+its own sampling uses one generator for the whole batch.
+
+`Generator` is the interface a faster backend (vLLM, colocated) would implement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, epoch: int, position: int, index: int) -> int:
+    """A 63-bit seed for completion `index` of the prompt at `position` of pass `epoch`:
+    SplitMix64 over the four numbers, so neighbouring samples get unrelated streams."""
+    x = 0
+    for part in (seed, epoch, position, index):
+        x = (x ^ (part & MASK64)) * 0x9E3779B97F4A7C15 & MASK64
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 & MASK64
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB & MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits (float32) of the distribution sampled from: tempered, then cut to the top_k
+    tokens and to the nucleus of top_p (always keeping the most likely token)."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # probability mass ahead of each token
+        drop = before >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+class SeededSampling:
+    """A logits processor that samples each row's next token from its own generator and
+    leaves only that token possible, for `generate` to pick greedily (do_sample=False).
+    An inverse-CDF draw: one uniform number per row and token."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = filtered_logits(scores, self.temperature, self.top_k, self.top_p).softmax(-1)
+        cdf = probs.cumsum(-1)
+        u = torch.stack([torch.rand((), generator=g) for g in self.generators]).to(cdf.device)
+        # 1 - u lies in (0, 1]: the point never sits at 0, where a token of probability 0 could be taken.
+        token = torch.searchsorted(cdf, ((1 - u) * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
+@dataclass
+class Completions:
+    ids: list[list[int]]  # each completion's tokens, through its end-of-turn token if it ended
+    ended: list[bool]  # False: cut at grpo.max_completion_length
+
+
+class Generator(Protocol):
+    def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> Completions:
+        """A completion per prompt: sampled from `seeds` (one per prompt), or greedy for None."""
+        ...
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's end of sequence and the model's
+    generation config's (which lists the end-of-turn tokens of chat models)."""
+    ids = {tokenizer.eos_token_id}
+    found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(found) if isinstance(found, (list, tuple)) else {found}
+    return sorted(i for i in ids if i is not None)
+
+
+class HFGenerator:
+    """`generate` on the training model itself: under DDP the process's own copy; under
+    ZeRO-3 and FSDP2 each forward gathers the sharded weights, and every process keeps
+    stepping until all have finished (synced_gpus), since those forwards are collectives."""
+
+    def __init__(self, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0, synced=False):
+        self.tokenizer, self.max_new_tokens, self.synced = tokenizer, max_new_tokens, synced
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> Completions:
+        from transformers import GenerationConfig
+
+        stops = stop_ids(model, self.tokenizer)
+        width = max(len(p) for p in prompts)
+        device = next(model.parameters()).device
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        # Every setting given, so none comes from the model's generation_config (a default
+        # temperature or repetition penalty would sample from another distribution than
+        # the one the loss's log-probs describe).
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=stops,
+            pad_token_id=self.pad_id,
+        )
+        processors = [] if seeds is None else [SeededSampling(seeds, self.temperature, self.top_k, self.top_p)]
+        from transformers import LogitsProcessorList
+
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList(processors),
+                    synced_gpus=self.synced,
+                )
+        finally:
+            model.train(was_training)
+        completions, ended = [], []
+        for row in out[:, width:].tolist():
+            end = next((i for i, t in enumerate(row) if t in stops), None)
+            completions.append(row if end is None else row[: end + 1])
+            ended.append(end is not None)
+        return Completions(completions, ended)

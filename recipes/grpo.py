@@ -1,0 +1,114 @@
+"""Train a causal language model with online RL from verifiable rewards: GRPO (full or LoRA).
+
+    accelerate launch recipes/grpo.py                            # offline demo (recipes/configs/grpo_demo.yaml)
+    accelerate launch recipes/grpo.py --config recipes/configs/grpo_demo.yaml \\
+        model.name_or_path=runs/sft/final data.train=prompts.jsonl grpo.rewards=[accuracy,my_rewards.py:short]
+    python recipes/grpo.py grpo.num_generations=4 grpo.loss_type=grpo        # one process, same thing
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/grpo.py   # DDP on CPU
+
+The same config tree and outputs as finetune.py, plus the grpo section (group size,
+sampling, rewards, advantages, loss, KL). train.micro_batch_size counts prompts; each
+brings grpo.num_generations completions. A step's generations, rewards, advantages and
+loss are the same on any number of processes and any split into micro-batches
+(docs/grpo.md).
+"""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from llmtrain.cli import run_cli
+from llmtrain.config import GRPOConfig
+from llmtrain.errors import RewardError
+from llmtrain.model import chunkable_head, disable_dropout, load_model, whole_models
+from llmtrain.preference.reference import check_reference
+from llmtrain.recipe import Parts, Recipe, run
+from llmtrain.rl.loss import GRPOLoss, token_logps
+from llmtrain.rl.prompts import prompt_columns, prompt_kind
+from llmtrain.rl.rewards import load_rewards
+from llmtrain.rl.rollout import Rollouts
+from llmtrain.rl.sampling import HFGenerator
+
+
+def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
+    """The GRPO loss, and the rollouts that generate its micro-batches from the prepared
+    model; with grpo.beta, the reference (adapters off with LoRA, else a frozen copy)."""
+    disable_dropout(model)
+    g, chunk = cfg.grpo, cfg.train.loss_chunk_tokens
+    rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: prompts()
+    head = chunkable_head(model) if chunk else None
+    objective = GRPOLoss(
+        g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
+    )
+    frozen = None
+    if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
+        off = replace(cfg.model.lora, enabled=False)
+        name = g.reference or cfg.model.name_or_path
+        revision = "" if g.reference else cfg.model.revision
+        with whole_models():  # a whole copy on each process, never partitioned by ZeRO-3
+            frozen = load_model(
+                replace(cfg.model, name_or_path=name, revision=revision, gradient_checkpointing=False, lora=off)
+            )
+        frozen.requires_grad_(False).eval().to(accelerator.device)
+
+    def source(prepared, backend, beat):
+        reference = None
+        if g.beta and frozen is None:
+
+            def reference(batch):
+                with accelerator.unwrap_model(prepared).disable_adapter():
+                    return objective.logps(prepared, batch)
+
+        elif frozen is not None:
+            frozen_head = chunkable_head(frozen) if chunk else None
+
+            def reference(batch):
+                with accelerator.autocast():
+                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk)
+
+        synced = backend.sharded and accelerator.num_processes > 1
+        generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
+        return Rollouts(
+            cfg, accelerator, prepared, tokenizer, train_set, objective, generator, rewards, reference, beat
+        )
+
+    return Parts(objective, source=source)
+
+
+def prompts(cfg):
+    """Prompt rows; each split's columns are checked against the reward functions as soon
+    as it is read."""
+
+    def check_columns(key, columns):
+        try:
+            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern)
+        except RewardError as e:
+            raise RewardError(f"{e} ({key})") from None
+
+    return prompt_kind(cfg.grpo.max_completion_length, check_columns)
+
+
+def check(cfg, tokenizer) -> None:
+    """Before any data or weights load: grpo.reference reads the policy's token ids, and
+    every reward function loads (its columns are checked once the data is read)."""
+    check_reference(cfg, tokenizer, "grpo")
+    load_rewards(cfg.reward_names(), None, cfg.grpo.format_pattern)
+
+
+RECIPE = Recipe(
+    schema=GRPOConfig,
+    default_config=Path(__file__).parent / "configs" / "grpo_demo.yaml",
+    description=__doc__.splitlines()[0],
+    data=prompts,
+    parts=grpo_parts,
+    name="grpo",
+    check=check,
+)
+
+
+def main(argv=None):
+    run(RECIPE, argv)
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])

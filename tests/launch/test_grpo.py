@@ -1,0 +1,160 @@
+"""recipes/grpo.py launched as a user launches it, on a tiny model, prompts with answers,
+and a reward function from a file: the same global batch of prompts gives the same
+completions, rewards and update on one process or two, in any split into micro-batches,
+under DDP, ZeRO-3 and FSDP2; a run killed within a generation round resumes exactly;
+a broken reward function is one line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmtrain.demo import make_prompts, write_jsonl
+from tests.conftest import kill_run, launch, recipe_args, rewind, run_recipe, start_run, train_rows, wait_for
+
+pytestmark = pytest.mark.slow
+
+GRPO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "grpo.py"
+# Generated the same on every layout: compared exactly.
+SAME = ["reward", "reward_even", "reward_accuracy", "completion_len", "completion_len_max", "zero_spread_groups"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("grpo")
+    write_jsonl(make_prompts(24, seed=31), root / "prompts.jsonl")
+    (root / "rewards.py").write_text(
+        "def even(prompts, completions, completion_ids, **kwargs):\n"
+        "    # the share of even token ids: a reward a random model's samples spread over\n"
+        "    return [sum(t % 2 == 0 for t in ids) / len(ids) for ids in completion_ids]\n"
+    )
+    return root / "prompts.jsonl", root / "rewards.py"
+
+
+@pytest.fixture(scope="module")
+def args(base_config, tiny_model, files):
+    prompts, rewards = files
+
+    def make(out: Path, *extra: str) -> list[str]:
+        return recipe_args(
+            base_config,
+            tiny_model,
+            prompts,
+            out,
+            "data.max_seq_len=96",
+            "grpo.num_generations=4",
+            "grpo.max_completion_length=8",
+            f"grpo.rewards=[{rewards}:even,accuracy]",
+            "grpo.reward_weights=[1.0,0.5]",
+            "grpo.log_completions=1",
+            *extra,
+        )
+
+    return make
+
+
+def grpo(args: list[str], env: dict, nproc: int = 1, **kw):
+    return run_recipe(args, env, nproc=nproc, recipe=GRPO_RECIPE, **kw)
+
+
+def assert_same_steps(got: Path, want: Path, name: str, weights: bool = True) -> None:
+    rows, ref = train_rows(got), train_rows(want)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref], name
+    for a, b in zip(rows, ref):
+        assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, (name, a["step"])  # the same completions
+        assert a["tokens"] == b["tokens"], (name, a["step"])
+        for key in ("loss", "clip_ratio", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+    if weights:
+        mine, theirs = load_file(got / "final" / "model.safetensors"), load_file(want / "final" / "model.safetensors")
+        for key, value in theirs.items():
+            torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+# Four prompts (16 completions) a step, two optimizer steps per generation round, a KL term
+# to the starting weights (a frozen copy): every part of the loss in play.
+RUN = ["train.max_steps=4", "grpo.num_iterations=2", "grpo.beta=0.05", "train.lr=1e-3", "log.every_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def one_process(args, cache_env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-one") / "run"
+    proc = grpo(args(out, *RUN, "train.micro_batch_size=4", "checkpoint.every_steps=1"), cache_env)
+    assert "completion> " in proc.stdout and "global batch 4 prompts" in proc.stdout
+    return out
+
+
+def test_the_first_steps_learn_from_real_rewards(one_process):
+    rows = train_rows(one_process)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 < r["reward_even"] <= 1 and r["completion_len"] > 0 for r in rows)
+    assert rows[0]["clip_ratio"] == 0.0 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
+    assert rows[1]["kl"] > 0  # after one update, the round's second step
+    assert rows[0]["reward"] == rows[1]["reward"] != rows[2]["reward"]  # a round's two steps share its completions
+
+
+@pytest.mark.parametrize(
+    ("nproc", "micro", "accum"),
+    [(1, 1, 4), (2, 2, 1), (2, 1, 2)],
+    ids=["1proc_1x4", "2proc_2x1", "2proc_1x2"],
+)
+def test_every_layout_generates_scores_and_updates_the_same(
+    args, cache_env, one_process, tmp_path, nproc, micro, accum
+):
+    out = tmp_path / "run"
+    grpo(args(out, *RUN, f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"), cache_env, nproc=nproc)
+    assert_same_steps(out, one_process, f"{nproc} x {micro} x {accum}")
+
+
+@pytest.mark.parametrize("topology", ["ds_zero3", "fsdp2"])
+def test_sharded_models_generate_the_same(args, cache_env, one_process, tmp_path, topology):
+    """ZeRO-3 and FSDP2: each process holds a shard, so every forward of generation is a
+    collective; the completions and the update are those of one process."""
+    out = tmp_path / "run"
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2"]
+    proc = launch(args(out, *RUN, *layout), cache_env, topology, recipe=GRPO_RECIPE, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert_same_steps(out, one_process, topology)
+
+
+def test_a_run_killed_within_a_generation_round_resumes_exactly(args, cache_env, one_process, tmp_path):
+    """SIGKILLed, then taken back to step 3's checkpoint: the round of steps 3 and 4 is
+    half done, so the resumed run must train step 4 on the completions (and old
+    log-probs) of the run it continues, kept in the checkpoint."""
+    from llmtrain.output.checkpoint import complete_checkpoints
+
+    out = tmp_path / "killed"
+    run = [*RUN, "train.micro_batch_size=2", "train.grad_accum_steps=1", "checkpoint.every_steps=1"]
+    proc = start_run(args(out, *run, "checkpoint.resume=auto"), cache_env, recipe=GRPO_RECIPE)
+    assert wait_for(lambda: any(step >= 3 for step, _ in complete_checkpoints(out)), proc)
+    kill_run(proc)
+    if not (out / "final").exists():
+        (out / "final").mkdir()  # killed before it finished: rewind removes what would be there
+    rewind(out, 3)
+    assert (out / "checkpoints" / "step-3" / "rollout.safetensors").is_file()
+    done = grpo(args(out, *run, "checkpoint.resume=auto"), cache_env, nproc=2)
+    assert "resumed from" in done.stdout and "at step 3" in done.stdout
+    ref = tmp_path / "uninterrupted"
+    grpo(args(ref, *run), cache_env, nproc=2)
+    assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in train_rows(ref)]  # exactly
+    assert [r["reward"] for r in train_rows(out)] == [r["reward"] for r in train_rows(ref)]
+    for key, value in load_file(ref / "final" / "model.safetensors").items():
+        torch.testing.assert_close(load_file(out / "final" / "model.safetensors")[key], value, rtol=0, atol=0)
+    assert_same_steps(out, one_process, "resumed")
+
+
+def test_a_broken_reward_function_is_one_line(args, cache_env, files, tmp_path):
+    prompts, rewards = files
+    broken = tmp_path / "broken.py"
+    broken.write_text("def r(completions, **kwargs):\n    return [len(c) / 0 for c in completions]\n")
+    proc = grpo(args(tmp_path / "a", f"grpo.rewards=[{broken}:r]", "grpo.reward_weights=[]"), cache_env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (
+        f"grpo.rewards: {broken}:r raised ZeroDivisionError" in proc.stderr and "nothing was trained yet" in proc.stderr
+    )
+    needs = tmp_path / "needs.py"
+    needs.write_text("def r(completions, solution):\n    return [1.0] * len(completions)\n")
+    proc = grpo(args(tmp_path / "b", f"grpo.rewards=[{needs}:r]", "grpo.reward_weights=[]"), cache_env, check=False)
+    assert proc.returncode == 2 and "needs column(s) ['solution']" in proc.stderr
+    assert "Loading weights" not in proc.stdout + proc.stderr  # found before the model loads

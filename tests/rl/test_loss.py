@@ -1,0 +1,294 @@
+"""The GRPO loss and advantages (llmtrain/rl/loss.py): against a plain per-token
+implementation on a real model's logits, and against TRL's GRPOTrainer code on the same
+log-probs; the step's normalisation is a sum over units divided by the global count."""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmtrain.data.rows import IGNORE
+from llmtrain.rl.loss import GRPOLoss, advantages, nanstd
+
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+
+def rollout_batch(vocab: int, rows: int = 6, width: int = 14, seed: int = 3) -> dict:
+    """Prompts of 3 to 5 tokens, completions of 1 to 8, right-padded; labels shifted (the
+    position before each completion token predicts it); advantages of both signs; old and
+    reference log-probs near the policy's, so some ratios clip."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (rows, width), generator=g)
+    labels = torch.full_like(ids, IGNORE)
+    attention = torch.zeros_like(ids)
+    for r in range(rows):
+        prompt, completion = 3 + r % 3, 1 + (r * 5) % 8
+        attention[r, : prompt + completion] = 1
+        labels[r, prompt - 1 : prompt + completion - 1] = ids[r, prompt : prompt + completion]
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "labels": labels,
+        "advantages": torch.linspace(-1.5, 2.0, rows),
+    }
+
+
+def plain_token_logps(model, batch, temperature):
+    """[rows, width] log-probs of each label from whole logits (0 where there is none)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / temperature
+    logps = logits.log_softmax(-1).gather(2, batch["labels"].clamp(min=0)[..., None]).squeeze(2)
+    return logps * (batch["labels"] != IGNORE)
+
+
+def plain_loss(logp, batch, loss_type, eps_low, eps_high, beta, max_len):
+    """The step's loss as written in the GRPO, Dr. GRPO and DAPO papers, per token."""
+    mask = (batch["labels"] != IGNORE).float()
+    old = batch.get("old_logps", logp.detach())
+    ratio = torch.exp(logp - old)
+    adv = batch["advantages"][:, None]
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    if beta:
+        ref = batch["ref_logps"]
+        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(1) / mask.sum(1)).mean()
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (mask.shape[0] * max_len)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def with_old_and_ref(model, batch, temperature):
+    with torch.no_grad():
+        logp = plain_token_logps(model, batch, temperature)
+    g = torch.Generator().manual_seed(9)
+    mask = batch["labels"] != IGNORE
+    batch = dict(batch)
+    batch["old_logps"] = (logp + 0.3 * torch.randn(logp.shape, generator=g)) * mask
+    batch["ref_logps"] = (logp + 0.5 * torch.randn(logp.shape, generator=g)) * mask
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_the_objective_is_the_papers_loss_summed_over_its_units(model, loss_type, chunk):
+    """On a tiny Llama's real logits, with importance ratios that clip on both sides and a
+    KL term: the objective's sum / its count is the plain loss, and so are its gradients,
+    whole logits or the output layer run 3 positions at a time."""
+    from llmtrain.model import chunkable_head
+
+    temperature, beta, max_len = 0.7, 0.04, 8
+    batch = with_old_and_ref(model, rollout_batch(model.config.vocab_size), temperature)
+    head = chunkable_head(model) if chunk else None
+    objective = GRPOLoss(loss_type, 0.2, 0.28, beta, temperature, max_len, chunk, head)
+    model.zero_grad()
+    out = objective(model, batch)
+    count = objective.count(batch)
+    (out.total / count).backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = plain_loss(plain_token_logps(model, batch, temperature), batch, loss_type, 0.2, 0.28, beta, max_len)
+    want.backward()
+    assert float(out.total.detach()) / count == pytest.approx(float(want), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    mask = batch["labels"] != IGNORE
+    assert count == (int(mask.sum()) if loss_type == "dapo" else 6)
+    assert 0 < float(out.metrics["clip_ratio"]) < count and float(out.metrics["kl"]) > 0
+
+
+def test_micro_batches_add_up_to_the_whole_batch(model):
+    """Split in two, the units' sums add up to the whole batch's, for every loss type: the
+    shared step divides the sum by the global count, so any split gives one loss."""
+    batch = with_old_and_ref(model, rollout_batch(model.config.vocab_size), 1.0)
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    for loss_type in LOSS_TYPES:
+        objective = GRPOLoss(loss_type, 0.2, 0.0, 0.1, 1.0, 8)
+        with torch.no_grad():
+            whole = objective(model, batch)
+            parts = [objective(model, h) for h in halves]
+        assert sum(objective.count(h) for h in halves) == objective.count(batch)
+        assert float(sum(p.total for p in parts)) == pytest.approx(float(whole.total), rel=1e-5), loss_type
+
+
+def test_an_empty_batch_counts_nothing_and_reaches_every_weight(model):
+    from llmtrain.data.batches import Collator
+
+    batch = Collator(0).empty_batch(False) | {"advantages": torch.zeros(1)}
+    objective = GRPOLoss("dapo")
+    model.zero_grad()
+    out = objective(model, batch)
+    out.total.backward()
+    assert objective.count(batch) == 0 and float(out.total) == 0.0
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# --- advantages ----------------------------------------------------------------------------
+
+
+def test_advantages_compare_each_completion_with_its_group():
+    rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [1.0, float("nan")], [0.0, 0.0], [2.0, 1.0], [2.0, 1.0]])
+    weights = torch.tensor([1.0, 2.0])
+    adv, total, zero = advantages(rewards, weights, group=2, scale="group")
+    assert total.tolist() == [2.0, 1.0, 1.0, 0.0, 4.0, 4.0]  # NaN terms left out of the weighted sum
+    std = torch.tensor([2.0, 1.0]).std()  # sample std of a group of two
+    torch.testing.assert_close(adv[:2], torch.tensor([0.5, -0.5]) / (std + 1e-4))
+    assert zero.tolist() == [False, False, True] and adv[4:].tolist() == [0.0, 0.0]
+    none, _, _ = advantages(rewards, weights, group=2, scale="none")
+    assert none[:4].tolist() == [0.5, -0.5, 0.5, -0.5]
+    batch, _, _ = advantages(rewards, weights, group=2, scale="batch")
+    torch.testing.assert_close(batch[:2], torch.tensor([0.5, -0.5]) / (total.std() + 1e-4))
+
+
+def test_unscored_completions_get_no_advantage_and_stay_out_of_their_group():
+    nan = float("nan")
+    rewards = torch.tensor([[nan], [1.0], [0.0], [1.0]])
+    adv, total, zero = advantages(rewards, torch.ones(1), group=4, scale="none")
+    assert adv[0] == 0.0 and total[0].isnan()
+    torch.testing.assert_close(adv[1:], torch.tensor([1 / 3, -2 / 3, 1 / 3]))
+    assert not zero.any()
+    lone, _, zero = advantages(torch.tensor([[nan], [nan], [1.0], [nan]]), torch.ones(1), 2, "group")
+    assert lone.tolist() == [0.0, 0.0, 0.0, 0.0] and zero.tolist() == [True, True]  # one score: no spread
+
+
+def test_nanstd_is_the_sample_standard_deviation_without_nans():
+    x = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [3.0, float("nan"), float("nan"), float("nan")]])
+    torch.testing.assert_close(
+        nanstd(x, 1), torch.tensor([torch.tensor([1.0, 2.0, 4.0]).std(), float("nan")]), equal_nan=True
+    )
+
+
+# --- against TRL's own loss code -----------------------------------------------------------
+
+
+class OneProcess:
+    device = torch.device("cpu")
+    num_processes = 1
+    is_main_process = True
+    sync_gradients = True
+
+    @staticmethod
+    def reduce(x, reduction="sum"):
+        return x
+
+    @staticmethod
+    def gather(x):
+        return x
+
+    gather_for_metrics = gather
+
+    @staticmethod
+    def autocast():
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class FusedLogps(torch.nn.Module):
+    """Stands in for a model with TRL's fused LM head: each position's log-prob of the next
+    token, from a fixed table."""
+
+    def __init__(self, token_logps):
+        super().__init__()
+        self.token_logps = token_logps
+
+    def forward(self, input_ids, attention_mask, labels, fused_lm_head):
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        logps = self.token_logps.masked_fill(labels[:, 1:] == -100, 0.0)
+        zeros = torch.zeros_like(logps)
+        return FusedCausalLMOutput(log_probs=logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+
+def trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len):
+    """A GRPOTrainer with only what `_compute_loss` reads; its __init__ would load models,
+    tokenize a data set and build an Accelerator."""
+    from trl import GRPOTrainer
+
+    trainer = object.__new__(GRPOTrainer)
+    vars(trainer).update(
+        accelerator=OneProcess(),
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        beta=beta,
+        max_completion_length=max_len,
+        importance_sampling_level="token",
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        current_gradient_accumulation_steps=1,
+        temperature=1.0,
+        model=SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        _entropy_bonus_enabled=False,
+        use_adaptive_entropy=False,
+        entropy_coef=0.0,
+    )
+    return trainer
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_losses_match_trl(loss_type):
+    """The same per-token log-probs (float64), old and reference log-probs and advantages
+    through TRL's GRPOTrainer._compute_loss and through GRPOLoss; TRL's layout (left-padded
+    prompts, completions after them) built from ours."""
+    pytest.importorskip("trl")
+    rows, prompt_w, completion_w, vocab, max_len = 6, 4, 7, 11, 9
+    g = torch.Generator().manual_seed(5)
+    completion_mask = torch.zeros(rows, completion_w, dtype=torch.long)
+    for r in range(rows):
+        completion_mask[r, : 1 + (r * 3) % completion_w] = 1
+    prompt_ids = torch.randint(0, vocab, (rows, prompt_w), generator=g)
+    completion_ids = torch.randint(0, vocab, (rows, completion_w), generator=g)
+    width = prompt_w + completion_w
+    token_logps = -torch.rand(rows, width - 1, generator=g, dtype=torch.float64) * 3  # position t -> token t + 1
+    policy = token_logps[:, -completion_w:]
+    old = policy + 0.3 * torch.randn(policy.shape, generator=g, dtype=torch.float64)
+    ref = policy + 0.5 * torch.randn(policy.shape, generator=g, dtype=torch.float64)
+    adv = torch.linspace(-1.2, 1.7, rows, dtype=torch.float64)
+    beta, eps_low, eps_high = 0.05, 0.2, 0.28
+
+    trainer = trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len)
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    trl_loss = trainer._compute_loss(FusedLogps(token_logps), inputs)
+
+    # Ours: labels on the completion tokens at the positions that predict them.
+    labels = torch.full((rows, width), IGNORE)
+    labels[:, prompt_w - 1 : width - 1] = completion_ids.masked_fill(completion_mask == 0, IGNORE)
+    mask = labels != IGNORE
+    aligned = torch.zeros(rows, width, dtype=torch.float64)
+    batch = {"labels": labels, "advantages": adv}
+    for key, values in (("old_logps", old), ("ref_logps", ref)):
+        batch[key] = aligned.clone()
+        batch[key][:, prompt_w - 1 : width - 1] = values
+    objective = GRPOLoss(loss_type, eps_low, eps_high, beta, 1.0, max_len)
+    flat = token_logps[mask[:, :-1]]  # position t's log-prob of token t + 1, where labelled
+    objective.logps = lambda model, b: flat
+    out = objective(None, batch)
+    assert float(trl_loss) == pytest.approx(float(out.total) / objective.count(batch), rel=1e-9)
+    logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    if loss_type == "dapo":  # token means, as TRL logs them (the other types' are per completion)
+        count = objective.count(batch)
+        assert logged["clip_ratio/region_mean"] == pytest.approx(float(out.metrics["clip_ratio"]) / count, rel=1e-6)
+        assert logged["kl"] == pytest.approx(float(out.metrics["kl"]) / count, rel=1e-6)
+        assert 0 < logged["clip_ratio/region_mean"] < 1

@@ -1,0 +1,87 @@
+"""Reward functions (llmtrain/rl/rewards.py): the built-ins, loading the user's own by
+name with TRL's signature, and one line naming the function for everything that can go
+wrong with one."""
+
+import math
+
+import pytest
+
+from llmtrain.errors import RewardError
+from llmtrain.rl.rewards import accuracy, format_reward, load_rewards, score, trainer_state
+
+
+def test_accuracy_compares_numbers_as_numbers_and_words_exactly():
+    completions = ["1,000", "The answer is 1000.0", "\\boxed{1000} since 999 + 1", "999", "STAR", "star", "STAR.", "x"]
+    answers = ["1000", "1000", "1000", "1000", "STAR", "STAR", "STAR", None]
+    assert accuracy(None, completions, answers) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, None]
+    chat = [[{"role": "assistant", "content": "12"}]]
+    assert accuracy(None, chat, [12]) == [1.0]
+
+
+def test_format_matches_the_whole_completion():
+    f = format_reward(r"<answer>\d+</answer>")
+    assert f(["<answer>12</answer>", " <answer>12</answer>\n", "<answer>12</answer> and more"]) == [1.0, 1.0, 0.0]
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(text)
+    return path
+
+
+def test_user_functions_load_from_a_file_or_a_module_with_trls_signature(tmp_path, monkeypatch):
+    path = write(
+        tmp_path,
+        "def trl_style(prompts, completions, completion_ids, **kwargs):\n"
+        "    return [float(len(ids)) + (kwargs['bonus'][i] or 0) for i, ids in enumerate(completion_ids)]\n"
+        "def narrow(completions, bonus):\n"
+        "    return [None if b is None else 1.0 for b in bonus]\n"
+        "def staged(completions, trainer_state):\n"
+        "    return [float(trainer_state.global_step)] * len(completions)\n",
+    )
+    rewards = load_rewards([f"{path}:trl_style", f"{path}:narrow", f"{path}:staged"], {"bonus"})
+    monkeypatch.chdir(tmp_path)
+    rewards += load_rewards(["my_rewards:narrow"], {"bonus"})
+    table = score(
+        rewards, ["p", "q"], ["a", "bb"], [[1], [2, 3]], [{"bonus": 0.5}, {"bonus": None}], trainer_state(4, 9, 0)
+    )
+    assert table[0].tolist() == [1.5, 1.0, 4.0, 1.0]
+    assert table[1, 0] == 2.0 and math.isnan(table[1, 1]) and table[1, 2] == 4.0
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "message"),
+    [
+        (None, "nowhere.py:f", "no file"),
+        ("x = 1\n", "{path}:f", "has no function 'f'"),
+        ("raise ImportError('no numpy here')\n", "{path}:f", "loading {path}:f failed: ImportError: no numpy here"),
+        ("def f(completions, solution): return [1.0]\n", "{path}:f", "needs column(s) ['solution']"),
+        ("def f(completions, /): return [1.0]\n", "{path}:f", "by position only"),
+        (None, "accuracy_typo", "neither a built-in"),
+        (None, "accuracy", "'answer' column"),
+    ],
+)
+def test_a_function_that_cannot_load_or_fit_the_data_is_one_line(tmp_path, source, spec, message):
+    path = write(tmp_path, source) if source else tmp_path / "missing.py"
+    with pytest.raises(RewardError) as e:
+        load_rewards([spec.format(path=path)], {"question"})
+    assert message.format(path=path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("return 1 / 0", "f raised ZeroDivisionError: division by zero"),
+        ("return [1.0]", "returned 1 values for 2 completions"),
+        ("return 'ok'", "returned 'ok' for 2 completions"),
+        ("return [1.0, 'high']", "returned 'high' for completion 1"),
+        ("return [1.0, float('inf')]", "returned inf for completion 1"),
+        ("return completions[7]", "f raised IndexError"),
+    ],
+)
+def test_a_function_that_fails_or_returns_no_numbers_is_one_line(tmp_path, body, message):
+    path = write(tmp_path, f"def f(completions, **kwargs):\n    {body}\n")
+    (reward,) = load_rewards([f"{path}:f"], set())
+    with pytest.raises(RewardError) as e:
+        score([reward], ["p", "q"], ["a", "b"], [[1], [2]], [{}, {}], None)
+    assert f"grpo.rewards: {path}:f" in str(e.value) and message in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,93 @@
+"""Generation (llmtrain/rl/sampling.py): each completion drawn from its own seed, whatever
+else shares its batch; the filters as transformers defines them; stopping and clipping."""
+
+import pytest
+import torch
+
+from llmtrain.rl.sampling import HFGenerator, SeededSampling, filtered_logits, sample_seed
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        tiny_model
+    )
+
+
+def test_seeds_are_fixed_and_distinct():
+    seeds = {sample_seed(7, e, p, j) for e in range(3) for p in range(50) for j in range(8)}
+    assert len(seeds) == 3 * 50 * 8 and all(0 <= s < 2**63 for s in seeds)
+    assert sample_seed(7, 1, 2, 3) == sample_seed(7, 1, 2, 3) != sample_seed(8, 1, 2, 3)
+
+
+def test_filters_keep_what_transformers_keeps():
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    for top_k, top_p in ((5, 1.0), (0, 0.8), (10, 0.5), (0, 0.05)):
+        want = logits / 0.7
+        if top_k:
+            want = TopKLogitsWarper(top_k)(None, want)
+        if top_p < 1:
+            want = TopPLogitsWarper(top_p)(None, want)
+        got = filtered_logits(logits, 0.7, top_k, top_p)
+        assert torch.equal(got.isinf(), want.isinf()), (top_k, top_p)
+        torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()])
+
+
+def test_draws_follow_the_distribution():
+    """4000 rows, each its own seed, one draw each from the same four-token distribution."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 4000
+    sampler = SeededSampling([sample_seed(0, 0, i, 0) for i in range(n)], temperature=1.0)
+    out = sampler(None, probs.log().expand(n, 4).clone())
+    picked = out.argmax(1)
+    assert torch.equal(out.isinf().sum(1), torch.full((n,), 3))  # one token left possible per row
+    freq = torch.bincount(picked, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_a_completion_does_not_depend_on_what_shares_its_batch(model_and_tokenizer):
+    """The same prompt and seed give the same completion alone, beside a longer prompt
+    (so left-padded), and in another order."""
+    model, tokenizer = model_and_tokenizer
+    gen = HFGenerator(tokenizer, max_new_tokens=10, temperature=1.0)
+    model.train()
+    a, b = tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Reverse the word: lamp, please now")["input_ids"]
+    alone = gen.generate(model, [a], [11]).ids[0]
+    together = gen.generate(model, [b, a, a], [5, 11, 12])
+    assert together.ids[1] == alone and together.ids[2] != alone
+    assert gen.generate(model, [a, b], [11, 5]).ids == [alone, together.ids[0]]
+    assert model.training  # back in training mode (generation ran in eval mode)
+    model.eval()
+
+
+def test_completions_stop_at_the_end_of_turn_or_are_clipped(model_and_tokenizer):
+    """Greedy (seeds None) is transformers' own greedy decoding; a completion ends at the
+    first stop token the model's generation config names (kept, as the turn's end is
+    trained), or is clipped at max_new_tokens."""
+    model, tokenizer = model_and_tokenizer
+    gen = HFGenerator(tokenizer, max_new_tokens=6, temperature=1.0)
+    prompt = tokenizer("What is 2 + 2?")["input_ids"]
+    saved = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id]
+        with torch.no_grad():
+            plain = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=-1)
+        plain = plain[0, len(prompt) :].tolist()
+        greedy = gen.generate(model, [prompt], None)
+        if tokenizer.eos_token_id not in plain:
+            assert greedy.ids == [plain] and greedy.ended == [False]
+        stop = plain[2]  # a token greedy decoding reaches: made a stop token
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+        greedy = gen.generate(model, [prompt], None)
+        assert greedy.ids == [plain[: plain.index(stop) + 1]] and greedy.ended == [True]
+        sampled = gen.generate(model, [prompt] * 8, list(range(8)))
+        for ids, ended in zip(sampled.ids, sampled.ended):
+            stops = [i for i, t in enumerate(ids) if t in (stop, tokenizer.eos_token_id)]
+            assert stops == ([len(ids) - 1] if ended else []) and (ended or len(ids) == 6)
+    finally:
+        model.generation_config.eos_token_id = saved
