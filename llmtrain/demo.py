@@ -281,27 +281,36 @@ def build_pairs(root: Path) -> None:
         os.replace(tmp, root / name)
 
 
+# The RL demo's kinds of question: copying words (upper-cased, reversed), where the SFT
+# demo's model is right 80-90% of the time and its sampled answers differ often enough to
+# learn from. Measured on 2 CPU cores, 200 steps: these kinds 0.85 -> 0.92 held-out; all five
+# kinds 0.51 -> 0.52 in 150 steps, and these with counting 0.57 -> 0.55 in 200 (a model right
+# 8% of the time at counting seldom samples a right count to reinforce).
+RL_KINDS = ("Uppercase", "Reverse")
+
+
 def make_prompts(n: int, seed: int) -> list[dict]:
-    """Prompt rows for the RL demo: a question (a string, or messages with the system turn)
-    and its checkable `answer`, which the built-in accuracy reward compares with."""
+    """Prompt rows for the RL demo: a question of RL_KINDS and its checkable `answer`, which
+    the built-in accuracy reward compares with."""
     rng = random.Random(seed)
     rows = []
-    for i in range(n):
+    while len(rows) < n:
         q, a = _task(rng)
-        prompt = q if i % 2 == 0 else [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
-        rows.append({"prompt": prompt, "answer": a})
+        if q.startswith(RL_KINDS):
+            rows.append({"prompt": q, "answer": a})
     return rows
 
 
 def build_prompts(root: Path) -> None:
-    """prompts-train.jsonl (2000) and prompts-eval.jsonl (200) under root, once."""
-    for name, n, seed in (("prompts-train.jsonl", 2000, 5), ("prompts-eval.jsonl", 200, 6)):
+    """The RL demo's prompts under root, once: 2000 for training, 200 held out."""
+    for name, n, seed in ((PROMPT_FILES[0], 2000, 5), (PROMPT_FILES[1], 200, 6)):
         if not (root / name).exists():
             tmp = safefs.new_temp(root, f".tmp-{name}-")  # created exclusively: never a planted link
             write_jsonl(make_prompts(n, seed), tmp)
             os.replace(tmp, root / name)
 
 
+PROMPT_FILES = ("rl-words-train.jsonl", "rl-words-eval.jsonl")
 SFT_OVERRIDES = ["train.epochs=2", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
 
 
@@ -343,8 +352,8 @@ DEMO_NAMES = {
     "demo:tiny-llama-sft": "tiny-llama-sft",
     "demo:pairs-train": "pairs-train.jsonl",
     "demo:pairs-eval": "pairs-eval.jsonl",
-    "demo:prompts-train": "prompts-train.jsonl",
-    "demo:prompts-eval": "prompts-eval.jsonl",
+    "demo:prompts-train": PROMPT_FILES[0],
+    "demo:prompts-eval": PROMPT_FILES[1],
 }
 
 
@@ -400,12 +409,25 @@ def _as_list(x) -> list[str]:
     return [x] if isinstance(x, str) and x else list(x or [])
 
 
-def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> float:
-    """The share of `n` fresh demo questions a model answers exactly right (greedy)."""
+def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, dict[str, float]]:
+    """The share of `n` fresh demo questions a model answers exactly right (greedy), overall
+    and by kind of question."""
     rng = random.Random(seed)
     tasks = [_task(rng) for _ in range(n)]
     said = greedy_answers(Path(model_dir))([[{"role": "user", "content": q}] for q, _ in tasks])
-    return sum(got == right for (_, right), got in zip(tasks, said)) / n
+    right = [got == want for (_, want), got in zip(tasks, said)]
+    kinds: dict[str, list[bool]] = {}
+    for (q, _), ok in zip(tasks, right):
+        kinds.setdefault(kind(q), []).append(ok)
+    return sum(right) / n, {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
+
+
+def kind(question: str) -> str:
+    """A demo question's kind, by its opening words."""
+    for opening, name in (("Uppercase", "uppercase"), ("Reverse", "reverse"), ("What number", "counting")):
+        if question.startswith(opening):
+            return name
+    return "sums" if "+" in question else "opposites"
 
 
 if __name__ == "__main__":
@@ -414,4 +436,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["score"] or len(sys.argv) < 3:
         sys.exit("usage: python -m llmtrain.demo score MODEL_DIR [MODEL_DIR ...]")
     for path in sys.argv[2:]:
-        print(f"{path}: {score(path):.1%} of 300 held-out demo questions answered right")
+        overall, by_kind = score(path)
+        kinds = ", ".join(f"{k} {v:.0%}" for k, v in by_kind.items())
+        print(f"{path}: {overall:.1%} of 300 held-out demo questions answered right ({kinds})")

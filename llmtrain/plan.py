@@ -24,7 +24,7 @@ import yaml
 
 from . import demo
 from .cli import user_errors
-from .config import Config, DPOConfig, load_config, to_yaml
+from .config import Config, DPOConfig, GRPOConfig, load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, check
 from .data.batches import EpochSampler
 from .data.build import ROWS, DataKind
@@ -36,6 +36,8 @@ from .files import read_own
 from .model import attention_backend, check_model, check_vocab, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .preference.pairs import PAIRS
 from .preference.reference import check_reference
+from .rl.prompts import grpo_prompts
+from .rl.rewards import check_grpo
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
@@ -221,12 +223,22 @@ def memory_estimate(
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     if isinstance(cfg, DPOConfig):  # a pair is two sequences (packed: rows of twice the length)
         tokens *= 2
+    if isinstance(cfg, GRPOConfig):  # a prompt brings a group of completions
+        tokens *= cfg.grpo.num_generations
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
     chunk = cfg.train.loss_chunk_tokens if chunkable else 0
     activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
-    return {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
+    out = {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
+    if isinstance(cfg, GRPOConfig):
+        # Generation's KV cache: keys and values per layer for every sequence of a micro-batch.
+        heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
+        head_dim = getattr(mcfg, "head_dim", None) or hidden // mcfg.num_attention_heads
+        out["generation KV cache"] = 2 * layers * heads * head_dim * width * tokens
+        if cfg.grpo.beta and not cfg.model.lora.enabled:  # the frozen reference copy, whole on each process
+            out["reference model"] = float(total * width)
+    return out
 
 
 def human(n: float) -> str:
@@ -259,9 +271,10 @@ def plan(argv: list[str]) -> None:
     )
     parser.add_argument(
         "--recipe",
-        choices=["finetune", "dpo"],
+        choices=["finetune", "dpo", "grpo"],
         default=None,
-        help="the recipe the config is for (default: dpo when the config or an override sets a dpo key)",
+        help="the recipe the config is for (default: dpo or grpo when the config or an override sets a key of "
+        "that section)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
@@ -269,7 +282,7 @@ def plan(argv: list[str]) -> None:
         args.config = DEMO_CONFIG
         if not DEMO_CONFIG.is_file():
             raise ConfigError([f"--config: required; the demo's {DEMO_CONFIG} is not here, so give your YAML"])
-    name = args.recipe or ("dpo" if names_dpo(args.config, args.overrides) else "finetune")
+    name = args.recipe or recipe_named(args.config, args.overrides)
     recipe = RECIPES[name]
     cfg = load_config(args.config, args.overrides, recipe.schema)
     launch = read_launch(args.accelerate_config, cfg)
@@ -282,7 +295,7 @@ def plan(argv: list[str]) -> None:
     if recipe.check is not None:
         recipe.check(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    kind = recipe.kind
+    kind = recipe.kind if isinstance(recipe.kind, DataKind) else recipe.kind(cfg)
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
@@ -316,11 +329,15 @@ def plan(argv: list[str]) -> None:
         examples = training_set(ds, mix, pack if cfg.data.packing else None)
         sampler = EpochSampler(len(examples), t.seed, mix=getattr(examples, "mix", None))
         steps_per_epoch = t.steps_per_epoch(len(sampler), world)
+        if isinstance(cfg, GRPOConfig):  # whole generation rounds, each trained grpo.num_iterations times
+            steps_per_epoch = len(sampler) // t.global_batch(world) * cfg.grpo.num_iterations
     counts = count_params(cfg, mcfg)
     total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
     tokens_per_seq = cfg.data.max_seq_len * kind.width if cfg.data.packing else mean_len
+    if isinstance(cfg, GRPOConfig):  # a prompt's whole group, at most max_completion_length tokens each
+        tokens_per_seq = (mean_len + cfg.grpo.max_completion_length) * cfg.grpo.num_generations
     items = kind.batched[cfg.data.packing]
     memory = memory_estimate(cfg, launch, *counts)
 
@@ -393,13 +410,41 @@ def describe_pairs(cfg, first: dict, tokenizer) -> list[str]:
     return lines
 
 
+def describe_prompts(cfg, first: dict, tokenizer) -> list[str]:
+    g, t = cfg.grpo, cfg.train
+    per_micro = t.micro_batch_size * g.num_generations
+    if g.beta:
+        reference = (
+            "the model with its LoRA adapters off"
+            if cfg.model.lora.enabled
+            else f"{g.reference or 'the starting weights'}: a frozen copy, whole on each process"
+        )
+    else:
+        reference = "none (grpo.beta=0)"
+    return [
+        f"\n== GRPO ({g.loss_type}, {g.num_generations} completions per prompt) ==",
+        f"  per micro-batch: {t.micro_batch_size} prompt(s) x {g.num_generations} = {per_micro} sequences "
+        f"of at most {cfg.data.max_seq_len} tokens",
+        f"  generated per process and round: {t.micro_batch_size * t.grad_accum_steps * g.num_generations} "
+        f"completions, at most {g.max_completion_length} tokens each; each round trains {g.num_iterations} "
+        "optimizer step(s)",
+        f"  sampling: temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k or 'all'}",
+        f"  rewards: {', '.join(cfg.reward_names())}"
+        + (f" (weights {', '.join(f'{w:g}' for w in g.reward_weights)})" if g.reward_weights else ""),
+        f"  advantages: scale_rewards={g.scale_rewards}; clip [1 - {g.epsilon:g}, 1 + {g.epsilon_high or g.epsilon:g}]",
+        f"  KL reference: {reference}",
+        "\n== first training prompt (as the model is asked it) ==",
+        tokenizer.decode(first["prompt_ids"]),
+    ]
+
+
 @dataclass(frozen=True)
 class PlannedRecipe:
     """What plan knows of a recipe: its config tree, its data, its own start-up checks, and
     the lines it adds to the plan (its own section and its first training example)."""
 
     schema: type
-    kind: DataKind
+    kind: DataKind | Callable  # or cfg -> its DataKind
     check: Callable | None
     describe: Callable  # (cfg, the first training example, tokenizer) -> lines
 
@@ -407,19 +452,20 @@ class PlannedRecipe:
 RECIPES = {
     "finetune": PlannedRecipe(Config, ROWS, None, describe_rows),
     "dpo": PlannedRecipe(DPOConfig, PAIRS, check_reference, describe_pairs),
+    "grpo": PlannedRecipe(GRPOConfig, grpo_prompts, check_grpo, describe_prompts),
 }
 
 
-def names_dpo(config: Path, overrides: list[str]) -> bool:
-    """Whether a config is recipes/dpo.py's: its YAML has a dpo section or an override
-    sets a dpo key (an unreadable file is load_config's to report)."""
-    if any(o.startswith("dpo.") or o.startswith("dpo=") for o in overrides):
-        return True
-    try:
+def recipe_named(config: Path, overrides: list[str]) -> str:
+    """The recipe a config is for: dpo (or grpo) when its YAML has that section or an
+    override sets a key of it, else finetune (an unreadable file is load_config's to report)."""
+    raw = {}
+    with contextlib.suppress(OSError, ValueError, yaml.YAMLError):
         raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader)
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(raw, dict) and "dpo" in raw
+    for name in ("dpo", "grpo"):
+        if any(o.startswith((f"{name}.", f"{name}=")) for o in overrides) or (isinstance(raw, dict) and name in raw):
+            return name
+    return "finetune"
 
 
 def reference_source(cfg) -> str:
@@ -433,7 +479,7 @@ def reference_source(cfg) -> str:
     return "the starting weights: log-probs for every pair computed once before training (cached in output_dir)"
 
 
-HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo] [key.sub=value ...]
+HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo|grpo] [key.sub=value ...]
 
 commands:
   plan   what a run would do, without training: the data (rows kept and dropped, one
@@ -442,6 +488,7 @@ commands:
 training runs through the recipes (see README.md):
   accelerate launch recipes/finetune.py [--config F] [key.sub=value ...]   supervised fine-tuning
   accelerate launch recipes/dpo.py [--config F] [key.sub=value ...]        preference tuning
+  accelerate launch recipes/grpo.py [--config F] [key.sub=value ...]       online RL from rewards
   python recipes/finetune.py --prepare-only --config F                     tokenize into the cache
   python -m llmtrain.demo score DIR                                        score a model on the demo task
 with no --config, the recipes run the offline demo."""

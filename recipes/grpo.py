@@ -19,13 +19,11 @@ from pathlib import Path
 
 from llmtrain.cli import run_cli
 from llmtrain.config import GRPOConfig
-from llmtrain.errors import RewardError
 from llmtrain.model import chunkable_head, disable_dropout, load_model, whole_models
-from llmtrain.preference.reference import check_reference
 from llmtrain.recipe import Parts, Recipe, run
 from llmtrain.rl.loss import GRPOLoss, token_logps
-from llmtrain.rl.prompts import prompt_columns, prompt_kind
-from llmtrain.rl.rewards import load_rewards
+from llmtrain.rl.prompts import grpo_prompts, prompt_columns
+from llmtrain.rl.rewards import check_grpo, load_rewards
 from llmtrain.rl.rollout import Rollouts
 from llmtrain.rl.sampling import HFGenerator
 
@@ -35,7 +33,7 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     model; with grpo.beta, the reference (adapters off with LoRA, else a frozen copy)."""
     disable_dropout(model)
     g, chunk = cfg.grpo, cfg.train.loss_chunk_tokens
-    rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: prompts()
+    rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: grpo_prompts
     head = chunkable_head(model) if chunk else None
     objective = GRPOLoss(
         g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
@@ -75,34 +73,14 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     return Parts(objective, source=source)
 
 
-def prompts(cfg):
-    """Prompt rows; each split's columns are checked against the reward functions as soon
-    as it is read."""
-
-    def check_columns(key, columns):
-        try:
-            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern)
-        except RewardError as e:
-            raise RewardError(f"{e} ({key})") from None
-
-    return prompt_kind(cfg.grpo.max_completion_length, check_columns)
-
-
-def check(cfg, tokenizer) -> None:
-    """Before any data or weights load: grpo.reference reads the policy's token ids, and
-    every reward function loads (its columns are checked once the data is read)."""
-    check_reference(cfg, tokenizer, "grpo")
-    load_rewards(cfg.reward_names(), None, cfg.grpo.format_pattern)
-
-
 RECIPE = Recipe(
     schema=GRPOConfig,
     default_config=Path(__file__).parent / "configs" / "grpo_demo.yaml",
     description=__doc__.splitlines()[0],
-    data=prompts,
+    data=grpo_prompts,
     parts=grpo_parts,
     name="grpo",
-    check=check,
+    check=check_grpo,
 )
 
 

@@ -100,3 +100,18 @@ def test_the_checksum_measurement_runs():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "checksums after writing" in proc.stdout and "verifying before a resume" in proc.stdout
+
+
+def test_grpo_benchmark_asks_both_systems_the_same_questions():
+    """Both systems get each demo question as one user message (no system turn), with its
+    answer, which llmtrain's accuracy reward (TRL calls it as one of its own) checks."""
+    grpo_bench = load("grpo_vs_trl")
+    from llmtrain.demo import make_prompts
+    from llmtrain.rl.rewards import accuracy
+
+    rows = [grpo_bench.as_user_message(r) for r in make_prompts(6, seed=1)]
+    assert all(r["prompt"] == [{"role": "user", "content": r["prompt"][0]["content"]}] for r in rows)
+    assert (
+        accuracy(None, [[{"role": "assistant", "content": r["answer"]}] for r in rows], [r["answer"] for r in rows])
+        == [1.0] * 6
+    )

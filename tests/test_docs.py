@@ -12,9 +12,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-import yaml
-
-from llmtrain.config import Config, DPOConfig, load_config
+from llmtrain.config import Config, DPOConfig, GRPOConfig, load_config
 from llmtrain.config.load import flat_dict
 from llmtrain.config.schema import field_docs
 from llmtrain.errors import ConfigError
@@ -33,7 +31,11 @@ REGENERATE = (
 
 # What each recipe parses its command line into: its schema and the config it uses without
 # --config (test_recipes_are_as_listed checks this against the recipes' source).
-RECIPES = {"finetune": (Config, "demo.yaml"), "dpo": (DPOConfig, "dpo_demo.yaml")}
+RECIPES = {
+    "finetune": (Config, "demo.yaml"),
+    "dpo": (DPOConfig, "dpo_demo.yaml"),
+    "grpo": (GRPOConfig, "grpo_demo.yaml"),
+}
 
 
 def rel(path: Path) -> str:
@@ -262,13 +264,10 @@ def check_command(name: str, args: list[str], launcher_file: str | None) -> list
         if parsed.accelerate_config is not None and not (ROOT / parsed.accelerate_config).is_file():
             problems.append(f"no such file: {parsed.accelerate_config}")
         config = parsed.config or Path("recipes/configs") / RECIPES["finetune"][1]
-        # As llmtrain.plan.names_dpo: dpo when asked, or when the config or an override sets a dpo key.
-        raw = yaml.safe_load((ROOT / config).read_text()) if (ROOT / config).is_file() else {}
-        dpo = parsed.recipe == "dpo" or (
-            parsed.recipe is None
-            and (any(o.startswith(("dpo.", "dpo=")) for o in parsed.overrides) or "dpo" in (raw or {}))
-        )
-        schema = DPOConfig if dpo else Config
+        from llmtrain.plan import recipe_named
+
+        recipe = parsed.recipe or recipe_named(ROOT / config, parsed.overrides)
+        schema = RECIPES[recipe][0]
     else:
         if name not in RECIPES:
             return [*problems, f"recipes/{name}.py is not a recipe this test knows"]

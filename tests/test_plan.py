@@ -87,6 +87,25 @@ def test_plan_of_a_preference_run_shows_a_pair_and_its_reference(base_config, ti
     assert sft.returncode == 2 and "Traceback" not in sft.stderr
 
 
+def test_plan_of_an_rl_run_counts_its_generations_and_reference(base_config, tiny_model, cache_env, tmp_path):
+    from llmtrain.demo import make_prompts, write_jsonl
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(make_prompts(50, seed=4), prompts)
+    common = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={prompts}"]
+    grpo = ["grpo.num_generations=4", "grpo.max_completion_length=16", "grpo.num_iterations=2", "grpo.beta=0.1"]
+    proc = plan(*common, *grpo, "train.micro_batch_size=3", "train.grad_accum_steps=2", env=cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "global batch: 6 prompts = micro_batch_size 3 x grad_accum_steps 2" in out
+    assert "steps per epoch: 16;" in out  # 50 // 6 = 8 rounds, 2 steps each
+    assert "per micro-batch: 3 prompt(s) x 4 = 12 sequences" in out and "generation KV cache" in out
+    assert "KL reference: the starting weights: a frozen copy" in out and "reference model:" in out
+    assert out.rstrip().endswith("<|im_start|>assistant")  # the first prompt, rendered for generation
+    missing = plan(*common, "--recipe", "grpo", "grpo.rewards=[accuracy,format]", env=cache_env)
+    assert missing.returncode == 2 and "grpo.format_pattern: the 'format' reward needs" in missing.stderr
+
+
 def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env, tmp_path):
     more = tmp_path / "more.jsonl"
     write_jsonl(make_rows(10, seed=4), more)

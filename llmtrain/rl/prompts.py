@@ -18,6 +18,7 @@ from ..config import DataConfig
 from ..data.build import DataKind
 from ..data.packing import PackedDataset
 from ..data.rows import NothingToTrain, RowError, check_control_tokens, check_line, check_rendered, message, render_chat
+from ..errors import RewardError
 
 PROMPT_COLUMNS = ("prompt_ids", "prompt", "columns")
 
@@ -128,6 +129,20 @@ def prompt_kind(max_completion_length: int, check_columns=None) -> DataKind:
         return ds, stats
 
     return DataKind(prepare, PackedDataset, unit="prompts", batched=("prompts", "prompts"))
+
+
+def grpo_prompts(cfg) -> DataKind:
+    """recipes/grpo.py's data: prompt rows, each split's columns checked against the
+    reward functions (grpo.rewards) as soon as it is read."""
+    from .rewards import load_rewards
+
+    def check_columns(key, columns):
+        try:
+            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern)
+        except RewardError as e:
+            raise RewardError(f"{e} ({key})") from None
+
+    return prompt_kind(cfg.grpo.max_completion_length, check_columns)
 
 
 def prompt_columns(prompts) -> set[str]:

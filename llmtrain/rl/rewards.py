@@ -210,6 +210,16 @@ def load_rewards(names: list[str], columns: set[str] | None, format_pattern: str
     return rewards
 
 
+def check_grpo(cfg, tokenizer) -> None:
+    """recipes/grpo.py's start-up checks, before any data or weights load: grpo.reference
+    reads the policy's token ids, and every reward function loads (its columns are checked
+    once the data is read: prompts.grpo_prompts)."""
+    from ..preference.reference import check_reference
+
+    check_reference(cfg, tokenizer, "grpo")
+    load_rewards(cfg.reward_names(), None, cfg.grpo.format_pattern)
+
+
 def score(
     rewards: list[Reward], prompts: list, completions: list, completion_ids: list, columns: list[dict], state
 ) -> torch.Tensor:

@@ -4,6 +4,7 @@ completions, rewards and update on one process or two, in any split into micro-b
 under DDP, ZeRO-3 and FSDP2; a run killed within a generation round resumes exactly;
 a broken reward function is one line."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,8 @@ def test_a_run_killed_within_a_generation_round_resumes_exactly(args, cache_env,
         (out / "final").mkdir()  # killed before it finished: rewind removes what would be there
     rewind(out, 3)
     assert (out / "checkpoints" / "step-3" / "rollout.safetensors").is_file()
+    relaid = tmp_path / "relaid"
+    shutil.copytree(out, relaid)
     done = grpo(args(out, *run, "checkpoint.resume=auto"), cache_env, nproc=2)
     assert "resumed from" in done.stdout and "at step 3" in done.stdout
     ref = tmp_path / "uninterrupted"
@@ -142,6 +145,12 @@ def test_a_run_killed_within_a_generation_round_resumes_exactly(args, cache_env,
     for key, value in load_file(ref / "final" / "model.safetensors").items():
         torch.testing.assert_close(load_file(out / "final" / "model.safetensors")[key], value, rtol=0, atol=0)
     assert_same_steps(out, one_process, "resumed")
+    # The same checkpoint resumed as one process of 4 prompts: each process takes its share
+    # of the kept round, and the run goes on as the one-process run did.
+    layout = ["train.micro_batch_size=4", "checkpoint.every_steps=1", "checkpoint.resume=auto"]
+    done = grpo(args(relaid, *RUN, *layout), cache_env)
+    assert "resuming a run of 2 process(es) x 2 x 1 as 1 process(es) x 4 x 1" in done.stdout
+    assert_same_steps(relaid, one_process, "resumed as one process")
 
 
 def test_a_broken_reward_function_is_one_line(args, cache_env, files, tmp_path):
