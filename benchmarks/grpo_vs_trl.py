@@ -127,9 +127,7 @@ def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     steps, _ = harness.run_ours("grpo.py", setup, out, args)
     generated = sum(r["completion_len"] * setup["prompts"] * GROUP for r in steps)
     return {
-        # The loop's rate is its loss units (completion tokens, dapo) over the step's seconds,
-        # generation included.
-        "step_s": sum(r["tokens"] / r["tokens_per_s"] for r in steps) / len(steps),
+        "step_s": sum(r["step_s"] for r in steps) / len(steps),  # generation included
         "generation_tokens_per_s": generated / sum(r["generation_s"] for r in steps),
         "steps": len(steps),
         "train_reward": sum(r["reward"] for r in steps) / len(steps),

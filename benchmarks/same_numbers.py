@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLOCK = ("tokens_per_s", "input_tokens_per_s", "pairs_per_s", "data_wait", "peak_mem_gib", "mfu", "time")
+CLOCK = ("step_s", "tokens_per_s", "input_tokens_per_s", "pairs_per_s", "data_wait", "peak_mem_gib", "mfu", "time")
 
 RUNS = {
     "sft-packed-1proc": (1, "finetune.py", "demo.yaml", ["train.max_steps=6"]),

@@ -174,7 +174,7 @@ def setup(
     accelerator.print(
         f"training {total_steps} steps ("
         + ("a pass over the stream ends when every process has run out" if streaming else f"{per_epoch} per epoch")
-        + f"), global batch {t.global_batch(world)} {data.items} on {world} process(es)"
+        + f"), global batch {t.global_batch(world)} {data.items if source else collator.items} on {world} process(es)"
     )
     evaluator = None
     if eval_loader is not None:

@@ -290,9 +290,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
     import psutil
 
     parent = psutil.Process(proc.pid)
-    for p in [parent, *parent.children(recursive=True)]:
+    procs = [parent, *parent.children(recursive=True)]
+    for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+
+    def gone(p) -> bool:  # exited: a zombie has closed its files (and released its locks) too
+        try:
+            return p.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    # SIGKILL is delivered at once but a process takes a moment to exit; until it has, it
+    # holds its files, the output_dir lock among them, which the next run would find held.
+    deadline = time.time() + 30
+    while not all(gone(p) for p in procs) and time.time() < deadline:
+        time.sleep(0.01)
 
 
 def kill_run(proc: subprocess.Popen) -> None:

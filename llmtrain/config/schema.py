@@ -543,8 +543,6 @@ class GRPOConfig(Config):
                 re.compile(g.format_pattern)
             except re.error as e:
                 p.append(f"grpo.format_pattern: not a regular expression ({e}); fix it")
-        if g.epsilon_high and g.epsilon_high < 0:
-            p.append("grpo.epsilon_high: must be zero (for grpo.epsilon) or positive")
         if g.reference and not g.beta:
             p.append("grpo.reference: used only with grpo.beta > 0; set grpo.beta or remove grpo.reference")
         if g.reference and self.model.lora.enabled:

@@ -127,7 +127,6 @@ class TrainBatches:
     processes), so reading it again up to a saved position gives a resumed run exactly the
     rows that come next."""
 
-    items = "sequences"
     metrics: dict = {}  # nothing of its own to log per step (rl/rollout.Rollouts has)
     samples_shown: list = []
 

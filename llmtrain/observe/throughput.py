@@ -97,10 +97,13 @@ class StepMeter:
         self.layers, self.hidden = model.config.num_hidden_layers, model.config.hidden_size
 
     def figures(self, window, result) -> dict:
-        """Per second of the step: counted units (`<unit>_per_s`, e.g. tokens_per_s),
-        input tokens; the data-wait share, peak memory, and MFU where the peak is known."""
+        """The step's seconds (`step_s`, from drawing its batches, which for an RL run
+        includes generating them, to the update); per second of it: counted units
+        (`<unit>_per_s`, e.g. tokens_per_s), input tokens; the data-wait share, peak memory,
+        and MFU where the peak is known."""
         seconds = result.seconds
         out = {
+            "step_s": seconds,
             f"{self.unit}_per_s": result.count / seconds,
             "input_tokens_per_s": window.input_tokens / seconds,
             "data_wait": window.data_wait / seconds,

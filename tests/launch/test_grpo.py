@@ -93,6 +93,22 @@ def test_the_first_steps_learn_from_real_rewards(one_process):
     assert rows[0]["clip_ratio"] == 0.0 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
     assert rows[1]["kl"] > 0  # after one update, the round's second step
     assert rows[0]["reward"] == rows[1]["reward"] != rows[2]["reward"]  # a round's two steps share its completions
+    assert all(0 < r["generation_s"] < r["step_s"] for r in rows[::2])  # a round's first step generates
+
+
+def test_lora_measures_its_kl_against_the_adapters_off(args, cache_env, tmp_path):
+    """With LoRA the reference is the same model with its adapters off: no KL before the
+    first update, some after it; final/ holds the adapter and the merged model."""
+    out = tmp_path / "lora"
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "train.micro_batch_size=4", "export.merge_lora=true"]
+    lora.append("model.gradient_checkpointing=true")  # generation runs in eval mode, with its cache
+    proc = grpo(args(out, *RUN, *lora), cache_env)
+    assert "frozen" not in proc.stdout
+    rows = train_rows(out)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 0
+    assert (out / "final" / "adapter" / "adapter_config.json").is_file() or (
+        out / "final" / "adapter_config.json"
+    ).is_file()
 
 
 @pytest.mark.parametrize(

@@ -233,6 +233,7 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
         "lr",
         "grad_norm",
         "tokens",
+        "step_s",
         "tokens_per_s",
         "input_tokens_per_s",
         "data_wait",
