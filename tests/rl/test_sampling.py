@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from llmtrain.rl.sampling import HFGenerator, SeededSampling, filtered_logits, sample_seed
+from tests.architectures import ARCHITECTURES
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +92,36 @@ def test_completions_stop_at_the_end_of_turn_or_are_clipped(model_and_tokenizer)
             assert stops == ([len(ids) - 1] if ended else []) and (ended or len(ids) == 6)
     finally:
         model.generation_config.eos_token_id = saved
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, tokenizer, arch):
+    """Generation left-pads a batch's prompts: for absolute positions (GPT-2), sliding
+    windows, experts and fused projections alike, a seeded completion is the one the prompt
+    gets alone, and the training forward (right-padded, as the loss sees it) gives its
+    tokens the log-probs they have alone, so the policy that sampled is the one scored."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.data.batches import Collator
+    from llmtrain.data.rows import IGNORE, shift
+    from llmtrain.rl.loss import token_logps
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(zoo(arch), dtype=torch.float32).eval()
+    gen = HFGenerator(tokenizer, max_new_tokens=6, temperature=1.0)
+    a, b = (
+        tokenizer("What is 2 + 2?")["input_ids"],
+        tokenizer("Reverse the word: lamp, please, and be quick")["input_ids"],
+    )
+    alone = gen.generate(model, [a], [3]).ids[0]
+    assert gen.generate(model, [b, a], [4, 3]).ids[1] == alone, arch
+
+    def batch(rows):
+        examples = [{"input_ids": p + c, "labels": shift([IGNORE] * len(p) + c)} for p, c in rows]
+        return Collator(tokenizer.pad_token_id)(examples)
+
+    with torch.no_grad():
+        one = token_logps(model, batch([(a, alone)]), 1.0)
+        other = gen.generate(model, [b], [4]).ids[0]
+        both = token_logps(model, batch([(b, other), (a, alone)]), 1.0)
+    torch.testing.assert_close(both[len(other) :], one, rtol=1e-4, atol=1e-5, msg=arch)
