@@ -472,6 +472,8 @@ def reference_source(cfg) -> str:
     d = cfg.dpo
     if d.loss == "simpo":
         return "none (SimPO compares the policy's own per-token log-probs)"
+    if d.loss == "orpo":
+        return "none (ORPO compares the odds of the policy's own per-token log-probs)"
     if d.reference:
         return f"{d.reference}: its log-probs for every pair, computed once before training (cached in output_dir)"
     if cfg.model.lora.enabled:

@@ -420,9 +420,10 @@ class PreferenceConfig:
     beta: Annotated[float, POSITIVE] = 0.1
     """How far the policy may move from the reference: the scale of the log-ratios in
     the loss (recipes/dpo.py). Lower lets it move further."""
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
     """sigmoid: DPO; ipo: IPO (squared, per-token log-ratios); simpo: SimPO (per-token
-    log-probs of the policy alone, no reference) (recipes/dpo.py)."""
+    log-probs of the policy alone, no reference); orpo: ORPO (the chosen answer's NLL plus
+    beta x the odds-ratio term, no reference, no SFT stage first) (recipes/dpo.py)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (dpo.loss=simpo only)."""
     sft_weight: float = 0.0
@@ -443,8 +444,8 @@ class DPOConfig(Config):
 
     def problems(self) -> list[str]:
         p = super().problems()
-        if self.dpo.loss == "simpo" and self.dpo.reference:
-            p.append("dpo.reference: dpo.loss=simpo uses no reference model; remove dpo.reference")
+        if self.dpo.loss in ("simpo", "orpo") and self.dpo.reference:
+            p.append(f"dpo.reference: dpo.loss={self.dpo.loss} uses no reference model; remove dpo.reference")
         if self.data.streaming:
             p.append("data.streaming: recipes/dpo.py prepares its pairs whole; set data.streaming=false")
         if self.data.format != "auto":

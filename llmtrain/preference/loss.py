@@ -1,4 +1,4 @@
-"""Preference tuning: the DPO, IPO and SimPO losses over chosen/rejected pairs, as an
+"""Preference tuning: the DPO, IPO, SimPO and ORPO losses over chosen/rejected pairs, as an
 objective (see `objective`) whose unit is the pair.
 
 A pair micro-batch (pairs.PairCollator) holds k pairs as 2k answer sequences, each with
@@ -19,6 +19,12 @@ The losses, with logratio(answer) = logp_policy(answer) - logp_reference(answer)
   taken per token (each answer's log-probs divided by its length)
 - simpo (Meng et al. 2024): -log sigmoid(beta * (mean logp(chosen) - mean logp(rejected)) - gamma),
   per-token means under the policy alone (no reference)
+- orpo (Hong et al. 2024): -mean logp(chosen) - beta * log sigmoid(log odds(chosen) - log odds(rejected)),
+  odds(answer) = p / (1 - p) with p = exp(mean logp(answer)): the chosen answer's per-token
+  NLL (SFT) plus the odds-ratio term, under the policy alone (no reference, no SFT stage).
+  TRL's ORPOTrainer takes the NLL over every chosen token of its micro-batch; here it is each
+  pair's own per-token mean, so the loss does not depend on how pairs are batched (the two
+  agree pair by pair)
 `sft_weight` adds that much of the chosen answer's per-token negative log-likelihood
 (RPO, Pang et al. 2024). The reward of an answer is beta times its log-ratio (beta times
 its per-token log-prob for SimPO, its per-token log-ratio for IPO): the metrics report
@@ -35,7 +41,8 @@ import torch.nn.functional as F
 from ..core.objective import Loss, model_inputs, trained_head
 from ..data.rows import IGNORE
 
-LOSSES = ("sigmoid", "ipo", "simpo")
+LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # the losses of the policy alone
 METRICS = (
     "rewards_chosen",
     "rewards_rejected",
@@ -84,11 +91,22 @@ def pair_losses(
         (pc, pr), (rc, rr) = policy.per_token(), reference.per_token()
         chosen, rejected = pc - rc, pr - rr
         loss = (chosen - rejected - 1 / (2 * beta)) ** 2
+    elif kind == "orpo":
+        chosen, rejected = policy.per_token()
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        loss = -chosen - beta * F.logsigmoid(log_odds)
     else:
         raise ValueError(f"unknown preference loss {kind!r}; one of {LOSSES}")
     if sft_weight:
         loss = loss + sft_weight * -(policy.chosen / policy.chosen_tokens)
     return loss, beta * chosen.detach(), beta * rejected.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012). A mean log-prob of
+    0 (a probability that rounds to 1) is taken as -1e-6, where the log odds stay finite."""
+    x = x.clamp(max=-1e-6)
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
 def row_logps(
@@ -160,7 +178,7 @@ class PreferenceLoss:
 
     @property
     def needs_reference_pass(self) -> bool:
-        return self.kind != "simpo" and self.adapters_off is None
+        return self.kind not in REFERENCE_FREE and self.adapters_off is None
 
     def count(self, batch: dict) -> int:
         return int(batch["pair_index"].numel())
@@ -189,7 +207,7 @@ class PreferenceLoss:
         sums, tokens = self.logps(model, batch)
         # Also for an empty batch: with adapters off the reference is a forward pass, which
         # under DDP, ZeRO-3 and FSDP every process must make as often as the others.
-        ref = self.reference_logps(model, batch) if self.kind != "simpo" else None
+        ref = self.reference_logps(model, batch) if self.kind not in REFERENCE_FREE else None
         if self.count(batch) == 0:  # an empty batch: no pair, but every weight in the graph
             return Loss(sums.sum() * 0, {name: sums.new_zeros(()) for name in METRICS})
         policy = AnswerLogps.from_rows(sums, tokens)

@@ -16,6 +16,7 @@ from tests.conftest import (
     launch,
     metrics,
     recipe_args,
+    rewind,
     run_recipe,
     start_run,
     train_rows,
@@ -110,6 +111,26 @@ def test_lora_uses_the_model_with_adapters_off_as_reference(args, cache_env, tmp
     assert train_rows(one)[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
     assert_same_steps(two, one, "lora", weights=False)
     assert (two / "final" / "adapter_config.json").exists()
+
+
+def test_orpo_trains_alike_on_one_process_and_two_and_resumes_exactly(args, cache_env, tmp_path):
+    """ORPO (no reference, no reference pass): packed pairs as 4 x 1 on one process or
+    1 x 2 on each of two; a run taken back to its first checkpoint continues to the same
+    losses and weights, bit for bit."""
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    orpo = ["dpo.loss=orpo", "dpo.beta=0.2", "data.packing=true", "checkpoint.every_steps=1"]
+    proc = dpo(args(one, *orpo, "train.micro_batch_size=4"), cache_env)
+    assert "reference log-probs" not in proc.stdout
+    dpo(args(two, *orpo, "train.micro_batch_size=1", "train.grad_accum_steps=2"), cache_env, nproc=2)
+    assert_same_steps(two, one, "orpo")
+    rows = train_rows(one)
+    assert all(r["loss"] > 0 for r in rows)  # the chosen answers' NLL plus a positive odds-ratio term
+    rewind(resumed, 1, source=one)
+    done = dpo(args(resumed, *orpo, "train.micro_batch_size=4"), cache_env)
+    assert "at step 1" in done.stdout
+    assert [r["loss"] for r in train_rows(resumed)] == [r["loss"] for r in rows]
+    for key, value in load_file(one / "final" / "model.safetensors").items():
+        torch.testing.assert_close(load_file(resumed / "final" / "model.safetensors")[key], value, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

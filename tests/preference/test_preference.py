@@ -59,12 +59,16 @@ def plain_loss(kind, beta, gamma, sft, policy, reference, i, pairs):
         loss = -logsig(beta * ((pc - rc) - (pr - rr)))
     elif kind == "ipo":
         loss = ((pc / lc - rc / lc) - (pr / lr - rr / lr) - 1 / (2 * beta)) ** 2
+    elif kind == "orpo":  # Hong et al. 2024, eq. 6-7: odds(y|x) = P / (1 - P), P the per-token mean
+        a, b = pc / lc, pr / lr
+        log_odds = (a - math.log(1 - math.exp(a))) - (b - math.log(1 - math.exp(b)))
+        loss = -a - beta * logsig(log_odds)
     else:
         loss = -logsig(beta * (pc / lc - pr / lr) - gamma)
     return loss + sft * (-pc / lc)
 
 
-@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo"])
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo", "orpo"])
 @pytest.mark.parametrize("sft", [0.0, 0.5])
 def test_losses_match_a_plain_implementation(model, kind, sft):
     pairs, beta, gamma = 3, 0.3, 0.4
@@ -301,3 +305,26 @@ def test_losses_and_rewards_match_trl(kind, sft):
         if kind != "simpo":  # CPO logs the per-token means as logps
             assert logged["logps/chosen"] == pytest.approx(float(policy.chosen[picked].mean()), rel=1e-6)
             assert logged["logps/rejected"] == pytest.approx(float(policy.rejected[picked].mean()), rel=1e-6)
+
+
+def test_orpo_odds_ratio_term_matches_trl():
+    """ORPO's odds-ratio term and rewards against TRL's ORPOTrainer.odds_ratio_loss on the
+    same per-token mean log-probs, near 0 and far from it. TRL adds the NLL of the
+    chosen sequences' every token, prompt included, averaged over its micro-batch; llmtrain
+    that of each chosen answer's tokens: the odds-ratio terms are compared."""
+    pytest.importorskip("trl")
+    from trl.experimental.orpo import ORPOTrainer
+
+    beta = 0.25
+    trainer = object.__new__(ORPOTrainer)
+    vars(trainer).update(beta=beta, accelerator=OneProcess())
+    chosen_mean = torch.tensor([-0.01, -0.7, -2.5, -9.0], dtype=torch.float64)
+    rejected_mean = torch.tensor([-0.02, -0.3, -4.0, -0.5], dtype=torch.float64)
+    tokens = torch.tensor([3, 5, 7, 2])
+    policy = AnswerLogps(chosen_mean * tokens, rejected_mean * tokens, tokens, tokens)
+    loss, chosen, rejected = pair_losses("orpo", beta, policy, None)
+    terms, trl_chosen, trl_rejected, _, _ = trainer.odds_ratio_loss(chosen_mean, rejected_mean)
+    # TRL computes in float32 (odds_ratio_loss casts its inputs).
+    torch.testing.assert_close(loss - (-chosen_mean), -terms.double(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chosen, trl_chosen.double(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(rejected, trl_rejected.double(), rtol=1e-6, atol=1e-7)
