@@ -266,6 +266,14 @@ def build_assets(root: Path, train_rows: int = 3000, eval_rows: int = 200) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_once(root: Path, name: str, rows: list[dict]) -> None:
+    """root/name written whole, through a temporary file created exclusively (never a
+    planted link) and renamed into place."""
+    tmp = safefs.new_temp(root, f".tmp-{name}-")
+    write_jsonl(rows, tmp)
+    os.replace(tmp, root / name)
+
+
 def build_pairs(root: Path) -> None:
     """pairs-train.jsonl (2000) and pairs-eval.jsonl (200) under root, once: the questions'
     right answers against tiny-llama-sft's own wrong ones (see make_pairs)."""
@@ -276,9 +284,7 @@ def build_pairs(root: Path) -> None:
     build_sft_model(root)
     answer = greedy_answers(root / "tiny-llama-sft")
     for name, n, seed in todo:
-        tmp = safefs.new_temp(root, f".tmp-{name}-")  # created exclusively: never a planted link
-        write_jsonl(make_pairs(n, seed, answer), tmp)
-        os.replace(tmp, root / name)
+        write_once(root, name, make_pairs(n, seed, answer))
 
 
 # The RL demo's kinds of question: copying words (upper-cased, reversed), where the SFT
@@ -305,9 +311,7 @@ def build_prompts(root: Path) -> None:
     """The RL demo's prompts under root, once: 2000 for training, 200 held out."""
     for name, n, seed in ((PROMPT_FILES[0], 2000, 5), (PROMPT_FILES[1], 200, 6)):
         if not (root / name).exists():
-            tmp = safefs.new_temp(root, f".tmp-{name}-")  # created exclusively: never a planted link
-            write_jsonl(make_prompts(n, seed), tmp)
-            os.replace(tmp, root / name)
+            write_once(root, name, make_prompts(n, seed))
 
 
 PROMPT_FILES = ("rl-words-train.jsonl", "rl-words-eval.jsonl")
@@ -357,13 +361,15 @@ DEMO_NAMES = {
 }
 
 
+REFERENCE_SECTIONS = ("dpo", "grpo")  # recipes' sections with a `reference` model name
+
+
 def named(cfg) -> list[tuple[str, str]]:
     """(config key, name) of every model and data set a config names."""
     keys = [("model.name_or_path", cfg.model.name_or_path)]
-    if hasattr(cfg, "dpo"):
-        keys.append(("dpo.reference", cfg.dpo.reference))
-    if hasattr(cfg, "grpo"):
-        keys.append(("grpo.reference", cfg.grpo.reference))
+    for section in REFERENCE_SECTIONS:
+        if hasattr(cfg, section):
+            keys.append((f"{section}.reference", getattr(cfg, section).reference))
     entries = [(f"data.{split}", e) for split in ("train", "eval") for e in _as_list(getattr(cfg.data, split))]
     return keys + [(key, getattr(e, "path", e)) for key, e in entries]  # a data.train entry may be {path, fraction}
 
@@ -397,10 +403,9 @@ def resolve_demo_names(cfg) -> None:
         return dataclasses.replace(entry, path=fix(entry.path)) if hasattr(entry, "path") else fix(entry)
 
     cfg.model.name_or_path = fix(cfg.model.name_or_path)
-    if hasattr(cfg, "dpo"):
-        cfg.dpo.reference = fix(cfg.dpo.reference)
-    if hasattr(cfg, "grpo"):
-        cfg.grpo.reference = fix(cfg.grpo.reference)
+    for section in REFERENCE_SECTIONS:
+        if hasattr(cfg, section):
+            getattr(cfg, section).reference = fix(getattr(cfg, section).reference)
     cfg.data.train = [fix_entry(e) for e in _as_list(cfg.data.train)]
     cfg.data.eval = [fix(n) for n in _as_list(cfg.data.eval)]
 

@@ -334,6 +334,21 @@ def is_quantized(model) -> bool:
     return bool(getattr(model, "is_quantized", False))
 
 
+def reference_config(cfg: ModelConfig, name: str = "") -> ModelConfig:
+    """The model settings of a frozen reference model: `name` (a hub name or directory), or
+    with none the policy's own starting weights; never LoRA-adapted or checkpointed (it
+    takes no gradient)."""
+    from dataclasses import replace
+
+    return replace(
+        cfg,
+        name_or_path=name or cfg.name_or_path,
+        revision="" if name else cfg.revision,
+        gradient_checkpointing=False,
+        lora=replace(cfg.lora, enabled=False),
+    )
+
+
 def load_model(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 

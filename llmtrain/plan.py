@@ -27,7 +27,7 @@ from .cli import user_errors
 from .config import Config, DPOConfig, GRPOConfig, load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, check
 from .data.batches import EpochSampler
-from .data.build import ROWS, DataKind
+from .data.build import ROWS, DataKind, data_kind
 from .data.mixture import names, packer, sources, split_and_mix, training_set
 from .data.rows import IGNORE
 from .data.stream import StreamedRows
@@ -295,7 +295,7 @@ def plan(argv: list[str]) -> None:
     if recipe.check is not None:
         recipe.check(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    kind = recipe.kind if isinstance(recipe.kind, DataKind) else recipe.kind(cfg)
+    kind = data_kind(recipe.kind, cfg)
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(

@@ -21,7 +21,7 @@ from .config import to_yaml
 from .config.load import check
 from .core.objective import Objective
 from .core.window import Outcome
-from .data.build import DataKind, build_datasets
+from .data.build import DataKind, build_datasets, data_kind
 from .distributed.launch import main_first, setup_accelerator
 from .distributed.stop import StopRequest
 from .distributed.watchdog import Watchdog
@@ -87,8 +87,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     check_vocab(cfg.model, mcfg, tokenizer)
     if recipe.check is not None:
         recipe.check(cfg, tokenizer)
-    kind = recipe.data if isinstance(recipe.data, DataKind) else recipe.data(cfg)
-    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, data_kind(recipe.data, cfg))
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model)

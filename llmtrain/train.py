@@ -349,7 +349,7 @@ def run_eval(run: Run) -> None:
 def save_checkpoint(run: Run) -> Path:
     run.watchdog.beat(f"writing the checkpoint of step {run.state.step}")
     settings = checkpoint.position_settings(run.cfg, run.accelerator.num_processes)
-    extra = run.data.saved(run.state.batches_in_epoch, run.state.epoch)  # a rollout in progress
+    extra = run.data.saved(run.state.batches_in_epoch)  # a rollout in progress
     return checkpoint.save(
         run.accelerator, run.cfg.output_dir, run.state, settings, to_yaml(run.cfg), run.cfg.checkpoint.keep_last, extra
     )

@@ -12,12 +12,11 @@ global batch; a pair's two answers always sit in one micro-batch.
 """
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from llmtrain.cli import run_cli
 from llmtrain.config import DPOConfig
-from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id
+from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id, reference_config
 from llmtrain.preference.loss import PreferenceLoss
 from llmtrain.preference.pairs import PAIRS, PairCollator
 from llmtrain.preference.reference import ReferencePass, check_reference
@@ -39,10 +38,7 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
         return Parts(objective, collator)
 
     def reference_model():
-        off = replace(cfg.model.lora, enabled=False)
-        ref = load_model(
-            replace(cfg.model, name_or_path=d.reference, revision="", gradient_checkpointing=False, lora=off)
-        )
+        ref = load_model(reference_config(cfg.model, d.reference))
         head = chunkable_head(ref) if chunk else None  # its own output layer
         return ref, PreferenceLoss(d.loss, d.beta, chunk_tokens=chunk, head=head)
 

@@ -14,12 +14,11 @@ loss are the same on any number of processes and any split into micro-batches
 """
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from llmtrain.cli import run_cli
 from llmtrain.config import GRPOConfig
-from llmtrain.model import chunkable_head, disable_dropout, load_model, whole_models
+from llmtrain.model import chunkable_head, disable_dropout, load_model, reference_config, whole_models
 from llmtrain.recipe import Parts, Recipe, run
 from llmtrain.rl.loss import GRPOLoss, token_logps
 from llmtrain.rl.prompts import grpo_prompts, prompt_columns
@@ -40,13 +39,8 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     )
     frozen = None
     if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
-        off = replace(cfg.model.lora, enabled=False)
-        name = g.reference or cfg.model.name_or_path
-        revision = "" if g.reference else cfg.model.revision
         with whole_models():  # a whole copy on each process, never partitioned by ZeRO-3
-            frozen = load_model(
-                replace(cfg.model, name_or_path=name, revision=revision, gradient_checkpointing=False, lora=off)
-            )
+            frozen = load_model(reference_config(cfg.model, g.reference))
         frozen.requires_grad_(False).eval().to(accelerator.device)
 
     def source(prepared, backend, beat):

@@ -133,7 +133,7 @@ class TrainBatches:
     def __init__(self, loader, sampler: EpochSampler | None, accelerator):
         self.loader, self.sampler, self.accelerator = loader, sampler, accelerator
 
-    def saved(self, batches_in_epoch: int, epoch: int) -> None:
+    def saved(self, batches_in_epoch: int) -> None:
         """Nothing beyond the position: the data is read again up to it on resume."""
         return None
 

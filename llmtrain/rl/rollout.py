@@ -102,7 +102,7 @@ class Rollouts:
             for k in range(within if r == first else 0, per_round):
                 yield batches[k % self.accum]
 
-    def saved(self, batches_in_epoch: int, epoch: int) -> dict[str, torch.Tensor] | None:
+    def saved(self, batches_in_epoch: int) -> dict[str, torch.Tensor] | None:
         """What a checkpoint at this position must keep: the round in progress, whole (every
         process's samples), when the next step is not its first; else None. Called on
         every process (a collective)."""
