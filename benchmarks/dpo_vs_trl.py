@@ -237,6 +237,8 @@ def main() -> None:
     options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-dpo")
     options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
     args = options.parse_args()
+    if args.rows:
+        WORKLOADS[args.workload]["pairs"] = args.rows
     if args.worker:  # one TRL run, in its own process
         harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
         return

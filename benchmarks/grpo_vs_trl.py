@@ -220,6 +220,8 @@ def main() -> None:
     options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-grpo")
     options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
     args = options.parse_args()
+    if args.rows:
+        options.error("--rows: the GRPO workload is sized by prompts and steps; leave --rows out")
     if args.worker:  # one TRL run, in its own process
         harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
         return

@@ -90,6 +90,7 @@ def parser(doc: str, workloads: dict, default_dir: Path) -> argparse.ArgumentPar
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--workload", choices=sorted(workloads), default="cpu")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rows", type=int, help="train on this many rows (pairs for DPO) instead of the workload's")
     p.add_argument("--dir", type=Path, default=default_dir)
     p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--ours", nargs="*", default=[], metavar="key=value", help="overrides for llmtrain's side")
@@ -144,7 +145,8 @@ def heading(title: str) -> str:
 def command(script: str, args, extra: str = "") -> str:
     """The command line that reproduces these results."""
     ours = f" --ours {' '.join(args.ours)}" if args.ours else ""
-    return f"`python benchmarks/{script} --workload {args.workload} --repeats {args.repeats}{ours}{extra}`"
+    rows = f" --rows {args.rows}" if getattr(args, "rows", None) else ""
+    return f"`python benchmarks/{script} --workload {args.workload} --repeats {args.repeats}{rows}{ours}{extra}`"
 
 
 def publish(lines: list[str], results: Path) -> None:

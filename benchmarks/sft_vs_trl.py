@@ -170,6 +170,8 @@ def data_tokens(setup: dict) -> tuple[int, int]:
 
 def main() -> None:
     args = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench").parse_args()
+    if args.rows:
+        WORKLOADS[args.workload]["rows"] = args.rows
     if args.worker:  # one TRL run, in its own process
         harness.worker_result(run_trl(json.loads(args.setup), args.dir / f"{args.worker}", args.worker == "trl-best"))
         return

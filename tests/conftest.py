@@ -329,6 +329,16 @@ def rewind(out: Path, step: int, source: Path | None = None) -> None:
             shutil.rmtree(ckpt)
 
 
+def rows_dataset(rows: list[dict], name: str):
+    """An in-memory Dataset of `rows` under a given fingerprint. Dataset.from_list computes
+    one by pickling the table with dill, which failed on the GPU machine (Python 3.12,
+    pyarrow 26: "Can't pickle <class 'MonthDayNano'>"); a test's rows need none."""
+    import datasets
+    import pyarrow as pa
+
+    return datasets.Dataset(pa.Table.from_pylist(rows), fingerprint=name)
+
+
 def packed_samples(packed, examples):
     """(pack index, the sample's span in that pack, its input ids alone as a batch of one)
     for every sample of a PackedDataset built from `examples`."""

@@ -8,7 +8,7 @@ from llmtrain.data.batches import Collator
 from llmtrain.data.packing import PackedDataset, pack_lengths
 from llmtrain.data.rows import process_row
 from llmtrain.demo import make_rows
-from tests.conftest import packed_samples
+from tests.conftest import packed_samples, rows_dataset
 
 
 def test_pack_lengths_fills_bins_without_overflow():
@@ -30,10 +30,8 @@ def test_pack_lengths_rejects_rows_longer_than_a_pack():
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
-    import datasets
-
     rows = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(12, seed=5)]
-    return datasets.Dataset.from_list(rows)
+    return rows_dataset(rows, "packing-examples")
 
 
 def load(tiny_model, attn):

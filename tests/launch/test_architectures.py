@@ -17,15 +17,13 @@ from llmtrain.data.packing import PackedDataset
 from llmtrain.data.rows import process_row
 from llmtrain.demo import make_rows
 from tests.architectures import ARCHITECTURES, MOE, SLIDING, WINDOW
-from tests.conftest import packed_samples
+from tests.conftest import packed_samples, rows_dataset
 
 
 @pytest.fixture(scope="module")
 def examples(tokenizer):
-    import datasets
-
     rows = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(10, seed=11)]
-    return datasets.Dataset.from_list(rows)
+    return rows_dataset(rows, "architecture-examples")
 
 
 def backends(name):
