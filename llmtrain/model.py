@@ -5,6 +5,7 @@ through the same functions."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 
@@ -155,12 +156,26 @@ def meta_model(cfg: ModelConfig, mcfg):
     return add_lora(model, cfg) if cfg.lora.enabled else model
 
 
-def _meta(cfg: ModelConfig, mcfg, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+def auto_class(cfg: ModelConfig):
+    """transformers' class for model.head: the causal LM, or the same body with a one-label
+    sequence-classification head ('score', recipes/reward.py)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    return AutoModelForSequenceClassification if cfg.head == "score" else AutoModelForCausalLM
+
+
+def head_kwargs(cfg: ModelConfig) -> dict:
+    """What loading the model.head needs beyond the model's own config: one label."""
+    return {"num_labels": 1} if cfg.head == "score" else {}
+
+
+def _meta(cfg: ModelConfig, mcfg, dtype: torch.dtype):
+    if cfg.head == "score":
+        mcfg = copy.copy(mcfg)
+        mcfg.num_labels = 1
     try:
         with whole_models(), torch.device("meta"):
-            return AutoModelForCausalLM.from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            return auto_class(cfg).from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # the user's config.json describes no model that can be built
         raise ModelError(
             f"model.name_or_path: cannot build a model from the config of '{cfg.name_or_path}' ({describe(e)}); "
@@ -350,19 +365,19 @@ def reference_config(cfg: ModelConfig, name: str = "") -> ModelConfig:
 
 
 def load_model(cfg: ModelConfig):
-    from transformers import AutoModelForCausalLM
-
     quantized = quantization_kwargs(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class(cfg).from_pretrained(
             cfg.name_or_path,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
             **hub_kwargs(cfg),
+            **head_kwargs(cfg),
             **quantized,
         )
     except Exception as e:
-        raise _load_error("a causal LM", cfg.name_or_path, e) from None
+        what = "a sequence-classification (reward) model" if cfg.head == "score" else "a causal LM"
+        raise _load_error(what, cfg.name_or_path, e) from None
     model.config.use_cache = False
     if is_quantized(model) and model.device.type == "cpu":  # 8-bit layers have no such path: left as they are
         keep_4bit_trainable_on_cpu(model)
@@ -378,7 +393,7 @@ def add_lora(model, cfg: ModelConfig, report=None):
     from peft import LoraConfig, get_peft_model
 
     lora = cfg.lora
-    modules, parameters, skipped = lora_targets(model, lora)
+    modules, parameters, skipped = lora_targets(model, lora, exclude=SCORE_HEADS if cfg.head == "score" else ())
     if skipped and report is not None:
         report(
             f"model.lora: the experts' weights ({', '.join(skipped)}) get no adapters: peft adapts fused expert "
@@ -390,7 +405,8 @@ def add_lora(model, cfg: ModelConfig, report=None):
         lora_dropout=lora.dropout,
         target_modules=modules,
         target_parameters=parameters or None,
-        task_type="CAUSAL_LM",
+        # SEQ_CLS: peft trains and saves the new score head whole beside the adapters
+        task_type="SEQ_CLS" if cfg.head == "score" else "CAUSAL_LM",
     )
     linear = _linear_names(model, head=True)  # read now: peft changes the model in place before it may fail
     if is_quantized(model):
@@ -429,7 +445,12 @@ def _linear_names(model, head: bool = False) -> list[str]:
     )
 
 
-def lora_targets(model, lora) -> tuple[str | list[str], list[str], list[str]]:
+# The sequence-classification heads transformers gives causal LMs (GPT-2's and Llama's
+# alike): trained whole, never adapted.
+SCORE_HEADS = ("score",)
+
+
+def lora_targets(model, lora, exclude=()) -> tuple[str | list[str], list[str], list[str]]:
     """(target_modules, target_parameters, expert weights left out) for peft. A list of
     names is used as given. 'all-linear' is resolved here rather than by peft: peft turns
     it, on Mixtral- and Qwen-MoE-shaped models, into the router and the fused expert
@@ -448,7 +469,8 @@ def lora_targets(model, lora) -> tuple[str | list[str], list[str], list[str]]:
             if weight.ndim == 3
         }
     )
-    return _linear_names(model), (experts if lora.dropout == 0 else []), (experts if lora.dropout else [])
+    linear = [n for n in _linear_names(model) if n not in exclude]
+    return linear, (experts if lora.dropout == 0 else []), (experts if lora.dropout else [])
 
 
 def compile_blocks(model) -> int:

@@ -24,7 +24,7 @@ import yaml
 
 from . import demo
 from .cli import user_errors
-from .config import Config, DPOConfig, GRPOConfig, load_config, to_yaml
+from .config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, check
 from .data.batches import EpochSampler
 from .data.build import ROWS, DataKind, data_kind
@@ -36,6 +36,7 @@ from .files import read_own
 from .model import attention_backend, check_model, check_vocab, chunkable_head, hub_kwargs, load_tokenizer, meta_model
 from .preference.pairs import PAIRS
 from .preference.reference import check_reference
+from .preference.reward import REWARD_PAIRS
 from .rl.prompts import grpo_prompts
 from .rl.rewards import check_grpo
 
@@ -221,7 +222,7 @@ def memory_estimate(
     if launch.offload_params:
         weights = 0.0
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
-    if isinstance(cfg, DPOConfig):  # a pair is two sequences (packed: rows of twice the length)
+    if isinstance(cfg, (DPOConfig, RewardConfig)):  # a pair is two sequences (packed: rows of twice the length)
         tokens *= 2
     if isinstance(cfg, GRPOConfig):  # a prompt brings a group of completions
         tokens *= cfg.grpo.num_generations
@@ -229,7 +230,8 @@ def memory_estimate(
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
     chunk = cfg.train.loss_chunk_tokens if chunkable else 0
-    activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
+    if cfg.model.head == "lm":  # logits over the vocabulary (a score head has one number per token)
+        activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
     out = {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
     if isinstance(cfg, GRPOConfig):
         # Generation's KV cache: keys and values per layer for every sequence of a micro-batch.
@@ -410,6 +412,18 @@ def describe_pairs(cfg, first: dict, tokenizer) -> list[str]:
     return lines
 
 
+def describe_reward_pairs(cfg, first: dict, tokenizer) -> list[str]:
+    lines = [
+        f"\n== reward model (Bradley-Terry, centring {cfg.reward.center_coefficient:g}) ==",
+        "  score: the score head's output at each sequence's last token that is not padding",
+        f"  margin column: {first.get('margin', 0.0):g} for the first pair (0 where a row has none)",
+        "\n== first training pair ==",
+    ]
+    for side in ("chosen", "rejected"):
+        lines.append(f"-- {side} --\n{tokenizer.decode(first[f'{side}_input_ids'])}")
+    return lines
+
+
 def describe_prompts(cfg, first: dict, tokenizer) -> list[str]:
     g, t = cfg.grpo, cfg.train
     per_micro = t.micro_batch_size * g.num_generations
@@ -453,16 +467,17 @@ RECIPES = {
     "finetune": PlannedRecipe(Config, ROWS, None, describe_rows),
     "dpo": PlannedRecipe(DPOConfig, PAIRS, check_reference, describe_pairs),
     "grpo": PlannedRecipe(GRPOConfig, grpo_prompts, check_grpo, describe_prompts),
+    "reward": PlannedRecipe(RewardConfig, REWARD_PAIRS, None, describe_reward_pairs),
 }
 
 
 def recipe_named(config: Path, overrides: list[str]) -> str:
-    """The recipe a config is for: dpo (or grpo) when its YAML has that section or an
+    """The recipe a config is for: dpo, grpo or reward when its YAML has that section or an
     override sets a key of it, else finetune (an unreadable file is load_config's to report)."""
     raw = {}
     with contextlib.suppress(OSError, ValueError, yaml.YAMLError):
         raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader)
-    for name in ("dpo", "grpo"):
+    for name in ("dpo", "grpo", "reward"):
         if any(o.startswith((f"{name}.", f"{name}=")) for o in overrides) or (isinstance(raw, dict) and name in raw):
             return name
     return "finetune"

@@ -20,6 +20,7 @@ from llmtrain.demo import build_model_dir, make_rows, write_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
 DPO_RECIPE = ROOT / "recipes" / "dpo.py"
+REWARD_RECIPE = ROOT / "recipes" / "reward.py"
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ from .schema import (
     LoraConfig,
     ModelConfig,
     PreferenceConfig,
+    RewardConfig,
+    RewardSection,
     TrainConfig,
 )
 
@@ -34,6 +36,8 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "PreferenceConfig",
+    "RewardConfig",
+    "RewardSection",
     "TrainConfig",
     "load_config",
     "to_yaml",

@@ -11,7 +11,7 @@ import math
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from ..demo import named
 from ..errors import shown
@@ -67,6 +67,10 @@ class ModelConfig:
     quantization: Literal["none", "nf4", "fp4", "int8"] = "none"
     """Load the frozen base weights quantized by bitsandbytes (QLoRA): 'nf4' or 'fp4'
     (4-bit) or 'int8'; only with model.lora.enabled. Needs pip install -e ".[qlora]"."""
+    head: Literal["lm", "score"] = "lm"
+    """The head on the model's body, set by the recipe: 'lm', its language-modelling head
+    (AutoModelForCausalLM: finetune.py, dpo.py, grpo.py); 'score', one number per sequence
+    (AutoModelForSequenceClassification with one label: recipes/reward.py)."""
     router_aux_loss: Literal["model", "train", "log"] = "model"
     """Mixture-of-experts models: the router load-balancing loss, times the model's
     router_aux_loss_coef, is trained as the model's config says (output_router_logits),
@@ -373,6 +377,8 @@ class ExportConfig:
 
 @dataclass
 class Config:
+    HEAD: ClassVar[str] = "lm"  # the model.head the recipe trains
+
     output_dir: str = "runs/demo"
     """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -383,6 +389,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
+    def __post_init__(self):
+        if self.model.head == "lm":  # the default: the recipe's own head
+            self.model.head = self.HEAD
+
     def problems(self) -> list[str]:
         """Every problem of the tree, one line each naming its key: each section's own,
         those between sections, then every number against its Bounds. A recipe's tree adds
@@ -392,6 +402,8 @@ class Config:
             p.append("output_dir: required; give the directory the run writes to, e.g. output_dir=runs/my-run")
         for section in (self.model, self.data, self.train, self.log, self.checkpoint, self.export):
             p += section.problems()
+        if self.model.head != self.HEAD:
+            p.append(f"model.head: this recipe trains the '{self.HEAD}' head; remove model.head={self.model.head}")
         if self.data.streaming and self.train.max_steps == 0:
             p.append("data.streaming: a stream's length is not known ahead; set train.max_steps")
         if self.eval.every_steps and not (self.data.eval or self.data.eval_fraction):
@@ -413,6 +425,18 @@ class Config:
             p.append(problem)
         p += demo_name_problems(self)
         return p + number_problems(self)
+
+
+def pair_data_problems(data: DataConfig, recipe: str) -> list[str]:
+    """What a recipe that reads preference pairs (dpo.py, reward.py) cannot take in data."""
+    p = []
+    if data.streaming:
+        p.append(f"data.streaming: {recipe} prepares its pairs whole; set data.streaming=false")
+    if data.format != "auto":
+        p.append(f"data.format: {recipe} tells pair shapes by their fields; remove data.format={data.format}")
+    if data.loss_on != "assistant":
+        p.append(f"data.loss_on: {recipe} reads the answers only; remove data.loss_on=all")
+    return p
 
 
 @dataclass
@@ -446,15 +470,7 @@ class DPOConfig(Config):
         p = super().problems()
         if self.dpo.loss in ("simpo", "orpo") and self.dpo.reference:
             p.append(f"dpo.reference: dpo.loss={self.dpo.loss} uses no reference model; remove dpo.reference")
-        if self.data.streaming:
-            p.append("data.streaming: recipes/dpo.py prepares its pairs whole; set data.streaming=false")
-        if self.data.format != "auto":
-            p.append(
-                f"data.format: recipes/dpo.py tells pair shapes by their fields; remove data.format={self.data.format}"
-            )
-        if self.data.loss_on != "assistant":
-            p.append("data.loss_on: recipes/dpo.py trains the answers only; remove data.loss_on=all")
-        return p
+        return p + pair_data_problems(self.data, "recipes/dpo.py")
 
 
 @dataclass
@@ -562,6 +578,30 @@ class GRPOConfig(Config):
         return p
 
 
+@dataclass
+class RewardSection:
+    center_coefficient: float = 0.0
+    """Adds this much of the squared sum of each pair's two scores to the loss, which keeps
+    scores centred on 0 (Eisenstein et al. 2023; TRL's center_rewards_coefficient, e.g.
+    0.01); 0 for none (recipes/reward.py)."""
+
+
+@dataclass
+class RewardConfig(Config):
+    """recipes/reward.py's tree: every section of Config, plus reward. model.head is
+    'score'; a pair's rows may carry a 'margin' column (a number)."""
+
+    HEAD: ClassVar[str] = "score"
+
+    reward: RewardSection = field(default_factory=RewardSection)
+
+    def problems(self) -> list[str]:
+        p = super().problems()
+        if self.eval.sample_prompts:
+            p.append("eval.sample_prompts: a reward model scores text and does not generate; remove them")
+        return p + pair_data_problems(self.data, "recipes/reward.py")
+
+
 def field_docs() -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every leaf field, read from this file's source
     so the reference can never drift from the schema."""
@@ -590,6 +630,6 @@ def field_docs() -> list[tuple[str, str, str]]:
             doc = next((docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), "")
             rows.append((f"{prefix}{f.name}", json.dumps(default), doc))
 
-    for cls in (DPOConfig, GRPOConfig):  # every recipe's keys: Config's, then dpo's and grpo's sections
+    for cls in (DPOConfig, GRPOConfig, RewardConfig):  # every recipe's keys: Config's, then each recipe's section
         walk(cls, "")
     return list({key: (key, default, doc) for key, default, doc in rows}.values())

@@ -11,7 +11,7 @@ from accelerate.utils import DistributedType
 
 from .. import safefs
 from ..errors import CheckpointError
-from ..model import hub_kwargs, is_quantized, whole_models
+from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
 from .checkpoint import STATE_FILE, complete_checkpoints, publish, write_failed
 
 
@@ -255,9 +255,7 @@ def model_for_sampling(accelerator, model, final: Path, base):
 def _base_again(base):
     """The base model's weights loaded again, whole, from where and as training loaded them
     (model.revision, model.trust_remote_code), in their own saved dtype and unquantized."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(base.name_or_path, **hub_kwargs(base))
+    return auto_class(base).from_pretrained(base.name_or_path, **hub_kwargs(base), **head_kwargs(base))
 
 
 def _merged_from_adapter(peft_model, adapter_dir: Path, base):
@@ -266,7 +264,9 @@ def _merged_from_adapter(peft_model, adapter_dir: Path, base):
     from peft import PeftModel
 
     with whole_models():
-        return PeftModel.from_pretrained(_base_again(base), adapter_dir).merge_and_unload()
+        merged = PeftModel.from_pretrained(_base_again(base), adapter_dir).merge_and_unload()
+    merged.config.pad_token_id = peft_model.config.pad_token_id  # set for training (a reward model pools by it)
+    return merged
 
 
 def _merged_copy(peft_model):

@@ -20,6 +20,8 @@ data.overlong. A pair whose answers are identical or empty is dropped and counte
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import DataConfig
@@ -27,6 +29,7 @@ from ..data.batches import Collator
 from ..data.build import DataKind
 from ..data.packing import join_rows, pack_sources
 from ..data.rows import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, check_line, message, shift
+from ..errors import shown
 
 
 def _messages(value, what: str) -> list[dict]:
@@ -139,11 +142,23 @@ def _dropped(status: str) -> dict:
     }
 
 
-def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
+def pair_margin(row: dict) -> float:
+    """A pair's optional 'margin' column (recipes/reward.py): how far apart its scores
+    should be, a finite number; 0 without one."""
+    value = row.get("margin")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RowError(f"'margin' must be a finite number, got {shown(value)}")
+    return float(value)
+
+
+def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig, margins: bool = False):
     """Load, tokenize, filter and concatenate the preference sources of one split, as
-    data.prepare_split does for SFT rows. Returns (datasets.Dataset, DataStats); raises
-    DataError naming the file and line for a malformed row, an over-long one under
-    data.overlong=error, or a split left with no pair."""
+    data.prepare_split does for SFT rows, with each pair's `margin` column when `margins`
+    (reward models). Returns (datasets.Dataset, DataStats); raises DataError naming the
+    file and line for a malformed row, an over-long one under data.overlong=error, or a
+    split left with no pair."""
     from ..data.prepare import tokenize_sources
     from ..errors import DataError
 
@@ -154,10 +169,16 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig):
                 f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
                 "rows with recipes/finetune.py"
             )
-        return "pairs-v3"
+        return "pairs-v3" + ("-margins" if margins else "")
 
     def process(src, row: dict) -> dict:
-        return process_pair(row, tokenizer, cfg)
+        if not margins:
+            return process_pair(row, tokenizer, cfg)
+        try:
+            margin = pair_margin(row)
+        except RowError as e:
+            return _dropped(f"error: {e}") | {"margin": 0.0}
+        return process_pair(row, tokenizer, cfg) | {"margin": margin}
 
     ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
     if stats.kept == 0:
@@ -188,21 +209,30 @@ class PackedPairs(torch.utils.data.Dataset):
         for i in range(len(self.bins[j])):
             for side in ("chosen", "rejected"):
                 docs.append({"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]})
-        return join_rows(docs) | {"pair_index": rows["pair_index"]}
+        margins = {"margin": rows["margin"]} if "margin" in rows else {}  # reward-model pairs
+        return join_rows(docs) | {"pair_index": rows["pair_index"]} | margins
 
 
 class PairCollator:
     """Makes one micro-batch of k pairs, as 2k answers: the chosen ones first (answers
     0..k-1), then the rejected ones in the same order, with `answers` (each position's
-    answer, -1 for none) and `pair_index` (the k pairs' numbers). Padded: one row per
-    answer, right padding, labels IGNORE there. Packed (examples from PackedPairs): the
-    packed rows as batches.Collator pads them to `pack_width`."""
+    answer, -1 for none) and `pair_index` (the k pairs' numbers), and with `margins` each
+    pair's `margin` (reward models). Padded: one row per answer, right padding, labels
+    IGNORE there. Packed (examples from PackedPairs): the packed rows as
+    batches.Collator pads them to `pack_width`."""
 
-    columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "pair_index")
-
-    def __init__(self, pad_id: int, pack_width: int = 0):
+    def __init__(self, pad_id: int, pack_width: int = 0, margins: bool = False):
         self.tokens = Collator(pad_id, pack_width)
         self.items = "packed sequences of whole pairs" if pack_width else "pairs"
+        self.margins = margins
+        self.columns = (
+            "chosen_input_ids",
+            "chosen_labels",
+            "rejected_input_ids",
+            "rejected_labels",
+            "pair_index",
+            *(("margin",) if margins else ()),
+        )
 
     def __call__(self, examples: list[dict]) -> dict:
         if "doc_ids" in examples[0]:
@@ -212,6 +242,8 @@ class PairCollator:
         batch = self.tokens(rows)
         batch["answers"] = torch.arange(len(rows))[:, None].expand_as(batch["input_ids"]).contiguous()
         batch["pair_index"] = torch.tensor([p["pair_index"] for p in examples], dtype=torch.long)
+        if self.margins:
+            batch["margin"] = torch.tensor([p["margin"] for p in examples], dtype=torch.float32)
         return batch
 
     def _packed(self, examples: list[dict]) -> dict:
@@ -225,6 +257,8 @@ class PairCollator:
             first += len(e["pair_index"])
         batch["answers"] = answers
         batch["pair_index"] = torch.tensor([i for e in examples for i in e["pair_index"]], dtype=torch.long)
+        if self.margins:
+            batch["margin"] = torch.tensor([m for e in examples for m in e["margin"]], dtype=torch.float32)
         return batch
 
     def empty_batch(self, packed: bool = False) -> dict:
@@ -233,6 +267,7 @@ class PairCollator:
         return batch | {
             "answers": torch.full_like(batch["input_ids"], -1),
             "pair_index": torch.zeros(0, dtype=torch.long),
+            **({"margin": torch.zeros(0)} if self.margins else {}),
         }
 
 

@@ -87,6 +87,76 @@ def format_reward(pattern: str) -> Callable:
     return format
 
 
+REWARD_MODEL = "reward_model:"
+
+
+class RewardModelScore:
+    """grpo.rewards=[reward_model:DIR]: a completion's reward is the score a reward model
+    (recipes/reward.py's final/, or any one-label AutoModelForSequenceClassification) gives
+    its prompt and completion, rendered as that recipe renders a pair's answer (the reward
+    model's own chat template). Each process loads the model whole on its device, once, at
+    the first call; an empty completion is left unscored."""
+
+    batch = 16
+
+    def __init__(self, spec: str):
+        self.path = spec[len(REWARD_MODEL) :]
+        self.model = self.tokenizer = None
+        from transformers import AutoConfig
+
+        where = f"grpo.rewards: {spec}"
+        try:
+            config = AutoConfig.from_pretrained(self.path)
+        except Exception as e:
+            raise RewardError(
+                f"{where}: no reward model there ({describe(e)}); give recipes/reward.py's final/"
+            ) from None
+        archs = getattr(config, "architectures", None) or []
+        if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
+            raise RewardError(
+                f"{where}: {archs or 'this model'} with {config.num_labels} labels is not a reward model; give a "
+                "one-label sequence-classification model (recipes/reward.py's final/)"
+            )
+        self.max_len = getattr(config, "max_position_embeddings", None)
+
+    def load(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype="auto").to(device).eval()
+
+    def ids(self, prompt, completion) -> list[int]:
+        from ..preference.pairs import _answer_ids
+
+        if isinstance(completion, str) and (not isinstance(prompt, str) or self.tokenizer.chat_template):
+            completion = [{"role": "assistant", "content": completion}]
+        if isinstance(prompt, str) and self.tokenizer.chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str) and not isinstance(completion, str):
+            completion = completion_text(completion)
+        ids = _answer_ids(prompt, completion, self.tokenizer)[0]
+        return ids[-self.max_len :] if self.max_len else ids  # the score is read at the end
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
+        if self.model is None:
+            self.load()
+        pad = self.model.config.pad_token_id
+        rows = [self.ids(p, c) for p, c in zip(prompts, completions)]
+        scores: list[float | None] = [None] * len(rows)
+        todo = [i for i, ids in enumerate(rows) if ids]
+        step = self.batch if pad is not None else 1  # without a pad token transformers scores one row at a time
+        for start in range(0, len(todo), step):
+            chunk = todo[start : start + step]
+            width = max(len(rows[i]) for i in chunk)
+            ids = torch.tensor([rows[i] + [pad] * (width - len(rows[i])) for i in chunk], device=self.model.device)
+            mask = torch.tensor([[1] * len(rows[i]) + [0] * (width - len(rows[i])) for i in chunk], device=ids.device)
+            for i, value in zip(chunk, self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()):
+                scores[i] = value
+        return scores
+
+
 @dataclass
 class Reward:
     name: str  # as grpo.rewards gives it
@@ -133,8 +203,8 @@ def load_function(spec: str) -> Callable:
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RewardError(
-            f"grpo.rewards: {spec!r} is neither a built-in (accuracy, format) nor 'module:function' or "
-            "'path/to/file.py:function'"
+            f"grpo.rewards: {spec!r} is neither a built-in (accuracy, format, reward_model:DIR) nor "
+            "'module:function' or 'path/to/file.py:function'"
         )
     try:
         if where.endswith(".py") or "/" in where:
@@ -177,6 +247,8 @@ def load_rewards(names: list[str], columns: set[str] | None, format_pattern: str
                 )
         elif name == "format":
             fn = format_reward(format_pattern)
+        elif name.startswith(REWARD_MODEL):
+            fn = RewardModelScore(name)
         else:
             fn = load_function(name)
         try:

@@ -1,6 +1,6 @@
 import pytest
 
-from llmtrain.config import Config, DPOConfig, GRPOConfig, load_config
+from llmtrain.config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config
 from llmtrain.config.load import parse_override
 from llmtrain.errors import ConfigError
 from tests.conftest import ROOT, run_recipe
@@ -15,15 +15,16 @@ def test_there_are_shipped_configs():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     """Each loads into its recipe's tree: recipes/dpo.py's configs have a dpo section,
-    recipes/grpo.py's a grpo section."""
+    recipes/grpo.py's a grpo section, recipes/reward.py's a reward section."""
     import yaml
 
     text = path.read_text()
     assert text.startswith("#"), "each shipped YAML opens with the command that uses it"
     raw = yaml.safe_load(text)
-    recipe, schema = next(((r, s) for r, s in (("dpo", DPOConfig), ("grpo", GRPOConfig)) if r in raw), ("", Config))
+    trees = (("dpo", DPOConfig), ("grpo", GRPOConfig), ("reward", RewardConfig))
+    recipe, schema = next(((r, s) for r, s in trees if r in raw), ("", Config))
     header = "".join(line for line in text.splitlines() if line.startswith("#"))
-    for name in ("dpo", "grpo"):
+    for name in ("dpo", "grpo", "reward"):
         assert (f"recipes/{name}.py" in header) == (recipe == name), "the opening comment names the recipe"
     cfg = load_config(path, schema=schema)
     assert type(cfg) is schema
@@ -146,6 +147,8 @@ def test_a_bad_profile_range_names_the_key(value):
 
 def schema_of(key: str) -> type:
     """The tree a key belongs to (recipes/grpo.py's grpo section, or every other)."""
+    if key.startswith("reward."):
+        return RewardConfig
     return GRPOConfig if key.startswith("grpo.") else DPOConfig
 
 

@@ -5,6 +5,7 @@ wrong with one."""
 import math
 
 import pytest
+import torch
 
 from llmtrain.errors import RewardError
 from llmtrain.rl.rewards import accuracy, format_reward, load_rewards, score, trainer_state
@@ -85,3 +86,49 @@ def test_a_function_that_fails_or_returns_no_numbers_is_one_line(tmp_path, body,
     with pytest.raises(RewardError) as e:
         score([reward], ["p", "q"], ["a", "b"], [[1], [2]], [{}, {}], None)
     assert f"grpo.rewards: {path}:f" in str(e.value) and message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model, tmp_path_factory):
+    """A one-label sequence classifier on the tiny model, saved as recipes/reward.py saves one."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    path = tmp_path_factory.mktemp("reward_model") / "final"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_reward_model_scores_completions_as_transformers_scores_the_rendered_pair(reward_model_dir):
+    """reward_model:DIR gives each completion the score plain transformers gives its
+    prompt and completion rendered as recipes/reward.py renders a pair's answer (string and
+    message prompts, batched with padding); an empty completion is left unscored."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from llmtrain.config import DataConfig
+    from llmtrain.preference.pairs import process_pair
+
+    (reward,) = load_rewards([f"reward_model:{reward_model_dir}"], {"answer"})
+    prompts = ["What is 2 + 2?", [{"role": "user", "content": "Uppercase: cat"}], "What is 3 + 1?", "Say hi"]
+    completions = ["4", [{"role": "assistant", "content": "CAT"}], "the answer is four, I think", ""]
+    got = reward(prompts, completions, [[1]] * 4, {"answer": ["4", "CAT", "4", "hi"]}, None)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    for i in range(3):
+        other = "x" if completions[i] != "x" else "y"
+        row = process_pair({"prompt": prompts[i], "chosen": completions[i], "rejected": other}, tokenizer, DataConfig())
+        with torch.no_grad():
+            want = float(model(input_ids=torch.tensor([row["chosen_input_ids"]])).logits[0, 0])
+        assert got[i] == pytest.approx(want, rel=1e-4, abs=1e-6), i
+    assert math.isnan(got[3])
+
+
+def test_a_reward_model_that_is_not_one_is_one_line(tiny_model, tmp_path):
+    with pytest.raises(RewardError, match=r"grpo.rewards: reward_model:.* is not a reward model; give a one-label"):
+        load_rewards([f"reward_model:{tiny_model}"], None)
+    with pytest.raises(RewardError, match=r"grpo.rewards: reward_model:.*: no reward model there"):
+        load_rewards([f"reward_model:{tmp_path / 'missing'}"], None)
