@@ -12,7 +12,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from llmtrain.config import Config, DPOConfig, GRPOConfig, load_config
+from llmtrain.config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config
 from llmtrain.config.load import flat_dict
 from llmtrain.config.schema import field_docs
 from llmtrain.errors import ConfigError
@@ -35,6 +35,7 @@ RECIPES = {
     "finetune": (Config, "demo.yaml"),
     "dpo": (DPOConfig, "dpo_demo.yaml"),
     "grpo": (GRPOConfig, "grpo_demo.yaml"),
+    "reward": (RewardConfig, "reward_demo.yaml"),
 }
 
 

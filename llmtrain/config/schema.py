@@ -493,8 +493,9 @@ class GRPOSection:
     """Sample among this many most likely tokens; 0 for all."""
     rewards: str | list[str] = field(default_factory=lambda: ["accuracy"])
     """Reward functions: built-in 'accuracy' (the completion's answer against the row's
-    'answer' column, numbers compared as numbers) and 'format' (the completion matches
-    grpo.format_pattern), or your own as 'module:function' or 'path/to/file.py:function',
+    'answer' column, numbers compared as numbers), 'format' (the completion matches
+    grpo.format_pattern) and 'reward_model:DIR' (a reward model's score, recipes/reward.py),
+    or your own as 'module:function' or 'path/to/file.py:function',
     called as TRL calls them: f(prompts, completions, completion_ids, **columns) -> a
     number (or None) per completion."""
     reward_weights: list[float] = field(default_factory=list)
