@@ -77,10 +77,7 @@ class Backend:
         """Non-finite values in the trainable weights, counted over all processes: under
         ZeRO-3 and FSDP each process counts the shard it holds, and the counts are summed
         (one all-reduce); elsewhere every process holds the same whole weights."""
-        import torch
-
-        counts = [(~torch.isfinite(_local(p))).sum() for p in model.parameters() if p.requires_grad]
-        total = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.long)
+        total = nonfinite_count([_local(p) for p in model.parameters() if p.requires_grad])
         if self.sharded:
             total = self.accelerator.reduce(total.to(self.accelerator.device), reduction="sum")
         return int(total)
@@ -89,6 +86,25 @@ class Backend:
         """After optimizer.step(): the fp16 loss scaler (or DeepSpeed's) found an
         overflow, skipped the update and lowered its scale."""
         return self.accelerator.optimizer_step_was_skipped
+
+
+def nonfinite_count(tensors: list):
+    """The number of non-finite values in `tensors`, as a tensor. Checked after every update,
+    so the usual answer, none, is proved cheaply: one fused norm per device and dtype (a
+    non-finite value makes its tensor's norm non-finite), which reads each weight once.
+    Counting value by value (isfinite, negate, sum per tensor) took 200 ms a step against
+    6 ms for 9.5M float32 weights on 2 CPU cores. Only when a norm is not finite (a
+    non-finite value, or weights so large that their squares overflow) are values counted."""
+    import torch
+
+    groups: dict = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    # torch._foreach_norm: the fused per-tensor norms clip_grad_norm_ itself uses.
+    if all(bool(torch.isfinite(torch.stack(torch._foreach_norm(g))).all()) for g in groups.values()):
+        return torch.zeros((), dtype=torch.long)
+    return torch.stack([(~torch.isfinite(t)).sum().cpu() for g in groups.values() for t in g]).sum()
 
 
 def _local(p):

@@ -88,3 +88,23 @@ def test_non_finite_weights_are_counted_over_the_shards_each_process_holds():
     acc.reduce = lambda t, reduction: sums.append(int(t)) or t * 2  # two processes, the same shard count
     model.weight.ds_tensor = torch.tensor([float("nan"), 1.0, float("-inf")])  # this process's partition
     assert Backend(acc, 1).nonfinite_weights(model) == 4 and sums == [2]
+
+
+def test_the_non_finite_count_is_exact_whatever_the_dtypes_and_sizes():
+    """The fused-norm shortcut answers 0 only when every value is finite: weights whose
+    squares overflow a norm are counted value by value (0), mixed dtypes each get their
+    own norm, and a sharded process with nothing non-finite still joins the reduce."""
+    from llmtrain.distributed.backend import nonfinite_count
+
+    big = torch.full((4,), 3e38)  # finite, but its norm is inf in float32
+    half = torch.ones(5, dtype=torch.bfloat16)
+    assert int(nonfinite_count([big, half, torch.ones(0)])) == 0
+    half[2] = float("nan")
+    assert int(nonfinite_count([big, half])) == 1
+    assert int(nonfinite_count([torch.tensor([float("inf"), float("-inf"), 1.0]), big])) == 2
+    assert int(nonfinite_count([])) == 0
+
+    sums = []
+    acc, _ = fake(DistributedType.DEEPSPEED, zero_stage=3)
+    acc.reduce = lambda t, reduction: sums.append(int(t)) or t
+    assert Backend(acc, 1).nonfinite_weights(torch.nn.Linear(3, 2)) == 0 and sums == [0]
