@@ -208,8 +208,8 @@ def memory_estimate(
     nf4/fp4, or one, int8, each); gradients and two AdamW moments in the
     trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations use
     ~34 bytes x hidden per token per layer in 16-bit (only the layer inputs, 2 bytes, with
-    gradient checkpointing), plus fp32 logits and their gradient: for train.loss_chunk_tokens
-    tokens at most where the model allows the chunked loss, else for every token."""
+    gradient checkpointing), plus fp32 logits and their gradient: for train.loss_chunk_logits
+    logits at most where the model allows the chunked loss, else for every token."""
     width = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[cfg.model.dtype]
     world = max(1, launch.num_processes)
     stage = 3 if launch.fsdp else launch.zero_stage
@@ -229,7 +229,8 @@ def memory_estimate(
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
-    chunk = cfg.train.loss_chunk_tokens if chunkable else 0
+    logits = cfg.train.loss_chunk_logits
+    chunk = max(1, logits // mcfg.vocab_size) if chunkable and logits else 0
     if cfg.model.head == "lm":  # logits over the vocabulary (a score head has one number per token)
         activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
     out = {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}

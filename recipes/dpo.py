@@ -16,6 +16,7 @@ from pathlib import Path
 
 from llmtrain.cli import run_cli
 from llmtrain.config import DPOConfig
+from llmtrain.core.objective import chunk_positions
 from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id, reference_config
 from llmtrain.preference.loss import PreferenceLoss
 from llmtrain.preference.pairs import PAIRS, PairCollator
@@ -27,11 +28,12 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
     """The preference loss, pair batches and, for a full fine-tune or dpo.reference, the
     pass that computes the reference log-probs before training."""
     disable_dropout(model)
-    d, chunk = cfg.dpo, cfg.train.loss_chunk_tokens
+    d, logits = cfg.dpo, cfg.train.loss_chunk_logits
     adapters_off = None
     if cfg.model.lora.enabled and not d.reference:  # the reference is the base model: no second copy
         adapters_off = lambda m: accelerator.unwrap_model(m).disable_adapter()  # noqa: E731
-    head = chunkable_head(model) if chunk else None
+    head = chunkable_head(model) if logits else None
+    chunk = chunk_positions(head, logits)
     objective = PreferenceLoss(d.loss, d.beta, d.simpo_gamma, d.sft_weight, chunk, head, adapters_off)
     collator = PairCollator(pad_id(tokenizer), 2 * cfg.data.max_seq_len if cfg.data.packing else 0)
     if not objective.needs_reference_pass:
@@ -39,8 +41,8 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
 
     def reference_model():
         ref = load_model(reference_config(cfg.model, d.reference))
-        head = chunkable_head(ref) if chunk else None  # its own output layer
-        return ref, PreferenceLoss(d.loss, d.beta, chunk_tokens=chunk, head=head)
+        head = chunkable_head(ref) if logits else None  # its own output layer
+        return ref, PreferenceLoss(d.loss, d.beta, chunk_tokens=chunk_positions(head, logits), head=head)
 
     after = ReferencePass(cfg, objective, [train_set, eval_set], collator, reference_model if d.reference else None)
     return Parts(objective, collator, after)

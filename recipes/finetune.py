@@ -23,7 +23,7 @@ from llmtrain.recipe import Parts, Recipe, run
 
 def sft_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
     """The summed cross-entropy of the trained tokens, over padded or packed rows."""
-    return Parts(TokenLoss.for_model(model, cfg.train.loss_chunk_tokens, cfg.model.router_aux_loss))
+    return Parts(TokenLoss.for_model(model, cfg.train.loss_chunk_logits, cfg.model.router_aux_loss))
 
 
 RECIPE = Recipe(

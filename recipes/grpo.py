@@ -18,6 +18,7 @@ from pathlib import Path
 
 from llmtrain.cli import run_cli
 from llmtrain.config import GRPOConfig
+from llmtrain.core.objective import chunk_positions
 from llmtrain.model import chunkable_head, disable_dropout, load_model, reference_config, whole_models
 from llmtrain.recipe import Parts, Recipe, run
 from llmtrain.rl.loss import GRPOLoss, token_logps
@@ -31,9 +32,10 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     """The GRPO loss, and the rollouts that generate its micro-batches from the prepared
     model; with grpo.beta, the reference (adapters off with LoRA, else a frozen copy)."""
     disable_dropout(model)
-    g, chunk = cfg.grpo, cfg.train.loss_chunk_tokens
+    g, logits = cfg.grpo, cfg.train.loss_chunk_logits
     rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: grpo_prompts
-    head = chunkable_head(model) if chunk else None
+    head = chunkable_head(model) if logits else None
+    chunk = chunk_positions(head, logits)
     objective = GRPOLoss(
         g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
     )
@@ -52,11 +54,11 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
                     return objective.logps(prepared, batch)
 
         elif frozen is not None:
-            frozen_head = chunkable_head(frozen) if chunk else None
+            frozen_head = chunkable_head(frozen) if logits else None
 
             def reference(batch):
                 with accelerator.autocast():
-                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk)
+                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk_positions(frozen_head, logits))
 
         synced = backend.sharded and accelerator.num_processes > 1
         generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)

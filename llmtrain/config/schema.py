@@ -223,11 +223,13 @@ class TrainConfig:
     inside backward. Try 3.0 for long runs on noisy data."""
     spike_window: Annotated[int, AT_LEAST_1] = 50
     """Accepted steps the spike guard compares against; it acts once it has this many."""
-    loss_chunk_tokens: int = 1024
-    """Compute the cross-entropy this many tokens at a time, and only at trained positions,
-    so the full fp32 logits (tokens x vocabulary) never exist; each chunk's logits are
-    recomputed in backward. 0 computes whole logits. Models whose output layer is not a
-    plain Linear, or whose architecture changes logits after it, always get whole logits."""
+    loss_chunk_logits: int = 2**27
+    """Compute the loss at most this many logits (positions x vocabulary) at a time, and only
+    at trained positions, so the full fp32 logits never exist: 2**27 is 1024 positions of a
+    128k vocabulary (0.5 GiB of fp32 logits), 4096 of a 32k one. With more than one chunk each
+    chunk's logits are recomputed in backward. 0 computes whole logits. Models whose output
+    layer is not a plain Linear, or whose architecture changes logits after it, always get
+    whole logits."""
     compile: bool = False
     """torch.compile each transformer block (regional compilation: one compile serves all
     layers). The first steps are slower while it compiles. Not with DeepSpeed."""

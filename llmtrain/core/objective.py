@@ -90,12 +90,12 @@ class TokenLoss:
             self.metric_names, self.progress_metrics = ("router_aux",), {"router_aux": "aux"}
 
     @classmethod
-    def for_model(cls, model, chunk_tokens: int, router_aux: str = "model") -> TokenLoss:
+    def for_model(cls, model, chunk_logits: int, router_aux: str = "model") -> TokenLoss:
         """Built once, before accelerator.prepare: finds the output layer the chunked loss
         can stand in for (none for some architectures and LoRA-adapted heads), and the
         router loss of a mixture-of-experts model (router.RouterBalance)."""
-        head = chunkable_head(model) if chunk_tokens else None
-        return cls(chunk_tokens, head, RouterBalance.for_model(model, router_aux))
+        head = chunkable_head(model) if chunk_logits else None
+        return cls(chunk_positions(head, chunk_logits), head, RouterBalance.for_model(model, router_aux))
 
     def count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE).sum())
@@ -114,6 +114,15 @@ class TokenLoss:
             return Loss(total)
         aux = self.router.weighted_sum(router_logits, batch)
         return Loss(total + self.router.coef * aux, {"router_aux": aux.detach()})
+
+
+def chunk_positions(head: torch.nn.Linear | None, chunk_logits: int) -> int:
+    """Positions per chunk of the chunked loss: train.loss_chunk_logits over the head's
+    vocabulary, at least one; 0 (whole logits) without a head or a budget. Sized by logits,
+    not positions, so that a small vocabulary is not chunked for memory it does not use."""
+    if head is None or chunk_logits <= 0:
+        return 0
+    return max(1, chunk_logits // head.out_features)
 
 
 def model_inputs(model, batch: dict) -> dict:

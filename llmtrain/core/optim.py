@@ -24,7 +24,9 @@ def build_optimizer(model, t: TrainConfig, device: torch.device) -> torch.optim.
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
-        fused=device.type == "cuda" or None,
+        # PyTorch's fused kernel on CPUs too (since 2.4), as Hugging Face's Trainer uses by default:
+        # for 9.5M CPU weights a step took 0.2 s against 1.6 s for the per-tensor loop.
+        fused=device.type in ("cuda", "cpu") or None,
     )
 
 

@@ -8,7 +8,7 @@ for a document of s tokens, N parameters doing matrix work per token (all parame
 the input embedding; a tied LM head counts), L layers and hidden size d. 6N is the forward
 and backward matmuls; 12*L*d*s is attention's scores and weighted sum, counted over the
 document's own length, as the document mask only lets it attend within itself. The chunked
-loss (train.loss_chunk_tokens) runs the output layer only at trained positions, so its
+loss (train.loss_chunk_logits) runs the output layer only at trained positions, so its
 parameters count 6 FLOPs per trained token instead of per token. MFU is those
 FLOPs over step time x number of devices x the device's dense bf16 peak. LoRA runs use
 the same formula (no weight gradients for frozen weights, so it reads high).

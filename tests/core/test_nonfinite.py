@@ -179,7 +179,7 @@ def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule
     accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
     t = TrainConfig(micro_batch_size=2, lr=1e-3, warmup_steps=4, schedule="constant", max_steps=8)
     model = AutoModelForCausalLM.from_pretrained(overflowing_model)
-    objective = TokenLoss.for_model(model, t.loss_chunk_tokens)
+    objective = TokenLoss.for_model(model, t.loss_chunk_logits)
     model, optimizer = accelerator.prepare(model, build_optimizer(model, t, accelerator.device))
     examples = [process_row(r, "chat", tokenizer, DataConfig()) for r in make_rows(20, seed=3)]
     collate = Collator(tokenizer.pad_token_id)
@@ -253,7 +253,7 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)
-        objective = TokenLoss.for_model(model, cfg.train.loss_chunk_tokens)
+        objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits)
         with Watchdog(0, 0) as watchdog:
             run = setup(
                 cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog
@@ -338,7 +338,7 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)
-        objective = TokenLoss.for_model(model, cfg.train.loss_chunk_tokens)
+        objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits)
         with Watchdog(0, 0) as watchdog:
             run = loop.setup(
                 cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog

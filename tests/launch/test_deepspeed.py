@@ -22,7 +22,7 @@ LAYOUT = [
     "train.grad_accum_steps=2",
     "train.schedule=cosine",
     "train.warmup_steps=1",
-    "train.loss_chunk_tokens=7",
+    "train.loss_chunk_logits=2000",
     "checkpoint.every_steps=2",
     "eval.micro_batch_size=2",
     "eval.sample_prompts=['What is 2 + 3?']",
@@ -51,7 +51,7 @@ def reference_run(run_args, cache_env, tmp_path_factory) -> tuple[Path, str]:
     """One process, the whole global batch of 8 in one micro-batch: output dir and stdout."""
     out = tmp_path_factory.mktemp("ds_ref") / "run"
     proc = run_recipe(
-        run_args(out) + ["train.micro_batch_size=8", "train.grad_accum_steps=1", "train.loss_chunk_tokens=0"], cache_env
+        run_args(out) + ["train.micro_batch_size=8", "train.grad_accum_steps=1", "train.loss_chunk_logits=0"], cache_env
     )
     return out, proc.stdout
 

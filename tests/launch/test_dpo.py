@@ -74,9 +74,9 @@ def test_a_global_batch_of_pairs_trains_alike_in_any_layout(args, cache_env, tmp
     """8 x 1, 2 x 4, and 2 processes x 2 x 2 (chunked log-probs, the reference pass split
     between the processes): the same losses, rewards, pair counts and final weights."""
     layouts = {
-        "8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]),
+        "8x1": (1, 8, 1, ["train.loss_chunk_logits=0"]),
         "2x4": (1, 2, 4, []),
-        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7"]),
+        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_logits=2000"]),
     }
     out = {}
     for name, (nproc, micro, accum, extra) in layouts.items():
@@ -137,7 +137,7 @@ def test_orpo_trains_alike_on_one_process_and_two_and_resumes_exactly(args, cach
 def one_process(args, cache_env, tmp_path_factory) -> Path:
     """The whole global batch of 8 pairs in one micro-batch on one process."""
     out = tmp_path_factory.mktemp("dpo_one") / "run"
-    dpo(args(out, "train.micro_batch_size=8", "train.loss_chunk_tokens=0"), cache_env)
+    dpo(args(out, "train.micro_batch_size=8", "train.loss_chunk_logits=0"), cache_env)
     return out
 
 

@@ -65,13 +65,13 @@ def test_fsdp2_on_cpu_trains_like_one_process(run_args, cache_env, tmp_path):
     only (the other runs an empty batch through the sharded model), against 8 x 1. final/
     is gathered shard by shard into files of at most 100 KB."""
     one, fsdp = tmp_path / "one", tmp_path / "fsdp"
-    run_recipe(run_args(one, "train.micro_batch_size=8", "train.loss_chunk_tokens=0"), cache_env)
+    run_recipe(run_args(one, "train.micro_batch_size=8", "train.loss_chunk_logits=0"), cache_env)
     launch(
         run_args(
             fsdp,
             "train.micro_batch_size=2",
             "train.grad_accum_steps=2",
-            "train.loss_chunk_tokens=7",
+            "train.loss_chunk_logits=2000",
             "export.max_shard_size=100KB",
         ),
         cache_env,

@@ -37,9 +37,14 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
     The two-process run profiles its second step (train.profile_steps), which must change
     no number and leave a trace from each process."""
     layouts = {
-        "8x1": (1, 8, 1, ["train.loss_chunk_tokens=0"]),
+        "8x1": (1, 8, 1, ["train.loss_chunk_logits=0"]),
         "2x4": (1, 2, 4, ["data.num_workers=2"]),
-        "2proc_2x2": (2, 2, 2, ["train.loss_chunk_tokens=7", "train.profile_steps=2", "export.max_shard_size=100KB"]),
+        "2proc_2x2": (
+            2,
+            2,
+            2,
+            ["train.loss_chunk_logits=2000", "train.profile_steps=2", "export.max_shard_size=100KB"],
+        ),
     }
     eval_file = tmp_path / "eval.jsonl"
     write_jsonl(make_rows(5, seed=13), eval_file)  # 3 eval batches of 2: one process gets 1, the other 2
