@@ -287,6 +287,33 @@ def build_pairs(root: Path) -> None:
         write_once(root, name, make_pairs(n, seed, answer))
 
 
+def unpaired_rows(pairs: list[dict]) -> list[dict]:
+    """KTO rows ({prompt, completion, label}) from make_pairs' pairs: every chosen answer
+    (label true), then every rejected one (label false), each after its pair's prompt (a
+    whole conversation's prompt is all but its last message). In two blocks, so that rows
+    next to each other, whose completions are each other's KL completions
+    (preference/unpaired.py), answer different questions."""
+    rows = []
+    for label, side in ((True, "chosen"), (False, "rejected")):
+        for pair in pairs:
+            if "prompt" in pair:
+                prompt, completion = pair["prompt"], pair[side]
+            else:
+                prompt, completion = pair[side][:-1], pair[side][-1:]
+            rows.append({"prompt": prompt, "completion": completion, "label": label})
+    return rows
+
+
+def build_unpaired(root: Path) -> None:
+    """kto-train.jsonl (4000 rows) and kto-eval.jsonl (400) under root, once: the demo's
+    pairs (build_pairs) as unpaired rows."""
+    build_pairs(root)
+    for split in ("train", "eval"):
+        if not (root / f"kto-{split}.jsonl").exists():
+            pairs = [json.loads(line) for line in (root / f"pairs-{split}.jsonl").read_text().splitlines() if line]
+            write_once(root, f"kto-{split}.jsonl", unpaired_rows(pairs))
+
+
 # The RL demo's kinds of question: copying words (upper-cased, reversed), where the SFT
 # demo's model is right 80-90% of the time and its sampled answers differ often enough to
 # learn from. Measured on 2 CPU cores, 200 steps: these kinds 0.85 -> 0.92 held-out; all five
@@ -356,6 +383,8 @@ DEMO_NAMES = {
     "demo:tiny-llama-sft": "tiny-llama-sft",
     "demo:pairs-train": "pairs-train.jsonl",
     "demo:pairs-eval": "pairs-eval.jsonl",
+    "demo:kto-train": "kto-train.jsonl",
+    "demo:kto-eval": "kto-eval.jsonl",
     "demo:prompts-train": PROMPT_FILES[0],
     "demo:prompts-eval": PROMPT_FILES[1],
 }
@@ -391,6 +420,8 @@ def resolve_demo_names(cfg) -> None:
     names = _names(cfg)
     if any(n.startswith("demo:pairs") for n in names):
         build_pairs(root)
+    if any(n.startswith("demo:kto") for n in names):
+        build_unpaired(root)
     if any(n.startswith("demo:prompts") for n in names):
         build_prompts(root)
     if "demo:tiny-llama-sft" in names:

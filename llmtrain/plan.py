@@ -34,9 +34,9 @@ from .data.stream import StreamedRows
 from .errors import ConfigError, DataError, describe
 from .files import read_own
 from .model import attention_backend, check_model, check_vocab, chunkable_head, hub_kwargs, load_tokenizer, meta_model
-from .preference.pairs import PAIRS
 from .preference.reference import check_reference
 from .preference.reward import REWARD_PAIRS
+from .preference.unpaired import preference_data
 from .rl.prompts import grpo_prompts
 from .rl.rewards import check_grpo
 
@@ -405,8 +405,16 @@ def describe_pairs(cfg, first: dict, tokenizer) -> list[str]:
     lines = [
         f"\n== preference ({cfg.dpo.loss}, beta {cfg.dpo.beta:g}) ==",
         f"  reference: {reference_source(cfg)}",
-        f"\n== first training pair ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
     ]
+    if cfg.dpo.loss == "kto":
+        d = cfg.dpo
+        return lines + [
+            f"  weights: desirable {d.desirable_weight:g}, undesirable {d.undesirable_weight:g}; each row's KL "
+            "completion is the next row's completion after its own prompt",
+            f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
+            f"-- {'desirable' if first['desirable'] else 'undesirable'} --\n{preview_row(first, tokenizer)}",
+        ]
+    lines.append(f"\n== first training pair ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
     for side in ("chosen", "rejected"):
         row = {"input_ids": first[f"{side}_input_ids"], "labels": first[f"{side}_labels"]}
         lines.append(f"-- {side} --\n{preview_row(row, tokenizer)}")
@@ -466,7 +474,7 @@ class PlannedRecipe:
 
 RECIPES = {
     "finetune": PlannedRecipe(Config, ROWS, None, describe_rows),
-    "dpo": PlannedRecipe(DPOConfig, PAIRS, check_reference, describe_pairs),
+    "dpo": PlannedRecipe(DPOConfig, preference_data, check_reference, describe_pairs),
     "grpo": PlannedRecipe(GRPOConfig, grpo_prompts, check_grpo, describe_prompts),
     "reward": PlannedRecipe(RewardConfig, REWARD_PAIRS, None, describe_reward_pairs),
 }
@@ -490,11 +498,13 @@ def reference_source(cfg) -> str:
         return "none (SimPO compares the policy's own per-token log-probs)"
     if d.loss == "orpo":
         return "none (ORPO compares the odds of the policy's own per-token log-probs)"
+    every = "every row (its completion and KL sequence)" if d.loss == "kto" else "every pair"
     if d.reference:
-        return f"{d.reference}: its log-probs for every pair, computed once before training (cached in output_dir)"
+        return f"{d.reference}: its log-probs for {every}, computed once before training (cached in output_dir)"
     if cfg.model.lora.enabled:
-        return "the same model with its LoRA adapters off (no second copy; one extra forward per micro-batch)"
-    return "the starting weights: log-probs for every pair computed once before training (cached in output_dir)"
+        extra = "three extra forwards" if d.loss == "kto" else "one extra forward"
+        return f"the same model with its LoRA adapters off (no second copy; {extra} per micro-batch)"
+    return f"the starting weights: log-probs for {every} computed once before training (cached in output_dir)"
 
 
 HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo|grpo] [key.sub=value ...]

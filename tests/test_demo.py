@@ -1,8 +1,8 @@
 """The offline demo's generated data: preference pairs whose chosen answer is right and
 rejected one wrong, in the three row shapes, with the model's own wrong answers where it
-has them."""
+has them; the same pairs as KTO's unpaired rows."""
 
-from llmtrain.demo import OPPOSITES, make_pairs
+from llmtrain.demo import OPPOSITES, make_pairs, unpaired_rows
 from llmtrain.preference.pairs import pair_messages
 
 
@@ -49,3 +49,21 @@ def test_the_models_own_wrong_answers_are_the_rejected_ones():
         rejected = rejected if isinstance(rejected, str) else rejected[-1]["content"]
         assert (rejected == "oops") == (i % 2 == 1), (i, row)
     assert make_pairs(12, seed=2) == make_pairs(12, seed=2)  # seeded
+
+
+def test_unpaired_rows_are_the_pairs_answers_labelled_in_two_blocks(tokenizer):
+    """Every chosen answer (label true), then every rejected one (label false), each after
+    its pair's prompt, as KTO reads them (the same tokens as the pair's answers)."""
+    from llmtrain.config import DataConfig
+    from llmtrain.preference.pairs import process_pair
+    from llmtrain.preference.unpaired import process_unpaired
+
+    pairs = make_pairs(9, seed=3)
+    rows = unpaired_rows(pairs)
+    assert [r["label"] for r in rows] == [True] * 9 + [False] * 9
+    cfg = DataConfig(max_seq_len=256)
+    for i, pair in enumerate(pairs):
+        tokens = process_pair(pair, tokenizer, cfg)
+        for row, side in ((rows[i], "chosen"), (rows[9 + i], "rejected")):
+            out = process_unpaired(row, tokenizer, cfg)
+            assert (out["input_ids"], out["labels"]) == (tokens[f"{side}_input_ids"], tokens[f"{side}_labels"])

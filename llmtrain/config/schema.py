@@ -446,10 +446,11 @@ class PreferenceConfig:
     beta: Annotated[float, POSITIVE] = 0.1
     """How far the policy may move from the reference: the scale of the log-ratios in
     the loss (recipes/dpo.py). Lower lets it move further."""
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"
     """sigmoid: DPO; ipo: IPO (squared, per-token log-ratios); simpo: SimPO (per-token
     log-probs of the policy alone, no reference); orpo: ORPO (the chosen answer's NLL plus
-    beta x the odds-ratio term, no reference, no SFT stage first) (recipes/dpo.py)."""
+    beta x the odds-ratio term, no reference, no SFT stage first); kto: KTO, on unpaired
+    rows {prompt, completion, label} instead of pairs (recipes/dpo.py, docs/preference.md)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (dpo.loss=simpo only)."""
     sft_weight: float = 0.0
@@ -460,6 +461,12 @@ class PreferenceConfig:
     model with its adapters off; for a full fine-tune, log-probs computed once before
     training), or a hub name or directory of another model, whose log-probs are computed
     once before training (recipes/dpo.py)."""
+    desirable_weight: Annotated[float, POSITIVE] = 1.0
+    """KTO's weight on the loss of desirable rows (label true) (dpo.loss=kto only). The KTO
+    paper advises desirable_weight x desirable rows / (undesirable_weight x undesirable
+    rows) between 1 and 4/3: raise the weight of the rarer kind."""
+    undesirable_weight: Annotated[float, POSITIVE] = 1.0
+    """KTO's weight on the loss of undesirable rows (label false) (dpo.loss=kto only)."""
 
 
 @dataclass
@@ -472,6 +479,14 @@ class DPOConfig(Config):
         p = super().problems()
         if self.dpo.loss in ("simpo", "orpo") and self.dpo.reference:
             p.append(f"dpo.reference: dpo.loss={self.dpo.loss} uses no reference model; remove dpo.reference")
+        if self.dpo.loss == "kto":
+            if self.data.packing:
+                p.append(
+                    "data.packing: dpo.loss=kto trains on padded batches (each completion beside its KL completion); "
+                    "set data.packing=false"
+                )
+            if self.dpo.sft_weight:
+                p.append("dpo.sft_weight: dpo.loss=kto has no SFT term; remove dpo.sft_weight")
         return p + pair_data_problems(self.data, "recipes/dpo.py")
 
 

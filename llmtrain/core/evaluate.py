@@ -1,7 +1,10 @@
 """Evaluation: the objective's mean loss and metrics over a whole held-out set, on every
-process."""
+process. An objective with a `before_window` (KTO's reference point) has it run once over
+the whole set first, in a pass of its own."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -16,6 +19,12 @@ def evaluate(model, loader, objective, accelerator, empty: dict, beat=None) -> t
     has run out runs `empty` while the others finish (a sharded model's forward is a
     collective)."""
     model.eval()
+    if (before := getattr(objective, "before_window", None)) is not None:  # once, over the whole set
+        before(
+            model,
+            _every_batch(loader, accelerator, objective, empty, beat),
+            partial(accelerator.reduce, reduction="sum"),
+        )
     names = objective.metric_names
     sums = torch.zeros(1 + len(names), device=accelerator.device, dtype=torch.float64)  # the loss, then metrics
     count = 0
@@ -29,3 +38,11 @@ def evaluate(model, loader, objective, accelerator, empty: dict, beat=None) -> t
     model.train()
     totals = (accelerator.reduce(sums, reduction="sum") / count).tolist()
     return totals[0], dict(zip(names, totals[1:]))
+
+
+def _every_batch(loader, accelerator, objective, empty: dict, beat):
+    """Every batch of `loader` on this process, then `empty` ones while other processes
+    still have batches: the same number of batches on every process."""
+    batches = iter(loader)
+    while (window := draw_window(batches, 1, accelerator, objective.count, beat=beat)).outcome is Outcome.STEP:
+        yield window.micro_batches(empty)[0]

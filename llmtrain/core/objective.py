@@ -23,7 +23,15 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
      fields, like "loss", are refused by `train.setup`);
    - `progress_metrics`: those of its metrics the progress bar shows, by a short name
      (the eval line prints them too);
-   - `head`: the output layer it runs only at counted positions, or None (for MFU).
+   - `head`: the output layer it runs only at counted positions, or None (for MFU);
+   - optionally `before_window(model, micro_batches, sum_over_processes)`: what it must
+     know of the whole global batch before any of its losses (KTO's reference point, a
+     mean over every row of the window). `step.train_step` calls it once per window,
+     before the forward and backward passes, with this process's micro-batches (`empty`
+     ones included, so every process runs the same forward passes under DDP, ZeRO-3 and
+     FSDP; run them under no_grad) and a function summing a tensor over all processes
+     (one call, the same on every process). `evaluate.evaluate` calls it once with every
+     batch of the evaluation set. Objectives without it are run as before.
 2. An empty batch (the collator's `empty_batch`, e.g. `batches.Collator.empty_batch`)
    must count 0 and give a zero loss that still uses every trainable weight, and run the
    same forward passes as any other batch: processes with no data left run one so that
@@ -66,6 +74,8 @@ class Objective(Protocol):
     def count(self, batch: dict) -> int: ...
 
     def __call__(self, model, batch: dict) -> Loss: ...
+
+    # Optional (see the module docstring): before_window(model, micro_batches, sum_over_processes) -> None
 
 
 class TokenLoss:

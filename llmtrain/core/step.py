@@ -38,14 +38,19 @@ def train_step(
     beat=None,
 ) -> StepResult:
     """Run the window's micro-batches (this process's, then `empty` ones up to the count
-    every process runs), then step, or skip when the loss or gradient norm is not finite
-    or the loss spikes (state.spikes), leaving weights and optimizer as they were; then
-    check that the update left no more non-finite weights than the run started with. Reads
-    `state` (the step number, the spike window); the caller records the result in it."""
+    every process runs), after the objective's `before_window` where it has one, then
+    step, or skip when the loss or gradient norm is not finite or the loss spikes
+    (state.spikes), leaving weights and optimizer as they were; then check that the update
+    left no more non-finite weights than the run started with. Reads `state` (the step
+    number, the spike window); the caller records the result in it."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     scale = backend.loss_scale(window.count)
     micro = window.micro_batches(empty)
+    if (before := getattr(objective, "before_window", None)) is not None:  # e.g. KTO's reference point
+        if beat is not None:
+            beat(f"step {state.step + 1}, the objective's pass before the window")
+        before(model, micro, backend.sum_over_processes)
     loss_sum = torch.zeros((), device=backend.accelerator.device)
     metric_sums = torch.zeros(len(objective.metric_names), device=loss_sum.device)
     for i, batch in enumerate(micro):

@@ -25,11 +25,17 @@ class DataKind:
     """What a recipe's examples are, as far as building its data sets goes."""
 
     prepare: Callable  # (key, names, tokenizer, DataConfig) -> (datasets.Dataset, DataStats) for one split
-    packed: type  # the packed view of its examples: (rows, width, sizes per source or None) -> a Dataset
+    # The packed view of its examples: (rows, width, sizes per source or None) -> a Dataset;
+    # None for a kind that is never packed (its recipe refuses data.packing).
+    packed: type | None
     width: int = 1  # a packed sequence's length, in data.max_seq_len
     unit: str = "rows"  # what one example is called in the lines the builder prints
     batched: tuple[str, str] = ("sequences", "sequences")  # what a batch holds, unpacked and packed
     index: str = ""  # a column numbering the examples (training 0..n-1, evaluation after), or none
+    # What each split's examples become once held out and numbered, before any mixture:
+    # (rows, data.max_seq_len) -> a Dataset whose example i may read other rows of its split
+    # (preference/unpaired.KLCompletions), or None to keep the rows.
+    view: Callable | None = None
 
 
 ROWS = DataKind(prepare_split, PackedDataset)
@@ -77,6 +83,9 @@ def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
                 rows = rows.add_column(kind.index, list(range(len(rows))))
                 if eval_set is not None:
                     eval_set = eval_set.add_column(kind.index, list(range(len(rows), len(rows) + len(eval_set))))
+            if kind.view is not None:
+                rows = kind.view(rows, data.max_seq_len)
+                eval_set = kind.view(eval_set, data.max_seq_len) if eval_set is not None else None
             train_set = training_set(rows, mix, pack("data.train") if data.packing else None, kind.unit)
         if eval_set is not None and data.packing:
             eval_set = pack("data.eval")(eval_set, None)

@@ -2,7 +2,9 @@
 training so that no second model sits in memory while it trains.
 
 Every pair of the train and eval sets (numbered by `pair_index`, eval after train) gets
-its chosen and rejected answers' summed log-probs under the reference model: the
+its chosen and rejected answers' summed log-probs under the reference model (a KTO row,
+numbered by `row_index`, its completion's and its KL sequence's: the objective's `logps`
+gives each example's two sequences, first ones then second ones): the
 policy's starting weights (the prepared model itself, before a resumed run loads its
 checkpoint, so ZeRO-3 and FSDP shard it as in training) or another model named by
 dpo.reference (loaded whole on each process for the pass, then freed). Each process
@@ -135,9 +137,11 @@ def save_cached(path: Path, key: str, table: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def compute(model, objective, sets: list, collator, batch_size: int, accelerator, empty: dict, beat) -> torch.Tensor:
-    """The [pairs, 2] table (chosen, rejected log-probs) over `sets`, numbered in order,
-    from this process's share of the batches and every other process's."""
+def compute(
+    model, objective, sets: list, collator, batch_size: int, accelerator, empty: dict, beat, index: str = "pair_index"
+) -> torch.Tensor:
+    """The [pairs, 2] table (chosen, rejected log-probs) over `sets`, numbered in order by
+    the column `index`, from this process's share of the batches and every other process's."""
     from accelerate.utils import gather_object, send_to_device
 
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -159,7 +163,7 @@ def compute(model, objective, sets: list, collator, batch_size: int, accelerator
                 sums, _ = objective.logps(model, batch)
             if objective.count(batch):
                 k = objective.count(batch)
-                found_index.append(batch["pair_index"].cpu())
+                found_index.append(batch[index].cpu())
                 found_logps.append(torch.stack([sums[:k], sums[k:]], 1).float().cpu())
     model.train(was_training)
     pairs = sum(len(getattr(s, "pairs", s)) for s in sets)
@@ -191,7 +195,7 @@ class ReferencePass:
     """`recipe.Parts.after_prepare` for a preference run that needs the table: reads it
     from output_dir's cache or computes it, and gives it to the objective."""
 
-    def __init__(self, cfg, objective, sets: list, collator, make_reference=None):
+    def __init__(self, cfg, objective, sets: list, collator, make_reference=None, index: str = "pair_index"):
         self.cfg, self.objective, self.sets, self.collator = (
             cfg,
             objective,
@@ -199,6 +203,7 @@ class ReferencePass:
             collator,
         )
         self.make_reference = make_reference  # () -> (model, objective for its log-probs), for dpo.reference
+        self.index = index  # the column numbering the examples (pair_index, or row_index for KTO)
 
     def __call__(self, model, accelerator, empty: dict, beat) -> None:
         cfg = self.cfg
@@ -215,7 +220,7 @@ class ReferencePass:
         beat("reading the cached reference log-probs")
         table = load_cached(path, key, pairs)
         if table is not None:
-            accelerator.print(f"reference log-probs: {pairs} pairs read from {path}")
+            accelerator.print(f"reference log-probs: {pairs} {self.objective.unit} read from {path}")
         else:
             started = time.perf_counter()
             ref_model, ref_objective = model, self.objective
@@ -224,12 +229,16 @@ class ReferencePass:
                 ref_model, ref_objective = self.make_reference()
                 ref_model.to(accelerator.device)
             batch_size = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
-            table = compute(ref_model, ref_objective, self.sets, self.collator, batch_size, accelerator, empty, beat)
+            table = compute(
+                ref_model, ref_objective, self.sets, self.collator, batch_size, accelerator, empty, beat, self.index
+            )
             del ref_model
             check_finite(table, cfg, str(accelerator.mixed_precision))  # every process holds the whole table
             if accelerator.is_main_process:
                 save_cached(path, key, table)
             accelerator.wait_for_everyone()
             seconds = time.perf_counter() - started
-            accelerator.print(f"reference log-probs: {pairs} pairs in {seconds:.1f} s (cached in {path})")
+            accelerator.print(
+                f"reference log-probs: {pairs} {self.objective.unit} in {seconds:.1f} s (cached in {path})"
+            )
         self.objective.reference = table.to(accelerator.device)

@@ -296,6 +296,18 @@ def test_preference_settings_that_cannot_apply_are_errors_naming_the_key():
         load_config(None, [*base, "dpo.beta=0.2"])  # finetune.py's tree has no dpo section
 
 
+def test_kto_refuses_packing_and_the_sft_term_and_takes_positive_weights():
+    base = ["model.name_or_path=m", "data.train=d.jsonl", "dpo.loss=kto"]
+    bad = ["data.packing=true", "dpo.sft_weight=0.5", "dpo.desirable_weight=0", "dpo.undesirable_weight=-1"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, *bad], DPOConfig)
+    keys = sorted(problem.split(":")[0] for problem in e.value.problems)
+    assert keys == ["data.packing", "dpo.desirable_weight", "dpo.sft_weight", "dpo.undesirable_weight"]
+    assert "set data.packing=false" in str(e.value)
+    cfg = load_config(None, [*base, "dpo.desirable_weight=1.33"], DPOConfig)
+    assert (cfg.dpo.desirable_weight, cfg.dpo.undesirable_weight) == (1.33, 1.0)
+
+
 def test_quantization_needs_lora_and_names_both_keys():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "model.quantization=nf4"])

@@ -1,0 +1,263 @@
+"""Unpaired preference rows for KTO (dpo.loss=kto): `{prompt, completion, label}`, TRL's
+unpaired preference format. `prompt` is a string or a list of messages, `completion` a
+string or assistant message(s), `label` true for a desirable completion, false for an
+undesirable one. Messages are read as a pair's are (pairs.py), with data.system_prompt
+and a `tools` column; a string prompt with a string completion is plain text followed by
+the completion and EOS for a tokenizer without a chat template.
+
+Each row is tokenized as a pair's answer is: labels (already shifted) on the completion
+only, end of turn included; an over-long row loses its prompt from the left (keeping one
+token), then its completion's end, or is dropped or refused (data.overlong).
+
+KTO's reference point is the policy's KL divergence from the reference, estimated on
+completions that do not answer their prompt: row i's KL completion is row i's prompt
+followed by the completion of row (i + 1) mod N of its split (training or evaluation set,
+in dataset order; `KLCompletions`). TRL shifts completions by one within each batch
+instead, so which completion a row's KL sequence gets there depends on the batch size and
+on how rows fall into batches; here it depends on the data alone, so every batch layout
+and process count trains the same thing. Over the whole split the KL completions are the
+completions themselves, each once, as the KTO paper asks. Rows next to each other should
+answer different prompts (a file that lists a prompt's completions together gives KL
+sequences that answer their own prompt): `notes` counts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..config import DataConfig
+from ..data.batches import Collator
+from ..data.build import DataKind
+from ..data.rows import IGNORE, NothingToTrain, RowError, check_line, shift
+from ..errors import shown
+from .pairs import PAIRS, _answer_ids, _fit, _messages
+
+COLUMNS = ("prompt", "completion", "label")
+
+
+def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bool]:
+    """(prompt, completion, desirable): two strings for a plain-text row, else message
+    lists where the completion holds only what follows the prompt."""
+    check_line(row)
+    missing = [k for k in COLUMNS if row.get(k) is None]
+    if missing:
+        raise RowError(f"a KTO row needs 'prompt', 'completion' and 'label'; this row has no {missing}")
+    prompt, completion, label = row["prompt"], row["completion"], row["label"]
+    if not isinstance(label, bool):
+        raise RowError(
+            f"'label' must be true (a desirable completion) or false (an undesirable one), got {shown(label)}"
+        )
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt, completion, label
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return _messages(prompt, "prompt"), _messages(completion, "completion"), label
+
+
+def process_unpaired(row: dict, tokenizer, cfg: DataConfig) -> dict:
+    """One row -> {input_ids, labels (shifted), prompt_tokens (where the completion starts
+    in input_ids), prompt_hash (of those tokens), desirable, length, n_trained, status};
+    status as for data.process_row ('ok', 'truncated', why the row is dropped, or
+    'error: ...' for a malformed row)."""
+    try:
+        prompt, completion, desirable = unpaired_messages(row)
+        if isinstance(prompt, str) and tokenizer.chat_template:
+            prompt, completion = [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}]
+        if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
+            prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+        tools = row.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RowError("'tools' must be a list of tool definitions")
+        ids, labels, start = _answer_ids(prompt, completion, tokenizer, tools)
+    except NothingToTrain as e:
+        return _dropped(str(e))
+    except RowError as e:
+        return _dropped(f"error: {e}")
+    if not ids or all(t == IGNORE for t in labels):
+        return _dropped("empty answer")
+    if start < 1:  # plain text: nothing before the completion to predict its first token from
+        return _dropped("error: the prompt has no tokens; give a non-empty 'prompt'")
+    status, width = "ok", cfg.max_seq_len
+    if len(ids) > width:
+        if cfg.overlong != "truncate":
+            return _dropped(f"too long ({len(ids)} tokens)")
+        cut = min(len(ids) - width, start - 1)  # from the left of the prompt, keeping one token
+        (ids, labels), start, status = _fit(ids, labels, cut, width), start - cut, "truncated"
+    labels = shift(labels)
+    if all(t == IGNORE for t in labels):
+        return _dropped("no trained tokens")
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "prompt_tokens": start,
+        "prompt_hash": prompt_hash(ids[:start]),
+        "desirable": desirable,
+        "length": len(ids),
+        "n_trained": sum(t != IGNORE for t in labels),
+        "status": status,
+    }
+
+
+def prompt_hash(ids: list[int]) -> int:
+    """A 63-bit digest of a prompt's token ids, to tell rows with the same prompt apart cheaply."""
+    digest = hashlib.blake2b(repr(ids).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def _dropped(status: str) -> dict:
+    empty: list[int] = []
+    return {
+        "input_ids": empty,
+        "labels": empty,
+        "prompt_tokens": 0,
+        "prompt_hash": 0,
+        "desirable": False,
+        "length": 0,
+        "n_trained": 0,
+        "status": status,
+    }
+
+
+def prepare_unpaired(key: str, names: list[str], tokenizer, cfg: DataConfig):
+    """Load, tokenize, filter and concatenate the unpaired sources of one split, as
+    pairs.prepare_pairs does for pairs. Returns (datasets.Dataset, DataStats); raises
+    DataError naming the file and line for a malformed row, an over-long one under
+    data.overlong=error, or a split left with no row."""
+    from ..data.prepare import tokenize_sources
+    from ..errors import DataError
+
+    def check(src) -> str:
+        if not set(COLUMNS) <= set(src.columns):
+            pairs = {"chosen", "rejected"} <= set(src.columns)
+            fix = (
+                "turn each pair into two rows ({prompt, completion: chosen, label: true} and {prompt, completion: "
+                "rejected, label: false}), or train on the pairs with another dpo.loss"
+                if pairs
+                else "give unpaired rows, or train on pairs with another dpo.loss"
+            )
+            raise DataError(
+                f"{key}: {src.name}: dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label' (true: "
+                f"desirable); found columns {sorted(src.columns)}; {fix}"
+            )
+        return "unpaired-v1"
+
+    def process(src, row: dict) -> dict:
+        return process_unpaired(row, tokenizer, cfg)
+
+    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
+    if stats.kept == 0:
+        raise DataError(f"{key}: no usable rows: {stats.summary(key)}; {stats.fixes(pairs=True)}")
+    return ds, stats
+
+
+class KLCompletions(torch.utils.data.Dataset):
+    """A split's tokenized rows (numbered by `row_index`), each with its KL sequence: its
+    own prompt followed by the completion of the next row, (i + 1) mod N in dataset order
+    (see the module docstring), cut to `width` tokens on the right. The KL sequence's
+    labels are that completion's tokens, shifted as every label here is."""
+
+    columns = ("input_ids", "labels", "prompt_tokens", "prompt_hash", "desirable", "row_index")
+
+    def __init__(self, rows, width: int):
+        self.rows, self.width = rows.select_columns(list(self.columns)), width
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def _fingerprint(self) -> str:
+        """The rows' (reference.data_key reads it), and the way KL completions are chosen."""
+        return f"{self.rows._fingerprint}:kl-next-row"
+
+    def __getitem__(self, i: int) -> dict:
+        row, other = self.rows[i], self.rows[(i + 1) % len(self.rows)]
+        p, q = row["prompt_tokens"], other["prompt_tokens"]
+        # The other row's completion labels before shifting: raw[t] = shifted[t - 1].
+        raw = [IGNORE] * p + other["labels"][q - 1 : -1]
+        ids = (row["input_ids"][:p] + other["input_ids"][q:])[: self.width]
+        return {
+            "input_ids": row["input_ids"],
+            "labels": row["labels"],
+            "kl_input_ids": ids,
+            "kl_labels": shift(raw[: self.width]),
+            "desirable": row["desirable"],
+            "row_index": row["row_index"],
+        }
+
+    def notes(self, desirable_weight: float, undesirable_weight: float) -> tuple[str, list[str]]:
+        """(a line on the split's balance, warnings): weights outside the KTO paper's
+        advice, and rows whose KL completion answers their own prompt."""
+        desirable, hashes = self.rows["desirable"], self.rows["prompt_hash"]
+        n, good = len(desirable), sum(desirable)
+        line = f"dpo.loss=kto: {good} desirable and {n - good} undesirable completions"
+        warnings = []
+        if good and n - good:
+            ratio = desirable_weight * good / (undesirable_weight * (n - good))
+            line += f"; weighted {ratio:.2f} : 1"
+            if not 1 <= ratio <= 4 / 3:
+                warnings.append(
+                    f"dpo.desirable_weight: the desirable rows weigh {ratio:.2f} times the undesirable ones "
+                    f"(dpo.desirable_weight={desirable_weight:g} x {good} rows against dpo.undesirable_weight="
+                    f"{undesirable_weight:g} x {n - good}); the KTO paper advises between 1 and 4/3"
+                )
+        else:
+            warnings.append(
+                f"data.train: every completion is {'desirable' if good else 'undesirable'}; KTO learns from both "
+                "kinds, so give rows with label true and rows with label false"
+            )
+        same = sum(hashes[i] == hashes[(i + 1) % n] for i in range(n)) if n > 1 else 0
+        if same > n // 10:
+            warnings.append(
+                f"data.train: {same} of {n} rows have the same prompt as the next row, whose completion is their KL "
+                "completion; KTO's reference point wants completions to other prompts: shuffle the file, or list "
+                "a prompt's completions apart"
+            )
+        return line, warnings
+
+
+class UnpairedCollator:
+    """Makes one micro-batch of k rows: `input_ids`, `attention_mask` and `labels` of their
+    completions, the same with a `kl_` prefix for their KL sequences (each padded on the
+    right on its own), `desirable` (k booleans) and `row_index` (the rows' numbers, for
+    the reference log-probs computed before training)."""
+
+    columns = KLCompletions.columns
+    items = "completions"
+
+    def __init__(self, pad_id: int):
+        self.tokens = Collator(pad_id)
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = self.tokens([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
+        kl = self.tokens([{"input_ids": e["kl_input_ids"], "labels": e["kl_labels"]} for e in examples])
+        batch |= {f"kl_{key}": value for key, value in kl.items()}
+        batch["desirable"] = torch.tensor([e["desirable"] for e in examples], dtype=torch.bool)
+        batch["row_index"] = torch.tensor([e["row_index"] for e in examples], dtype=torch.long)
+        return batch
+
+    def empty_batch(self, packed: bool = False) -> dict:
+        """A batch with nothing to train and no row (objective count 0), whose completion
+        and KL sequences are batches.Collator's empty one."""
+        batch = self.tokens.empty_batch(False)
+        batch |= {f"kl_{key}": value.clone() for key, value in batch.items()}
+        return batch | {"desirable": torch.zeros(0, dtype=torch.bool), "row_index": torch.zeros(0, dtype=torch.long)}
+
+
+# Unpaired rows for the one builder (build.build_datasets): numbered (`row_index`) for the
+# reference log-probs computed once before training, each split given its KL completions;
+# never packed (config.DPOConfig refuses data.packing with dpo.loss=kto).
+UNPAIRED = DataKind(
+    prepare_unpaired,
+    None,
+    unit="rows",
+    batched=("completions", "completions"),
+    index="row_index",
+    view=KLCompletions,
+)
+
+
+def preference_data(cfg) -> DataKind:
+    """recipes/dpo.py's data: unpaired rows for KTO, pairs for every other dpo.loss."""
+    return UNPAIRED if cfg.dpo.loss == "kto" else PAIRS
