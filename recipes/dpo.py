@@ -20,7 +20,7 @@ from llmtrain.cli import run_cli
 from llmtrain.config import DPOConfig
 from llmtrain.core.objective import chunk_positions
 from llmtrain.errors import warn
-from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id, reference_config
+from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id, reference_config, whole_models
 from llmtrain.preference.kto import KTOLoss
 from llmtrain.preference.loss import PreferenceLoss
 from llmtrain.preference.pairs import PairCollator
@@ -61,7 +61,8 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
         return Parts(objective, collator)
 
     def reference_model():
-        ref = load_model(reference_config(cfg.model, d.reference))
+        with whole_models():  # a whole copy on each process: ZeRO-3 would partition it as it loads
+            ref = load_model(reference_config(cfg.model, d.reference))
         return ref, make(chunkable_head(ref) if logits else None)  # its own output layer
 
     sets = [train_set, eval_set]

@@ -88,7 +88,7 @@ def train_step(
             f"the loss {loss:.4g} spiked above train.spike_factor={spikes.factor:g} x "
             f"the median of the last {spikes.window} steps",
         )
-    optimizer.step()
+    backend.optimizer_step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     if backend.scaler_skipped():
         return result(Skip.OVERFLOW, "fp16 gradient overflow; loss scale lowered")

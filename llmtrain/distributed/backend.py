@@ -28,6 +28,7 @@ class Backend:
         zero3 = self.deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
         self.sharded = zero3 or kind == DistributedType.FSDP  # each process holds a shard of the weights
         self.accum_divisor = grad_accum_steps if self.deepspeed else 1
+        self.overflowed = False  # the last optimizer_step's update was skipped by the fp16 scaler
 
     def place(self, model):
         """The model on the process's device, unless the backend places it in `prepare`
@@ -82,10 +83,21 @@ class Backend:
             total = self.accelerator.reduce(total.to(self.accelerator.device), reduction="sum")
         return int(total)
 
+    def optimizer_step(self, optimizer) -> None:
+        """optimizer.step(), noting whether the fp16 loss scaler skipped it (`scaler_skipped`).
+        Accelerate tells a skip by whether the scaler called the optimizer's own step, which
+        it always does for a fused optimizer (the kernel skips an overflowed update itself),
+        so a fused AdamW's overflows would count as steps taken. The scaler lowers its scale
+        exactly when it finds an overflow, so that is what is read here."""
+        scaler = self.accelerator.scaler
+        before = scaler.get_scale() if scaler is not None else None
+        optimizer.step()
+        self.overflowed = scaler is not None and scaler.get_scale() < before
+
     def scaler_skipped(self) -> bool:
-        """After optimizer.step(): the fp16 loss scaler (or DeepSpeed's) found an
-        overflow, skipped the update and lowered its scale."""
-        return self.accelerator.optimizer_step_was_skipped
+        """After `optimizer_step`: the fp16 loss scaler (or DeepSpeed's) found an overflow,
+        skipped the update and lowered its scale."""
+        return self.overflowed or self.accelerator.optimizer_step_was_skipped
 
 
 def nonfinite_count(tensors: list):

@@ -141,13 +141,19 @@ def one_process(args, cache_env, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3", "fsdp2"])
-def test_sharded_runs_compute_the_reference_and_train_like_one_process(stage, args, one_process, cache_env, tmp_path):
+@pytest.mark.parametrize("stage", ["zero2", "zero3", "zero3-reference", "fsdp2"])
+def test_sharded_runs_compute_the_reference_and_train_like_one_process(
+    stage, args, one_process, tiny_model, cache_env, tmp_path
+):
     """ZeRO-3 and FSDP2 shard the model, so every forward pass, the reference pass's
     included, is a collective: a process with no pair left runs an empty batch in step.
-    ZeRO-2 shards the gradients and optimizer state."""
+    ZeRO-2 shards the gradients and optimizer state. dpo.reference names a model of its own
+    (here the policy's starting weights again, so the run must equal one process's): under
+    ZeRO-3 it loads whole on each process, not partitioned as DeepSpeed loads the policy."""
     out = tmp_path / stage
     layout = ["train.micro_batch_size=2", "train.grad_accum_steps=2"]
+    if stage == "zero3-reference":
+        stage, layout = "zero3", [*layout, f"dpo.reference={tiny_model}"]
     if stage == "fsdp2":
         launch(args(out, *layout), cache_env, "fsdp2", recipe=DPO_RECIPE)
     else:
