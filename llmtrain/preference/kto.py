@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..core.objective import Loss, model_inputs
-from .loss import label_logps_head, row_logps, whole_logits_logps
+from .loss import answer_logps
 
 METRICS = (
     "kl",
@@ -100,11 +100,7 @@ class KTOLoss:
         log-prob of its trained tokens, and their number."""
         prefix = "kl_" if kl else ""
         seqs = {key: batch[prefix + key] for key in ("input_ids", "attention_mask", "labels")}
-        kwargs, labels = model_inputs(model, seqs), seqs["labels"]
-        if self.head is None:
-            return row_logps(whole_logits_logps(model(**kwargs).logits, labels), labels)
-        with label_logps_head(self.head, labels, self.chunk):
-            return row_logps(model(**kwargs).logits, labels)
+        return answer_logps(model, model_inputs(model, seqs), seqs["labels"], self.head, self.chunk)
 
     def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The completions' log-probs and token counts, then the KL sequences': what the

@@ -137,6 +137,18 @@ def label_logps_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
     return trained_head(head, labels, chunk, _chunk_logps, torch.cat)
 
 
+def answer_logps(
+    model, inputs: dict, labels: torch.Tensor, head, chunk: int, answers: torch.Tensor | None = None, n=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer (`row_logps`): the summed log-prob of its trained tokens and their number,
+    from the model's forward on `inputs`: inside the output layer `head`, `chunk` positions
+    at a time, or from whole logits without a head."""
+    if head is None:
+        return row_logps(whole_logits_logps(model(**inputs).logits, labels), labels, answers, n)
+    with label_logps_head(head, labels, chunk):
+        return row_logps(model(**inputs).logits, labels, answers, n)
+
+
 def whole_logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The same from whole logits [rows, T, vocab] (heads the chunked path cannot stand in for)."""
     trained = labels != IGNORE
@@ -186,12 +198,8 @@ class PreferenceLoss:
     def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per answer (chosen ones first): the summed log-prob of its trained tokens, and
         their number."""
-        kwargs = model_inputs(model, batch)
-        labels, n = batch["labels"], 2 * self.count(batch)
-        if self.head is None:
-            return row_logps(whole_logits_logps(model(**kwargs).logits, labels), labels, batch["answers"], n)
-        with label_logps_head(self.head, labels, self.chunk):
-            return row_logps(model(**kwargs).logits, labels, batch["answers"], n)
+        inputs, n = model_inputs(model, batch), 2 * self.count(batch)
+        return answer_logps(model, inputs, batch["labels"], self.head, self.chunk, batch["answers"], n)
 
     def reference_logps(self, model, batch: dict) -> torch.Tensor:
         """Per answer, under the reference model."""
