@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import harness
@@ -127,6 +126,7 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **({"bf16": False, "gradient_checkpointing": False} if best else {}),
     )
     timer = harness.step_timer()
     trainer = RewardTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer])
@@ -142,14 +142,16 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
 
 
 def main() -> None:
-    if "--worker" in sys.argv:
-        setup, out = json.loads(sys.argv[sys.argv.index("--setup") + 1]), Path(sys.argv[sys.argv.index("--dir") + 1])
-        harness.worker_result(run_trl(setup, out, sys.argv[sys.argv.index("--worker") + 1] == "trl-best"))
+    args = harness.parser(__doc__, {"cpu": None}, harness.ROOT / "runs" / "bench-reward").parse_args()
+    if args.ours or args.rows:
+        raise SystemExit("reward_vs_trl.py: --ours and --rows are not taken; the workload is the demo's")
+    if args.worker:  # one TRL run, in its own process
+        harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
         return
-    root = harness.ROOT / "runs" / "bench-reward"
+    root = args.dir
     setup = prepare(root)
     results: dict[str, list[dict]] = {"llmtrain": [], **{peer: [] for peer in harness.PEERS}}
-    for repeat in range(2):  # A B C A B C; a system's figure is its fastest run
+    for repeat in range(args.repeats):  # A B C A B C; a system's figure is its fastest run
         for name in results:
             out = root / f"{name}-{repeat}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -162,7 +164,7 @@ def main() -> None:
     lines = [
         harness.heading("Reward model, cpu"),
         "",
-        "`python benchmarks/reward_vs_trl.py`; the SFT demo model with a new score head, 2000 demo pairs, one "
+        harness.command("reward_vs_trl.py", args) + "; the SFT demo model with a new score head, 2000 demo pairs, one "
         f"epoch, {BATCH} pairs a step, lr {LR}, centring {CENTER}, max length {SEQ}, padded; TRL {trl.__version__}.",
         "",
         "Held-out accuracy is given for each run. trl-default is TRL's "
@@ -179,7 +181,7 @@ def main() -> None:
             f"| {name} | {accuracies} | {r['seconds']:.1f} s | {r['pairs'] / r['seconds']:.0f} | "
             f"{r['peak_mem_gib']:.2f} GiB |"
         )
-    harness.publish(lines, harness.HERE / "RESULTS.md")
+    harness.publish(lines, args.results)
 
 
 if __name__ == "__main__":
