@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -101,7 +102,9 @@ def parser(doc: str, workloads: dict, default_dir: Path) -> argparse.ArgumentPar
 
 def run_ours(recipe: str, setup: dict, out: Path, args: list[str]) -> tuple[list[dict], str]:
     """One llmtrain run of `recipe` with `args` (--config first) in a fresh process, writing
-    to `out`: its training rows of metrics.jsonl, and what it printed."""
+    to `out`: its training rows of metrics.jsonl, and what it printed. `out` is emptied
+    first: llmtrain would take a finished run there for this one and train nothing."""
+    shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, ACCELERATE_MIXED_PRECISION=setup["precision"])
     cmd = [sys.executable, str(ROOT / "recipes" / recipe), *args, f"output_dir={out}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)

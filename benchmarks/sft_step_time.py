@@ -1,17 +1,19 @@
 """Per-step cost on equal padded work: llmtrain's recipes/finetune.py against TRL's SFTTrainer,
-one process, no packing, 8 rows a step, the same rows and model (a 6-layer, 384-wide Llama).
+one process, no packing, 8 rows a step padded to the longest, float32, the same model (a
+6-layer, 384-wide Llama) and the same rows in the same order (both read the file in order,
+unshuffled, so every step of one system pads the same 8 rows as the other's). Both train
+without gradient checkpointing (TRL's SFTConfig turns it on by default; llmtrain's is off).
 A step's time is the difference between a 22-step and a 2-step run's wall time, divided by
 20, so every per-step cost counts (the checks after each update, metrics, logging), and
 start-up does not.
 
-    python benchmarks/sft_step_time.py            # about 4 minutes on 2 CPU cores
+    python benchmarks/sft_step_time.py            # about 5 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import shutil
 import time
 from pathlib import Path
 
@@ -22,55 +24,54 @@ WORKLOAD = dict(hidden=384, layers=6, heads=6, kv=2, ffn=1024, vocab=None, seq=5
 SHORT, LONG = 2, 22
 
 
-def ours(setup: dict, out: Path, steps: int) -> float:
-    cmd = [
-        sys.executable,
-        str(harness.ROOT / "recipes" / "finetune.py"),
+def ours_args(setup: dict, steps: int) -> list[str]:
+    """llmtrain's side: the same work as TRL's `trl_config`."""
+    return [
         "--config",
         str(harness.HERE / "llmtrain_bench.yaml"),
         f"model.name_or_path={setup['model']}",
         f"data.train={setup['data']}",
         f"data.max_seq_len={setup['seq']}",
         "data.packing=false",
+        "data.shuffle=false",
         f"train.micro_batch_size={setup['micro']}",
         f"train.max_steps={steps}",
         "checkpoint.every_steps=0",
         "eval.sample_prompts=[]",
-        f"output_dir={out}",
     ]
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+
+
+def ours(setup: dict, out: Path, steps: int) -> float:
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, cwd=harness.ROOT)
-    return time.perf_counter() - started
+    rows, _ = harness.run_ours("finetune.py", setup, out, ours_args(setup, steps))
+    seconds = time.perf_counter() - started
+    assert len(rows) == steps, f"llmtrain logged {len(rows)} steps, not {steps}"
+    return seconds
 
 
 def trl(setup: dict, out: Path, steps: int) -> float:
-    cmd = [sys.executable, __file__, "--worker", str(steps), "--setup", json.dumps(setup), "--dir", str(out)]
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, cwd=harness.ROOT)
+    harness.run_peer(__file__, "trl-best", dict(setup, steps=steps), out)
     return time.perf_counter() - started
 
 
-def run_trl(setup: dict, out: Path, steps: int) -> None:
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+def trl_config(setup: dict, out: Path):
+    """TRL's SFTConfig for the same work as llmtrain's run in `ours`."""
+    from trl import SFTConfig
 
-    model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(setup["model"])
-    data = datasets.load_dataset("json", data_files=setup["data"], split="train")
-    config = SFTConfig(
+    return SFTConfig(
         output_dir=str(out),
         per_device_train_batch_size=setup["micro"],
-        max_steps=steps,
+        max_steps=setup["steps"],
         learning_rate=1e-4,
         lr_scheduler_type="constant",
         max_length=setup["seq"],
         assistant_only_loss=True,
         packing=False,
         bf16=False,  # TRL's configs turn bf16 on by default; both systems train in float32 here
+        gradient_checkpointing=False,  # SFTConfig's default is on; llmtrain's is off
+        train_sampling_strategy="sequential",  # the rows in file order, as llmtrain's data.shuffle=false
         use_cpu=True,
         report_to=[],
         save_strategy="no",
@@ -79,21 +80,41 @@ def run_trl(setup: dict, out: Path, steps: int) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer).train()
+
+
+def run_trl(setup: dict, out: Path) -> dict:
+    """Runs in its own process (see --worker)."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(setup["model"])
+    data = datasets.load_dataset("json", data_files=setup["data"], split="train")
+    trainer = SFTTrainer(model=model, args=trl_config(setup, out), train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    return {"steps": trainer.state.global_step, "rows": len(trainer.train_dataset)}
 
 
 def main() -> None:
-    if "--worker" in sys.argv:
-        steps = int(sys.argv[sys.argv.index("--worker") + 1])
-        setup, out = json.loads(sys.argv[sys.argv.index("--setup") + 1]), Path(sys.argv[sys.argv.index("--dir") + 1])
-        run_trl(setup, out, steps)
+    args = harness.parser(__doc__, {"cpu": WORKLOAD}, harness.ROOT / "runs" / "bench-step").parse_args()
+    if args.worker:  # one TRL run, in its own process
+        setup = json.loads(args.setup)
+        result = run_trl(setup, args.dir)
+        assert result["steps"] == setup["steps"] and result["rows"] == WORKLOAD["rows"], result
+        harness.worker_result(result)
         return
-    root = harness.ROOT / "runs" / "bench-step"
+    root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     sft_vs_trl.WORKLOADS["step"] = WORKLOAD
     setup = sft_vs_trl.prepare("step", root)
+    # Same rows in the same order: llmtrain keeps every row (none loses all its trained
+    # tokens to truncation), as TRL does.
+    kept = len(sft_vs_trl.prepared_rows(setup))
+    assert kept == WORKLOAD["rows"], f"llmtrain keeps {kept} of {WORKLOAD['rows']} rows"
     per_step: dict[str, list[float]] = {"llmtrain": [], "trl": []}
-    for repeat in range(2):
+    for repeat in range(args.repeats):
         for name, run in (("llmtrain", ours), ("trl", trl)):
             short, long = run(setup, root / f"{name}-short", SHORT), run(setup, root / f"{name}-long", LONG)
             per_step[name].append((long - short) / (LONG - SHORT))
@@ -105,8 +126,9 @@ def main() -> None:
     lines = [
         harness.heading("SFT step time, equal padded work"),
         "",
-        f"`python benchmarks/sft_step_time.py`; {WORKLOAD['layers']} layers x {WORKLOAD['hidden']} wide, 8 rows a "
-        f"step padded to the longest, one process, float32; ({LONG}-step run - {SHORT}-step run) / {LONG - SHORT}, "
+        f"`python benchmarks/sft_step_time.py --repeats {args.repeats}`; {WORKLOAD['layers']} layers x "
+        f"{WORKLOAD['hidden']} wide, the same 8 rows a step in both (file order), padded to the longest, one "
+        f"process, float32, no gradient checkpointing; ({LONG}-step run - {SHORT}-step run) / {LONG - SHORT}, "
         f"wall time; TRL {trl_module.__version__}.",
         "",
         "| system | ms a step (each repeat) | best | TRL / llmtrain |",
@@ -115,7 +137,7 @@ def main() -> None:
         f"| {best['trl'] / best['llmtrain']:.2f}x |",
         f"| TRL SFTTrainer | {', '.join(ms['trl'])} | {best['trl'] * 1000:.0f} | 1.00x |",
     ]
-    harness.publish(lines, harness.HERE / "RESULTS.md")
+    harness.publish(lines, args.results)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ variable-length chat rows (loss on assistant turns only, so the trained tokens a
 same), one process, in a fresh process per run, in the order A B C A B C. A run's time is
 the sum of its optimizer steps (start-up, tokenization and saving excluded, for all
 systems alike). Reported: trained tokens/s, all (non-padding) tokens/s, MFU (GPU), peak
-memory, and ours / peer. Peers: TRL's defaults (padding to the longest row), and TRL's best
-(packing with its best-fit-decreasing, padding-free batches; Liger kernels when installed).
+memory, and ours / peer. Peers: TRL's defaults (padding to the longest row, gradient
+checkpointing on), and TRL's best (packing with its best-fit-decreasing, padding-free batches,
+no gradient checkpointing; Liger kernels when installed). llmtrain's default is no
+checkpointing (`--ours model.gradient_checkpointing=true` turns it on).
 """
 
 from __future__ import annotations
@@ -107,23 +109,16 @@ def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     }
 
 
-def run_trl(setup: dict, out: Path, best: bool) -> dict:
-    """Runs in its own process (see --worker)."""
-    import datasets
+def trl_config(setup: dict, out: Path, best: bool):
+    """TRL's SFTConfig for its defaults (best=False) or its best settings."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
-    dtype = torch.bfloat16 if setup["precision"] == "bf16" else torch.float32
-    # fp32 master weights with bf16 autocast, as in llmtrain; sdpa for both (flash-attn is not installed)
-    model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(setup["model"])
-    data = datasets.load_dataset("json", data_files=setup["data"], split="train")
     mean_len = setup["mean_row_tokens"]
     # Same token budget per step: TRL's default pads rows, so it gets as many rows as fit
     # the packed systems' micro_batch_size x max_length tokens.
     rows_per_batch = setup["micro"] if best else max(1, round(setup["micro"] * setup["seq"] / mean_len))
-    config = SFTConfig(
+    return SFTConfig(
         output_dir=str(out),
         per_device_train_batch_size=rows_per_batch,
         gradient_accumulation_steps=1,
@@ -134,7 +129,8 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         assistant_only_loss=True,
         packing=best,
         padding_free=best,
-        bf16=dtype == torch.bfloat16,
+        gradient_checkpointing=not best,  # SFTConfig's default is on; recomputing is slower
+        bf16=setup["precision"] == "bf16",
         use_cpu=not torch.cuda.is_available(),
         report_to=[],
         save_strategy="no",
@@ -144,6 +140,20 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+
+
+def run_trl(setup: dict, out: Path, best: bool) -> dict:
+    """Runs in its own process (see --worker)."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    # fp32 master weights with bf16 autocast, as in llmtrain; sdpa for both (flash-attn is not installed)
+    model = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(setup["model"])
+    data = datasets.load_dataset("json", data_files=setup["data"], split="train")
+    config = trl_config(setup, out, best)
     timer = harness.step_timer()
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
@@ -155,16 +165,22 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
     }
 
 
-def data_tokens(setup: dict) -> tuple[int, int]:
-    """(trained tokens, all tokens) of one epoch, counted with llmtrain's tokenization,
-    which trains the same tokens as TRL's assistant_only_loss on this template."""
+def prepared_rows(setup: dict):
+    """The rows as llmtrain tokenizes them for this setup (rows that keep no trained token
+    after truncation are left out)."""
     from transformers import AutoTokenizer
 
     from llmtrain.config import DataConfig
     from llmtrain.data.prepare import prepare_split
 
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
-    ds, _ = prepare_split("data.train", [setup["data"]], tokenizer, DataConfig(max_seq_len=setup["seq"]))
+    return prepare_split("data.train", [setup["data"]], tokenizer, DataConfig(max_seq_len=setup["seq"]))[0]
+
+
+def data_tokens(setup: dict) -> tuple[int, int]:
+    """(trained tokens, all tokens) of one epoch, counted with llmtrain's tokenization,
+    which trains the same tokens as TRL's assistant_only_loss on this template."""
+    ds = prepared_rows(setup)
     return sum(ds["n_trained"]), sum(ds["length"])
 
 

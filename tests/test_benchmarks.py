@@ -115,3 +115,46 @@ def test_grpo_benchmark_asks_both_systems_the_same_questions():
         accuracy(None, [[{"role": "assistant", "content": r["answer"]}] for r in rows], [r["answer"] for r in rows])
         == [1.0] * 6
     )
+
+
+BENCH_SETUP = {"micro": 8, "seq": 512, "precision": "no", "mean_row_tokens": 180.0, "steps": 22}
+
+
+def test_trl_at_its_best_recomputes_nothing(tmp_path):
+    """TRL's SFTConfig turns gradient checkpointing on by default, llmtrain's config off:
+    TRL's best settings, and the step-time comparison, must turn it off, or TRL pays for a
+    second forward pass that llmtrain does not (an earlier table did exactly that)."""
+    pytest.importorskip("trl")
+    from trl import SFTConfig
+
+    assert SFTConfig(output_dir=str(tmp_path), use_cpu=True).gradient_checkpointing  # TRL's default
+    assert not bench.trl_config(BENCH_SETUP, tmp_path, best=True).gradient_checkpointing
+    assert bench.trl_config(BENCH_SETUP, tmp_path, best=False).gradient_checkpointing  # its defaults, as they come
+
+
+def test_the_step_time_comparison_is_the_same_work(tmp_path):
+    """Both systems train on the same rows in each step (file order, no shuffling), padded,
+    8 to a step, without recomputing activations."""
+    pytest.importorskip("trl")
+    step = load("sft_step_time")
+    theirs = step.trl_config(BENCH_SETUP, tmp_path)
+    assert theirs.train_sampling_strategy == "sequential" and not theirs.gradient_checkpointing
+    assert not theirs.packing and not theirs.padding_free and theirs.per_device_train_batch_size == 8
+    assert theirs.gradient_accumulation_steps == 1 and theirs.max_steps == 22
+    ours = step.ours_args(BENCH_SETUP | {"model": "m", "data": "d"}, 22)
+    for override in ("data.shuffle=false", "data.packing=false", "train.micro_batch_size=8", "train.max_steps=22"):
+        assert override in ours
+    assert not any(a.startswith(("model.gradient_checkpointing", "train.grad_accum_steps")) for a in ours)
+
+
+def test_a_benchmark_run_starts_from_an_empty_output_directory(tmp_path):
+    """llmtrain takes a finished run with the same settings in its output_dir as done and
+    trains nothing, so a benchmark rerun would read the last run's metrics: run_ours
+    empties the directory first."""
+    harness = load("harness")
+    out = tmp_path / "llmtrain-0"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(RuntimeError, match="config"):
+        harness.run_ours("finetune.py", {"precision": "no"}, out, ["--config", str(tmp_path / "missing.yaml")])
+    assert not (out / "metrics.jsonl").exists()
