@@ -274,10 +274,10 @@ def plan(argv: list[str]) -> None:
     )
     parser.add_argument(
         "--recipe",
-        choices=["finetune", "dpo", "grpo"],
+        choices=sorted(RECIPES),
         default=None,
-        help="the recipe the config is for (default: dpo or grpo when the config or an override sets a key of "
-        "that section)",
+        help="the recipe the config is for (default: dpo, grpo or reward when the config or an override sets a "
+        "key of that section, else finetune)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides

@@ -85,6 +85,9 @@ def test_plan_of_a_preference_run_shows_a_pair_and_its_reference(base_config, ti
     assert "packed sequences of whole pairs" in lora.stdout and "adapters off" in lora.stdout
     sft = plan(*common, env=cache_env)  # read as finetune.py's: pairs are not SFT rows
     assert sft.returncode == 2 and "Traceback" not in sft.stderr
+    reward = plan(*common, "--recipe", "reward", env=cache_env)  # no reward key in the config: named
+    assert reward.returncode == 0, reward.stderr[-3000:]
+    assert "== reward model (Bradley-Terry, centring 0) ==" in reward.stdout
 
 
 def test_plan_of_an_rl_run_counts_its_generations_and_reference(base_config, tiny_model, cache_env, tmp_path):

@@ -93,8 +93,7 @@ class TokenLoss:
     progress_metrics: dict[str, str] = {}
 
     def __init__(self, chunk_tokens: int = 0, head: torch.nn.Linear | None = None, router: RouterBalance | None = None):
-        self.head = head if chunk_tokens > 0 else None
-        self.chunk = chunk_tokens if self.head is not None else 0  # whole logits when the head cannot be chunked
+        self.head, self.chunk = loss_head(head, chunk_tokens)
         self.router = router
         if router is not None:  # mixture of experts: the router's balance, trained or only logged
             self.metric_names, self.progress_metrics = ("router_aux",), {"router_aux": "aux"}
@@ -124,6 +123,12 @@ class TokenLoss:
             return Loss(total)
         aux = self.router.weighted_sum(router_logits, batch)
         return Loss(total + self.router.coef * aux, {"router_aux": aux.detach()})
+
+
+def loss_head(head: torch.nn.Linear | None, chunk_tokens: int) -> tuple[torch.nn.Linear | None, int]:
+    """(the output layer a loss runs chunk by chunk, positions per chunk), or (None, 0) for
+    whole logits: without a chunk budget, or without a head that can be chunked."""
+    return (head, chunk_tokens) if head is not None and chunk_tokens > 0 else (None, 0)
 
 
 def chunk_positions(head: torch.nn.Linear | None, chunk_logits: int) -> int:

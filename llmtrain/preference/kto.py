@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.objective import Loss, model_inputs
+from ..core.objective import Loss, loss_head, model_inputs
 from .loss import answer_logps
 
 METRICS = (
@@ -82,8 +82,7 @@ class KTOLoss:
         adapters_off=None,
     ):
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
-        self.head = head if chunk_tokens > 0 else None
-        self.chunk = chunk_tokens if self.head is not None else 0
+        self.head, self.chunk = loss_head(head, chunk_tokens)
         self.adapters_off = adapters_off  # model -> context manager with the LoRA adapters disabled
         self.reference: torch.Tensor | None = None  # [rows, 2], set before training
         self.z0: float | None = None  # the reference point of the window (or evaluation) under way

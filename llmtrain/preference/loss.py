@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.objective import Loss, model_inputs, trained_head
+from ..core.objective import Loss, loss_head, model_inputs, trained_head
 from ..data.rows import IGNORE
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
@@ -183,8 +183,7 @@ class PreferenceLoss:
         if kind not in LOSSES:
             raise ValueError(f"unknown preference loss {kind!r}; one of {LOSSES}")
         self.kind, self.beta, self.simpo_gamma, self.sft_weight = kind, beta, simpo_gamma, sft_weight
-        self.head = head if chunk_tokens > 0 else None
-        self.chunk = chunk_tokens if self.head is not None else 0
+        self.head, self.chunk = loss_head(head, chunk_tokens)
         self.adapters_off = adapters_off  # model -> context manager with the LoRA adapters disabled
         self.reference: torch.Tensor | None = None  # [pairs, 2], set before training
 

@@ -79,6 +79,22 @@ def _answer_ids(prompt, answer, tokenizer, tools=None) -> tuple[list[int], list[
     return ids, labels, first
 
 
+def conversation(row: dict, prompt, answers: tuple, tokenizer, cfg: DataConfig) -> tuple:
+    """(prompt, answers, tools) as a preference row is tokenized: plain-text prompt and
+    answers become one user and one assistant message each when the tokenizer has a chat
+    template; data.system_prompt goes first in a conversation that has no system message;
+    the row's `tools`, if any, must be a list."""
+    if isinstance(prompt, str) and tokenizer.chat_template:
+        prompt = [{"role": "user", "content": prompt}]
+        answers = tuple([{"role": "assistant", "content": a}] for a in answers)
+    if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
+        prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+    tools = row.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RowError("'tools' must be a list of tool definitions")
+    return prompt, answers, tools
+
+
 def _fit(ids: list[int], labels: list[int], cut: int, width: int) -> tuple[list[int], list[int]]:
     ids, labels = ids[cut:], labels[cut:]
     return ids[:width], labels[:width]
@@ -90,16 +106,9 @@ def process_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
     the pair is dropped, 'error: ...' for a malformed row)."""
     try:
         prompt, chosen, rejected = pair_messages(row)
-        if isinstance(prompt, str) and tokenizer.chat_template:
-            prompt = [{"role": "user", "content": prompt}]
-            chosen, rejected = ([{"role": "assistant", "content": a}] for a in (chosen, rejected))
         if chosen == rejected:
             return _dropped("identical answers")
-        if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
-            prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-        tools = row.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RowError("'tools' must be a list of tool definitions")
+        prompt, (chosen, rejected), tools = conversation(row, prompt, (chosen, rejected), tokenizer, cfg)
         (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, tools) for a in (chosen, rejected))
     except NothingToTrain as e:
         return _dropped(str(e))

@@ -32,7 +32,7 @@ from ..data.batches import Collator
 from ..data.build import DataKind
 from ..data.rows import IGNORE, NothingToTrain, RowError, check_line, shift
 from ..errors import shown
-from .pairs import PAIRS, _answer_ids, _fit, _messages
+from .pairs import PAIRS, _answer_ids, _fit, _messages, conversation
 
 COLUMNS = ("prompt", "completion", "label")
 
@@ -63,13 +63,7 @@ def process_unpaired(row: dict, tokenizer, cfg: DataConfig) -> dict:
     'error: ...' for a malformed row)."""
     try:
         prompt, completion, desirable = unpaired_messages(row)
-        if isinstance(prompt, str) and tokenizer.chat_template:
-            prompt, completion = [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}]
-        if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
-            prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-        tools = row.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RowError("'tools' must be a list of tool definitions")
+        prompt, (completion,), tools = conversation(row, prompt, (completion,), tokenizer, cfg)
         ids, labels, start = _answer_ids(prompt, completion, tokenizer, tools)
     except NothingToTrain as e:
         return _dropped(str(e))

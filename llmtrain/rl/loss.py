@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.objective import Loss, model_inputs, trained_head
+from ..core.objective import Loss, loss_head, model_inputs, trained_head
 from ..data.rows import IGNORE
 
 
@@ -101,8 +101,7 @@ class GRPOLoss:
         self.loss_type, self.beta, self.temperature = loss_type, beta, temperature
         self.low, self.high = 1 - epsilon, 1 + (epsilon_high or epsilon)
         self.max_completion_length = max_completion_length
-        self.head = head if chunk_tokens > 0 else None
-        self.chunk = chunk_tokens if self.head is not None else 0
+        self.head, self.chunk = loss_head(head, chunk_tokens)
         self.unit = "tokens" if loss_type == "dapo" else "completions"
         self.metric_names = ("clip_ratio", "kl") if beta else ("clip_ratio",)
 
