@@ -24,8 +24,8 @@ WORKLOAD = dict(hidden=384, layers=6, heads=6, kv=2, ffn=1024, vocab=None, seq=5
 SHORT, LONG = 2, 22
 
 
-def ours_args(setup: dict, steps: int) -> list[str]:
-    """llmtrain's side: the same work as TRL's `trl_config`."""
+def ours_args(setup: dict, steps: int, overrides: tuple[str, ...] = ()) -> list[str]:
+    """llmtrain's side: the same work as TRL's `trl_config` (then `overrides`, from --ours)."""
     return [
         "--config",
         str(harness.HERE / "llmtrain_bench.yaml"),
@@ -38,12 +38,13 @@ def ours_args(setup: dict, steps: int) -> list[str]:
         f"train.max_steps={steps}",
         "checkpoint.every_steps=0",
         "eval.sample_prompts=[]",
+        *overrides,
     ]
 
 
 def ours(setup: dict, out: Path, steps: int) -> float:
     started = time.perf_counter()
-    rows, _ = harness.run_ours("finetune.py", setup, out, ours_args(setup, steps))
+    rows, _ = harness.run_ours("finetune.py", setup, out, ours_args(setup, steps, setup["overrides"]))
     seconds = time.perf_counter() - started
     assert len(rows) == steps, f"llmtrain logged {len(rows)} steps, not {steps}"
     return seconds
@@ -102,13 +103,15 @@ def main() -> None:
     if args.worker:  # one TRL run, in its own process
         setup = json.loads(args.setup)
         result = run_trl(setup, args.dir)
-        assert result["steps"] == setup["steps"] and result["rows"] == WORKLOAD["rows"], result
+        assert result["steps"] == setup["steps"] and result["rows"] == setup["rows"], result
         harness.worker_result(result)
         return
+    if args.rows:
+        WORKLOAD["rows"] = args.rows
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     sft_vs_trl.WORKLOADS["step"] = WORKLOAD
-    setup = sft_vs_trl.prepare("step", root)
+    setup = sft_vs_trl.prepare("step", root) | {"overrides": args.ours}
     # Same rows in the same order: llmtrain keeps every row (none loses all its trained
     # tokens to truncation), as TRL does.
     kept = len(sft_vs_trl.prepared_rows(setup))
@@ -126,7 +129,7 @@ def main() -> None:
     lines = [
         harness.heading("SFT step time, equal padded work"),
         "",
-        f"`python benchmarks/sft_step_time.py --repeats {args.repeats}`; {WORKLOAD['layers']} layers x "
+        f"{harness.command('sft_step_time.py', args)}; {WORKLOAD['layers']} layers x "
         f"{WORKLOAD['hidden']} wide, the same 8 rows a step in both (file order), padded to the longest, one "
         f"process, float32, no gradient checkpointing; ({LONG}-step run - {SHORT}-step run) / {LONG - SHORT}, "
         f"wall time; TRL {trl_module.__version__}.",

@@ -12,6 +12,7 @@ step, float32). Each part is timed with perf_counter around the function that do
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -87,7 +88,11 @@ def main() -> None:
     if sys.argv[1:2] == ["--inner"]:
         timed_run(sys.argv[3:], Path(sys.argv[2]))
         return
-    args = harness.parser(__doc__, {"cpu": sft_step_time.WORKLOAD}, harness.ROOT / "runs" / "bench-checks").parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=harness.ROOT / "runs" / "bench-checks")
+    parser.add_argument("--results", type=Path, default=harness.HERE / "RESULTS.md")
+    parser.add_argument("--ours", nargs="*", default=[], metavar="key=value", help="overrides for llmtrain")
+    args = parser.parse_args()
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     sft_vs_trl.WORKLOADS["step"] = sft_step_time.WORKLOAD
@@ -106,7 +111,7 @@ def main() -> None:
             f"model.name_or_path={setup['model']}", f"data.train={setup['data']}", f"data.max_seq_len={setup['seq']}",
             "data.packing=false", "data.shuffle=false", "train.micro_batch_size=4" if processes > 1 else
             "train.micro_batch_size=8", f"train.max_steps={STEPS}", "checkpoint.every_steps=0",
-            "eval.sample_prompts=[]", f"output_dir={out}",
+            "eval.sample_prompts=[]", f"output_dir={out}", *args.ours,
         ]  # fmt: skip
         env = dict(os.environ, ACCELERATE_USE_CPU="1", ACCELERATE_MIXED_PRECISION="no")
         subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=harness.ROOT)
@@ -119,7 +124,8 @@ def report(args, results: dict) -> None:
     lines = [
         harness.heading("Per-step cost of each check, SFT"),
         "",
-        f"`python benchmarks/step_checks.py`; benchmarks/sft_step_time.py's workload (6 layers x 384, float32, 8 "
+        f"`python benchmarks/step_checks.py{' --ours ' + ' '.join(args.ours) if args.ours else ''}`; "
+        "benchmarks/sft_step_time.py's workload (6 layers x 384, float32, 8 "
         f"padded rows a step: 8 x 1 on one process, 4 x 1 on each of two), steps {WARMUP + 1}-{STEPS}, mean ms a "
         "step; timed in the run around each function.",
         "",
