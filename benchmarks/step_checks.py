@@ -3,7 +3,7 @@ bookkeeping around the forward and backward passes (window agreement, loss reduc
 gradient norm, spike guard, the non-finite weights check, the metrics row) against the
 step as a whole, on one process and on two (DDP over gloo, CPU).
 
-    python benchmarks/step_checks.py             # about 3 minutes on 2 CPU cores
+    python benchmarks/step_checks.py             # about 2 minutes on 2 CPU cores
 
 The workload is benchmarks/sft_step_time.py's (a 6-layer, 384-wide Llama, 8 padded rows a
 step, float32). Each part is timed with perf_counter around the function that does it

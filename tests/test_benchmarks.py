@@ -158,3 +158,17 @@ def test_a_benchmark_run_starts_from_an_empty_output_directory(tmp_path):
     with pytest.raises(RuntimeError, match="config"):
         harness.run_ours("finetune.py", {"precision": "no"}, out, ["--config", str(tmp_path / "missing.yaml")])
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_every_part_step_checks_times_is_a_function_the_loop_calls():
+    """benchmarks/step_checks.py wraps functions by module and name: each must exist (a
+    rename would otherwise surface only when the benchmark is next run)."""
+    import importlib
+
+    checks = load("step_checks")
+    for _, module, path in checks.PARTS:
+        owner = importlib.import_module(module)
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        assert callable(owner), path
+    assert set(checks.OUTER) | set(checks.INNER) <= {path for _, _, path in checks.PARTS}
