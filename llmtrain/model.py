@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import Attention
+from .attention import Attention, share_sdpa_masks
 from .attention import choose as choose_attention
 from .config import ModelConfig
 from .errors import ModelError, describe, shown, warn
@@ -379,6 +379,8 @@ def load_model(cfg: ModelConfig):
         what = "a sequence-classification (reward) model" if cfg.head == "score" else "a causal LM"
         raise _load_error(what, cfg.name_or_path, e) from None
     model.config.use_cache = False
+    if model.config._attn_implementation == "sdpa":
+        share_sdpa_masks()  # one float copy of a boolean mask for all layers, not one each
     if is_quantized(model) and model.device.type == "cpu":  # 8-bit layers have no such path: left as they are
         keep_4bit_trainable_on_cpu(model)
     if cfg.gradient_checkpointing:

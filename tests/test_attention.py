@@ -1,5 +1,6 @@
 """attention.choose: the backend per model and device, and the errors for what a model or
-device cannot run. (Packed masks per architecture: tests/launch/test_architectures.py.)"""
+device cannot run; attention.share_sdpa_masks: one float mask for all layers, the same
+numbers. (Packed masks per architecture: tests/launch/test_architectures.py.)"""
 
 import pytest
 import torch
@@ -70,3 +71,120 @@ def test_packing_is_refused_where_samples_could_not_be_kept_apart():
     mixed.layer_types = ["sliding_attention", "full_attention"]  # Mistral's code takes one mask for all layers
     with pytest.raises(AttentionError, match="^data.packing: MistralForCausalLM mixes layer types"):
         choose("auto", MistralForCausalLM, mixed, True, torch.device("cpu"))
+
+
+def train_pass(model, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """(logits, gradients, distinct float attention masks autograd kept) of one forward and
+    backward pass of `model` on `batch`."""
+    length = batch["input_ids"].shape[1]
+    masks: set[int] = set()
+
+    def pack(t):  # every tensor autograd keeps for the backward pass
+        if t.is_floating_point() and t.dim() == 4 and tuple(t.shape[-2:]) == (length, length) and t.shape[1] == 1:
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**batch).logits
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], len(masks)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_sdpa_keeps_one_float_mask_for_all_layers_and_the_same_numbers(zoo, name, monkeypatch):
+    """share_sdpa_masks: a boolean mask (packed, built by attention.packed_mask; padded,
+    built by transformers inside the model) becomes one float mask that every layer shares,
+    where torch's SDPA alone makes and keeps one per layer, and the logits and gradients are
+    bit-identical. (gemma3 mixes sliding and full layers: a mask per layer type.)"""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from llmtrain.attention import _FLOAT_MASKS, _sdpa_sharing_masks, packed_mask
+
+    model = AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation="sdpa", dtype=torch.float32)
+    model.train()
+    torch.manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 24))
+    position_ids = torch.tensor([list(range(10)) + list(range(14)), list(range(24))])
+    packed = {"input_ids": ids, "position_ids": position_ids}
+    packed["attention_mask"] = packed_mask(model.config, position_ids, torch.float32)
+    padded = {"input_ids": ids, "attention_mask": torch.tensor([[1] * 24, [1] * 17 + [0] * 7])}
+    layers = model.config.num_hidden_layers
+    types = len(set(model.config.layer_types)) if getattr(model.config, "layer_types", None) else 1
+    for batch in (packed, padded):
+        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_attention_forward)
+        stock_logits, stock_grads, stock_masks = train_pass(model, batch)
+        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", _sdpa_sharing_masks)
+        logits, grads, kept = train_pass(model, batch)
+        assert torch.equal(logits, stock_logits)
+        assert len(grads) == len(stock_grads) and all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+        assert stock_masks == layers and kept == types
+    del packed, padded, batch
+    assert len(_FLOAT_MASKS) == 0  # the float masks went with their boolean masks
+
+
+GPU = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_sdpa_shares_the_mask_in_the_dtype_attention_computes_in(zoo, weights, device, monkeypatch):
+    """Under bf16 autocast (float32 weights; the query reaches attention in float32, and
+    autocast casts SDPA's inputs to bf16) and with bf16 weights: one mask, in bf16, and the
+    same numbers as torch's own conversion (on a GPU: its memory-efficient kernel)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from llmtrain.attention import _sdpa_sharing_masks
+
+    model = AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa", dtype=weights).to(device)
+    model.train()
+    batch = {"input_ids": torch.randint(3, 50, (2, 20)), "attention_mask": torch.tensor([[1] * 20, [1] * 13 + [0] * 7])}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    results = []
+    for attention in (sdpa_attention_forward, _sdpa_sharing_masks):
+        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", attention)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=weights == torch.float32):
+            results.append(train_pass(model, batch))
+    (stock, stock_grads, stock_masks), (logits, grads, kept) = results
+    assert torch.equal(logits, stock)
+    for a, b in zip(grads, stock_grads, strict=True):
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:  # the memory-efficient kernel's backward is not deterministic run to run
+            torch.testing.assert_close(a, b)
+    assert (stock_masks, kept) == (model.config.num_hidden_layers, 1)
+
+
+def test_sdpa_leaves_masks_of_no_grad_passes_to_torch(zoo, monkeypatch):
+    """Without autograd nothing is kept, so nothing is converted ahead (generation, the
+    reference pass): torch's own per-call conversion runs and is freed at once."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from llmtrain.attention import _FLOAT_MASKS, _sdpa_sharing_masks
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", _sdpa_sharing_masks)
+    model = AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa", dtype=torch.float32)
+    mask = torch.tensor([[1] * 12, [1] * 5 + [0] * 7])
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 50, (2, 12)), attention_mask=mask)
+    assert len(_FLOAT_MASKS) == 0
+
+
+def test_masks_are_left_to_torch_where_it_might_pick_cudnn(monkeypatch):
+    """torch fills a boolean mask's False with -65504 for cuDNN's SDPA, -inf elsewhere: the
+    shared mask is made only where torch would not try cuDNN before its math kernel."""
+    import torch._C
+
+    from llmtrain.attention import converts_like_torch
+
+    assert converts_like_torch("cpu")
+    assert converts_like_torch("cuda")  # torch's default order: flash, efficient, math, cuDNN
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0, 4])  # cuDNN first
+    assert not converts_like_torch("cuda")
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    assert converts_like_torch("cuda")
