@@ -151,11 +151,14 @@ def converts_like_torch(device_type: str) -> bool:
 
 def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`mask` (True: may attend) as the additive float mask torch's SDPA makes of it, made
-    once per mask and dtype while `mask` lives."""
+    once per mask, dtype and version of the mask (a mask changed in place is made anew)
+    while `mask` lives."""
     made = _FLOAT_MASKS.setdefault(mask, {})
-    if dtype not in made:
-        made[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return made[dtype]
+    key = (dtype, mask._version)
+    if key not in made:
+        made.clear()  # an older version's copy is of no further use
+        made[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return made[key]
 
 
 def takes_mask_mapping(model_class: type) -> bool:

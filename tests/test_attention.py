@@ -188,3 +188,13 @@ def test_masks_are_left_to_torch_where_it_might_pick_cudnn(monkeypatch):
     assert not converts_like_torch("cuda")
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
     assert converts_like_torch("cuda")
+
+
+def test_a_mask_changed_in_place_gets_a_new_float_mask():
+    from llmtrain.attention import float_mask
+
+    mask = torch.tensor([[True, False], [True, True]])
+    first = float_mask(mask, torch.float32)
+    assert float_mask(mask, torch.float32) is first and first[0, 1] == float("-inf") and first[0, 0] == 0
+    mask[0, 1] = True
+    assert torch.equal(float_mask(mask, torch.float32), torch.zeros(2, 2))
