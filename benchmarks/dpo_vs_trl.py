@@ -189,13 +189,9 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         gradient_checkpointing=not best,  # TRL's default is on
         bf16=dtype == torch.bfloat16,  # TRL's default is on, also on CPU
         use_cpu=not torch.cuda.is_available(),
-        report_to=[],
-        save_strategy="no",
+        **harness.TRL_RUN,
         logging_steps=10**6,
-        seed=0,
         use_liger_kernel=best and harness.has("liger_kernel"),
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     timer = harness.step_timer()
     trainer = TimedDPOTrainer(

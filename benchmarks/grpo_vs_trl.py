@@ -183,12 +183,8 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         gradient_checkpointing=not best,  # TRL's default is on
         bf16=False,
         use_cpu=not torch.cuda.is_available(),
-        report_to=[],
-        save_strategy="no",
+        **harness.TRL_RUN,
         logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     timer = harness.step_timer()
     trainer = TimedGRPOTrainer(

@@ -19,6 +19,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS = ("trl-default", "trl-best")
+# Settings every TRL run here shares: no tracker, no checkpoints, no progress bar, the same
+# seed, and batches made in the training process (as llmtrain's data.num_workers=0).
+TRL_RUN = dict(report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True)
 
 
 def save_llama(w: dict, tokenizer, path: Path) -> None:

@@ -120,12 +120,8 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
         max_length=SEQ,
         center_rewards_coefficient=CENTER,
         use_cpu=not torch.cuda.is_available(),
-        report_to=[],
-        save_strategy="no",
+        **harness.TRL_RUN,
         logging_steps=10**6,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         **({"bf16": False, "gradient_checkpointing": False} if best else {}),
     )
     timer = harness.step_timer()

@@ -74,12 +74,8 @@ def trl_config(setup: dict, out: Path):
         gradient_checkpointing=False,  # SFTConfig's default is on; llmtrain's is off
         train_sampling_strategy="sequential",  # the rows in file order, as llmtrain's data.shuffle=false
         use_cpu=True,
-        report_to=[],
-        save_strategy="no",
+        **harness.TRL_RUN,
         logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
 
 

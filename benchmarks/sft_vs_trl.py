@@ -132,13 +132,9 @@ def trl_config(setup: dict, out: Path, best: bool):
         gradient_checkpointing=not best,  # SFTConfig's default is on; recomputing is slower
         bf16=setup["precision"] == "bf16",
         use_cpu=not torch.cuda.is_available(),
-        report_to=[],
-        save_strategy="no",
+        **harness.TRL_RUN,
         logging_steps=10**6,
-        seed=0,
         use_liger_kernel=best and harness.has("liger_kernel"),
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
 
 
