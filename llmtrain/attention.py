@@ -85,6 +85,27 @@ def packed_mask(config, position_ids: torch.Tensor, dtype: torch.dtype):
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
+def padding_needs_mask(model) -> bool:
+    """Whether a right-padded batch must give `model` its padding mask (attention_mask).
+
+    Not for a transformers model loaded with SDPA. Right padding puts every row's padding
+    after its last token, so causal attention alone already keeps every real token from
+    seeing padding; padding positions see real tokens, but nothing is trained on their
+    outputs. Without a padding mask transformers runs SDPA as plain causal attention
+    (is_causal; its own mask still for sliding windows and chunks), where a padding mask
+    makes it build a dense [batch, 1, length, length] mask per layer type and run attention
+    over every key: on CPU the fused kernel then skips no block above the diagonal, on CUDA
+    the flash kernel cannot take the mask at all. The logits at real positions are the same
+    to the bit and gradients differ only by float rounding (tests/test_attention.py). Kept for
+    other backends: the flash kernels unpad with it, FlexAttention skips padded blocks, and
+    a model's own code (trust_remote_code) may not make attention without a mask causal.
+    Written here because transformers cannot assume right padding: it builds the mask for any
+    padding it is given."""
+    inner = transformers_model(model)
+    native = type(inner).__module__.startswith("transformers.")
+    return not (native and inner.config._attn_implementation == "sdpa")
+
+
 # boolean mask -> {dtype: the float mask torch's SDPA would make of it}, while the mask lives
 # (keyed by identity: a tensor's == compares values)
 _FLOAT_MASKS = WeakIdKeyDictionary()

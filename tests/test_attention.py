@@ -1,12 +1,15 @@
 """attention.choose: the backend per model and device, and the errors for what a model or
 device cannot run; attention.share_sdpa_masks: one float mask for all layers, the same
-numbers. (Packed masks per architecture: tests/launch/test_architectures.py.)"""
+numbers; attention.padding_needs_mask: right-padded batches without the padding mask where
+causal attention alone keeps padding unseen. (Packed masks per architecture:
+tests/launch/test_architectures.py.)"""
 
 import pytest
 import torch
 
 from llmtrain.attention import choose, describe_pattern, layer_types
 from llmtrain.errors import AttentionError
+from tests.architectures import ARCHITECTURES
 
 
 def llama():
@@ -198,3 +201,66 @@ def test_a_mask_changed_in_place_gets_a_new_float_mask():
     assert float_mask(mask, torch.float32) is first and first[0, 1] == float("-inf") and first[0, 0] == 0
     mask[0, 1] = True
     assert torch.equal(float_mask(mask, torch.float32), torch.zeros(2, 2))
+
+
+def right_padded(vocab: int) -> dict:
+    """Three rows of 24, 17 and 9 tokens (longer than the zoo's 8-token windows), padded on
+    the right as batches.Collator pads them."""
+    torch.manual_seed(0)
+    lengths = [24, 17, 9]
+    return {
+        "input_ids": torch.randint(3, vocab, (len(lengths), 24)),
+        "attention_mask": torch.tensor([[1] * n + [0] * (24 - n) for n in lengths]),
+    }
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_right_padded_batches_train_alike_with_and_without_the_padding_mask(zoo, name):
+    """objective.model_inputs leaves the padding mask out where attention.padding_needs_mask
+    says causal attention alone keeps padding unseen (transformers' models with SDPA): the
+    logits at real positions are the same to the bit, sliding windows still hold (rows are
+    longer than the window), and the gradients differ by rounding only. Other backends
+    (gemma2 and gpt-oss load with eager) keep the mask."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.core.objective import model_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(zoo(name), dtype=torch.float32)  # SDPA where the model supports it
+    attention = model.config._attn_implementation
+    model.eval()  # no dropout (GPT-2 has some), so the two passes can be compared; gradients still flow
+    batch = right_padded(model.config.vocab_size)
+    kwargs = model_inputs(model, batch)
+    assert ("attention_mask" in kwargs) == (attention != "sdpa")
+    real = batch["attention_mask"].bool()
+    results = []
+    for inputs in (
+        kwargs,
+        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False},
+    ):
+        model.zero_grad(set_to_none=True)
+        logits = model(**inputs).logits[real]
+        logits.float().logsumexp(-1).sum().backward()
+        results.append(
+            (logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        )
+    (logits, grads), (masked_logits, masked_grads) = results
+    assert torch.equal(logits, masked_logits)
+    assert grads.keys() == masked_grads.keys()
+    for key, grad in masked_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_padding_mask_is_kept_for_other_backends_and_for_a_models_own_code(zoo):
+    """Only a transformers model loaded with SDPA goes without it: the flash kernels and
+    FlexAttention use the mask to skip padding, and a model's own code (trust_remote_code)
+    may not make attention without a mask causal."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from llmtrain.attention import padding_needs_mask
+
+    class OwnCode(LlamaForCausalLM):  # defined outside transformers, as remote code is
+        pass
+
+    assert not padding_needs_mask(AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa"))
+    assert padding_needs_mask(AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="eager"))
+    assert padding_needs_mask(OwnCode.from_pretrained(zoo("llama"), attn_implementation="sdpa"))

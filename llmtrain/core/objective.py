@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..attention import packed_mask, transformers_model
+from ..attention import packed_mask, padding_needs_mask, transformers_model
 from ..data.rows import IGNORE
 from ..model import chunkable_head
 from .router import RouterBalance
@@ -141,13 +141,15 @@ def chunk_positions(head: torch.nn.Linear | None, chunk_logits: int) -> int:
 
 
 def model_inputs(model, batch: dict) -> dict:
-    """The model's keyword arguments for a padded batch (attention_mask) or a packed one
-    (position_ids restarting at 0 for each sample, and the model's own attention pattern
+    """The model's keyword arguments for a padded batch (attention_mask where the backend
+    needs it: attention.padding_needs_mask; batches.Collator pads on the right) or a packed
+    one (position_ids restarting at 0 for each sample, and the model's own attention pattern
     within each sample, in the form of the backend the model was loaded with:
     attention.packed_mask)."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
     if "doc_ids" not in batch:
-        kwargs["attention_mask"] = batch["attention_mask"]
+        if padding_needs_mask(model):
+            kwargs["attention_mask"] = batch["attention_mask"]
         return kwargs
     # The parameters' dtype after prepare (DeepSpeed may have cast them): a cheap lookup.
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())

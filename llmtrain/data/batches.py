@@ -42,7 +42,8 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 class Collator:
-    """Pads a list of examples to the longest (right padding, labels IGNORE).
+    """Pads a list of examples to the longest (right padding, labels IGNORE; on which
+    objective.model_inputs relies where it leaves the padding mask out).
 
     Packed examples (with position_ids and doc_ids) keep them; padding gets doc id -1 so
     it forms its own block and never joins a real sample. With `pack_width`, packed batches
