@@ -102,8 +102,9 @@ def padding_needs_mask(model) -> bool:
     Written here because transformers cannot assume right padding: it builds the mask for any
     padding it is given."""
     inner = transformers_model(model)
-    native = type(inner).__module__.startswith("transformers.")
-    return not (native and inner.config._attn_implementation == "sdpa")
+    # FSDP2 swaps the class for a subclass of its own (torch.distributed's): look past it.
+    cls = next(c for c in type(inner).__mro__ if not c.__module__.startswith("torch."))
+    return not (cls.__module__.startswith("transformers.") and inner.config._attn_implementation == "sdpa")
 
 
 # boolean mask -> {dtype: the float mask torch's SDPA would make of it}, while the mask lives

@@ -264,3 +264,21 @@ def test_the_padding_mask_is_kept_for_other_backends_and_for_a_models_own_code(z
     assert not padding_needs_mask(AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa"))
     assert padding_needs_mask(AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="eager"))
     assert padding_needs_mask(OwnCode.from_pretrained(zoo("llama"), attn_implementation="sdpa"))
+
+
+def test_a_model_sharded_by_fsdp2_is_still_taken_for_transformers_own(zoo, tmp_path):
+    """fully_shard changes the model's class to a subclass torch makes: not the model's own code."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.attention import padding_needs_mask
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa")
+        fully_shard(model)
+        assert type(model).__name__ == "FSDPLlamaForCausalLM"
+        assert not padding_needs_mask(model)
+    finally:
+        dist.destroy_process_group()
