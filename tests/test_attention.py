@@ -282,3 +282,30 @@ def test_a_model_sharded_by_fsdp2_is_still_taken_for_transformers_own(zoo, tmp_p
         assert not padding_needs_mask(model)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_right_padded_batches_on_a_gpu_train_alike_without_the_padding_mask(zoo, name):
+    """On CUDA, SDPA without a mask takes the flash kernel, with one the memory-efficient
+    kernel: different kernels, so the same numbers within bf16 rounding, not to the bit."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.core.objective import model_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
+    batch = {k: v.cuda() for k, v in right_padded(model.config.vocab_size).items()}
+    kwargs = model_inputs(model, batch)
+    assert "attention_mask" not in kwargs
+    real = batch["attention_mask"].bool()
+    results = []
+    for inputs in (kwargs, dict(kwargs, attention_mask=batch["attention_mask"])):
+        model.zero_grad(set_to_none=True)
+        logits = model(**inputs).logits[real]
+        logits.float().logsumexp(-1).sum().backward()
+        results.append((logits.detach().float(), [p.grad.float() for p in model.parameters() if p.grad is not None]))
+    (logits, grads), (masked_logits, masked_grads) = results
+    torch.testing.assert_close(logits, masked_logits, rtol=2e-2, atol=2e-2)
+    for grad, masked in zip(grads, masked_grads, strict=True):
+        torch.testing.assert_close(grad, masked, rtol=5e-2, atol=5e-2)
