@@ -98,13 +98,15 @@ def padding_needs_mask(model) -> bool:
     the flash kernel cannot take the mask at all. The logits at real positions are the same
     to the bit and gradients differ only by float rounding (tests/test_attention.py). Kept for
     other backends: the flash kernels unpad with it, FlexAttention skips padded blocks, and
-    a model's own code (trust_remote_code) may not make attention without a mask causal.
-    Written here because transformers cannot assume right padding: it builds the mask for any
-    padding it is given."""
+    a model's own code (trust_remote_code) may not make attention without a mask causal, nor
+    does a model whose attention looks both ways (Gemma's use_bidirectional_attention: a
+    layer with is_causal False). Written here because transformers cannot assume right
+    padding: it builds the mask for any padding it is given."""
     inner = transformers_model(model)
     # FSDP2 swaps the class for a subclass of its own (torch.distributed's): look past it.
     cls = next(c for c in type(inner).__mro__ if not c.__module__.startswith("torch."))
-    return not (cls.__module__.startswith("transformers.") and inner.config._attn_implementation == "sdpa")
+    causal = all(getattr(m, "is_causal", True) is not False for m in inner.modules())
+    return not (cls.__module__.startswith("transformers.") and inner.config._attn_implementation == "sdpa" and causal)
 
 
 # boolean mask -> {dtype: the float mask torch's SDPA would make of it}, while the mask lives
@@ -286,6 +288,12 @@ def _check_packable(model_class: type, mcfg) -> None:
         raise AttentionError(
             f"data.packing: {arch} takes no position_ids, so packed samples cannot start their positions at 0; "
             "set data.packing=false"
+        )
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    if getattr(text, "use_bidirectional_attention", None) in (True, "all"):
+        raise AttentionError(
+            f"data.packing: {arch} attends both ways (use_bidirectional_attention), and packed samples get "
+            "causal masks; set data.packing=false"
         )
     types = set(layer_types(mcfg))
     if unknown := sorted(types - {FULL, SLIDING, CHUNKED}):

@@ -266,6 +266,31 @@ def test_the_padding_mask_is_kept_for_other_backends_and_for_a_models_own_code(z
     assert padding_needs_mask(OwnCode.from_pretrained(zoo("llama"), attn_implementation="sdpa"))
 
 
+def test_a_model_that_attends_both_ways_keeps_the_padding_mask_and_is_not_packed(tokenizer):
+    """Gemma's use_bidirectional_attention: without the mask its real tokens would see the
+    padding after them (the logits change), so it keeps the mask; and packed samples, which
+    get causal masks, are refused for it."""
+    from transformers import Gemma3ForCausalLM
+
+    from llmtrain.attention import padding_needs_mask
+    from tests.architectures import config
+
+    mcfg = config("gemma3", tokenizer)
+    mcfg.use_bidirectional_attention = True
+    mcfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(mcfg).eval()
+    assert padding_needs_mask(model)
+    batch = right_padded(mcfg.vocab_size)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        masked = model(**batch).logits[real]
+        unmasked = model(input_ids=batch["input_ids"]).logits[real]
+    assert not torch.allclose(masked, unmasked)
+    with pytest.raises(AttentionError, match=r"^data.packing: Gemma3ForCausalLM attends both ways"):
+        choose("auto", Gemma3ForCausalLM, mcfg, True, torch.device("cpu"))
+
+
 def test_a_model_sharded_by_fsdp2_is_still_taken_for_transformers_own(zoo, tmp_path):
     """fully_shard changes the model's class to a subclass torch makes: not the model's own code."""
     import torch.distributed as dist
