@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -105,8 +106,19 @@ def padding_needs_mask(model) -> bool:
     inner = transformers_model(model)
     # FSDP2 swaps the class for a subclass of its own (torch.distributed's): look past it.
     cls = next(c for c in type(inner).__mro__ if not c.__module__.startswith("torch."))
-    causal = all(getattr(m, "is_causal", True) is not False for m in inner.modules())
-    return not (cls.__module__.startswith("transformers.") and inner.config._attn_implementation == "sdpa" and causal)
+    native = cls.__module__.startswith("transformers.")
+    return not (native and inner.config._attn_implementation == "sdpa" and attends_causally(inner))
+
+
+# transformers model -> whether no layer of it attends both ways (a scan of every module:
+# about 2 ms for an 80-layer model, so made once per model rather than per micro-batch)
+_CAUSAL = weakref.WeakKeyDictionary()
+
+
+def attends_causally(model) -> bool:
+    if model not in _CAUSAL:
+        _CAUSAL[model] = all(getattr(m, "is_causal", True) is not False for m in model.modules())
+    return _CAUSAL[model]
 
 
 # boolean mask -> {dtype: the float mask torch's SDPA would make of it}, while the mask lives
