@@ -34,6 +34,13 @@ from .errors import AttentionError, shown
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
+def attends_both_ways(mcfg) -> bool:
+    """Whether the config makes the text layers attend to later tokens too (Gemma's
+    use_bidirectional_attention, True or 'all'; 'vision' is both ways among image tokens only)."""
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    return getattr(text, "use_bidirectional_attention", None) in (True, "all")
+
+
 def layer_types(mcfg) -> list[str]:
     """The attention of each layer as the model's config declares it, in transformers'
     names (full_attention, sliding_attention, chunked_attention, or a model's own)."""
@@ -301,8 +308,7 @@ def _check_packable(model_class: type, mcfg) -> None:
             f"data.packing: {arch} takes no position_ids, so packed samples cannot start their positions at 0; "
             "set data.packing=false"
         )
-    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
-    if getattr(text, "use_bidirectional_attention", None) in (True, "all"):
+    if attends_both_ways(mcfg):
         raise AttentionError(
             f"data.packing: {arch} attends both ways (use_bidirectional_attention), and packed samples get "
             "causal masks; set data.packing=false"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .attention import Attention, share_sdpa_masks
+from .attention import Attention, attends_both_ways, share_sdpa_masks
 from .attention import choose as choose_attention
 from .config import ModelConfig
-from .errors import ModelError, describe, shown, warn
+from .errors import AttentionError, ModelError, describe, shown, warn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -234,8 +234,16 @@ def _rope_scaled(mcfg) -> bool:
 
 
 def attention_backend(cfg: ModelConfig, mcfg, packing: bool, device: torch.device) -> Attention:
-    """model.attn_implementation resolved for this model, data and device (attention.choose)."""
-    return choose_attention(cfg.attn_implementation, model_class(cfg, mcfg), mcfg, packing, device)
+    """model.attn_implementation resolved for this model, data and device (attention.choose).
+    A causal LM head on layers that attend both ways is refused: next-token training would
+    let every position see the token it is to predict."""
+    cls = model_class(cfg, mcfg)
+    if cfg.head != "score" and attends_both_ways(mcfg):
+        raise AttentionError(
+            f"model.name_or_path: {cls.__name__} attends both ways (use_bidirectional_attention), so next-token "
+            "training would show each position the token it predicts; train a model with causal attention"
+        )
+    return choose_attention(cfg.attn_implementation, cls, mcfg, packing, device)
 
 
 def model_class(cfg: ModelConfig, mcfg) -> type:

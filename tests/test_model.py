@@ -157,3 +157,30 @@ def test_added_tokens_past_the_embeddings_are_allowed_where_text_cannot_reach_th
     assert ids_past(tok, base - 1) == f"a vocabulary of {base} tokens"
     tok.add_special_tokens({"pad_token": "<image_soft_token>"})
     assert ids_past(tok, base) == f"pad_token at id {base}"
+
+
+def test_a_causal_lm_that_attends_both_ways_is_refused_and_a_reward_model_is_not(
+    base_config, tokenizer, chat_file, cache_env, tmp_path
+):
+    """Gemma's use_bidirectional_attention lets every position see later tokens: next-token
+    training would show each one the token it predicts. The recipe refuses it in one line
+    before training; a score head (reward models read whole sequences) may attend both ways."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.model import attention_backend
+    from tests.architectures import config
+
+    mcfg = config("gemma3", tokenizer)
+    mcfg.use_bidirectional_attention = True
+    model_dir = tmp_path / "both-ways"
+    AutoModelForCausalLM.from_config(mcfg).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    proc = run_recipe(recipe_args(base_config, model_dir, chat_file, out, "data.packing=false"), cache_env, check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.name_or_path: Gemma3ForCausalLM attends both ways" in errors[0], proc.stderr
+    assert not out.exists()
+    score = ModelConfig(name_or_path=str(model_dir), head="score")
+    assert attention_backend(score, mcfg, False, torch.device("cpu")).name == "sdpa"
