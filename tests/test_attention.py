@@ -214,6 +214,21 @@ def right_padded(vocab: int) -> dict:
     }
 
 
+def without_and_with_the_mask(model, kwargs: dict, batch: dict) -> list[tuple[torch.Tensor, dict]]:
+    """(logits at real positions, {name: gradient}) of a forward and backward pass of `model`
+    on `kwargs` (objective.model_inputs' arguments, without the padding mask), then on the
+    same with the batch's padding mask; the loss reads real positions only."""
+    real = batch["attention_mask"].bool()
+    results = []
+    for inputs in (kwargs, dict(kwargs, attention_mask=batch["attention_mask"])):
+        model.zero_grad(set_to_none=True)
+        logits = model(**inputs).logits[real]
+        logits.float().logsumexp(-1).sum().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((logits.detach(), grads))
+    return results
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_right_padded_batches_train_alike_with_and_without_the_padding_mask(zoo, name):
     """objective.model_inputs leaves the padding mask out where attention.padding_needs_mask
@@ -231,19 +246,7 @@ def test_right_padded_batches_train_alike_with_and_without_the_padding_mask(zoo,
     batch = right_padded(model.config.vocab_size)
     kwargs = model_inputs(model, batch)
     assert ("attention_mask" in kwargs) == (attention != "sdpa")
-    real = batch["attention_mask"].bool()
-    results = []
-    for inputs in (
-        kwargs,
-        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False},
-    ):
-        model.zero_grad(set_to_none=True)
-        logits = model(**inputs).logits[real]
-        logits.float().logsumexp(-1).sum().backward()
-        results.append(
-            (logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-        )
-    (logits, grads), (masked_logits, masked_grads) = results
+    (logits, grads), (masked_logits, masked_grads) = without_and_with_the_mask(model, kwargs, batch)
     assert torch.equal(logits, masked_logits)
     assert grads.keys() == masked_grads.keys()
     for key, grad in masked_grads.items():
@@ -323,14 +326,8 @@ def test_right_padded_batches_on_a_gpu_train_alike_without_the_padding_mask(zoo,
     batch = {k: v.cuda() for k, v in right_padded(model.config.vocab_size).items()}
     kwargs = model_inputs(model, batch)
     assert "attention_mask" not in kwargs
-    real = batch["attention_mask"].bool()
-    results = []
-    for inputs in (kwargs, dict(kwargs, attention_mask=batch["attention_mask"])):
-        model.zero_grad(set_to_none=True)
-        logits = model(**inputs).logits[real]
-        logits.float().logsumexp(-1).sum().backward()
-        results.append((logits.detach().float(), [p.grad.float() for p in model.parameters() if p.grad is not None]))
-    (logits, grads), (masked_logits, masked_grads) = results
-    torch.testing.assert_close(logits, masked_logits, rtol=2e-2, atol=2e-2)
-    for grad, masked in zip(grads, masked_grads, strict=True):
-        torch.testing.assert_close(grad, masked, rtol=5e-2, atol=5e-2)
+    (logits, grads), (masked_logits, masked_grads) = without_and_with_the_mask(model, kwargs, batch)
+    torch.testing.assert_close(logits.float(), masked_logits.float(), rtol=2e-2, atol=2e-2)
+    assert grads.keys() == masked_grads.keys()
+    for key, masked in masked_grads.items():
+        torch.testing.assert_close(grads[key].float(), masked.float(), rtol=5e-2, atol=5e-2, msg=key)
