@@ -146,7 +146,8 @@ def share_sdpa_masks() -> None:
     torch makes it, one copy serves every layer, and the numbers are the same to the bit
     (tests/test_attention.py). Only under autograd (a no-grad pass frees each copy at once),
     outside torch.compile (which traces the layers itself), and not for a mask combined with a
-    position bias (transformers builds that one per layer). Registered once, process-wide,
+    position bias (transformers builds that one per layer), nor where torch may pick cuDNN's
+    kernel (converts_like_torch). Registered once, process-wide,
     under transformers' own "sdpa" name, so configs and exported models are unchanged."""
     from transformers import AttentionInterface
 
@@ -179,10 +180,10 @@ _sdpa_sharing_masks.shares_masks = True
 
 def converts_like_torch(device_type: str) -> bool:
     """Whether torch's SDPA would turn a boolean mask into 0/-inf, as `float_mask` does. It
-    does for every kernel but cuDNN's, which it fills with -65504 instead; on CUDA torch tries
-    cuDNN only after the math kernel, which takes any input, so by default never. Where cuDNN
-    may come first (a priority order or disabled kernels set by the user), masks are left to
-    torch."""
+    does for every kernel but cuDNN's, which it fills with -65504 instead. Where cuDNN may
+    come before the math kernel (which takes any input), masks are left to torch: a priority
+    order or disabled kernels set by the user, and torch's own choice on newer GPUs (torch
+    2.11 on an H100 puts cuDNN first at its first attention call; seen 2026-11-26)."""
     if device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return True
     order = getattr(torch._C, "_get_sdp_priority_order", None)  # private; without it, leave masks to torch
@@ -195,12 +196,19 @@ def converts_like_torch(device_type: str) -> bool:
 def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`mask` (True: may attend) as the additive float mask torch's SDPA makes of it, made
     once per mask, dtype and version of the mask (a mask changed in place is made anew)
-    while `mask` lives."""
+    while `mask` lives.
+
+    Its rows start at multiples of 8 elements (a view of a buffer whose last dimension is
+    rounded up): CUDA's memory-efficient kernel copies any mask whose strides are not
+    multiples of 8 into such a buffer on every call, which would make a copy per layer again
+    for 7 lengths in 8."""
     made = _FLOAT_MASKS.setdefault(mask, {})
     key = (dtype, mask._version)
     if key not in made:
         made.clear()  # an older version's copy is of no further use
-        made[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        *outer, length = mask.shape
+        buffer = torch.zeros(*outer, -(-length // 8) * 8, dtype=dtype, device=mask.device)
+        made[key] = buffer[..., :length].masked_fill_(~mask, float("-inf"))
     return made[key]
 
 

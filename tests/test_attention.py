@@ -83,7 +83,10 @@ def train_pass(model, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor], in
     masks: set[int] = set()
 
     def pack(t):  # every tensor autograd keeps for the backward pass
-        if t.is_floating_point() and t.dim() == 4 and tuple(t.shape[-2:]) == (length, length) and t.shape[1] == 1:
+        # A mask: [batch, 1, length, length], or broadcast over the heads as CUDA's
+        # memory-efficient kernel keeps it (not the math kernel's attention weights).
+        square = t.dim() == 4 and tuple(t.shape[-2:]) == (length, length)
+        if t.is_floating_point() and square and (t.shape[1] == 1 or t.stride(1) == 0):
             masks.add(t.untyped_storage().data_ptr())
         return t
 
@@ -133,26 +136,39 @@ GPU = pytest.param(
 )
 
 
-@pytest.mark.parametrize("device", ["cpu", GPU])
+def on_gpu(kernels: str):
+    return pytest.param("cuda", kernels, marks=GPU.marks, id=f"cuda-{kernels}")
+
+
+@pytest.mark.parametrize(("device", "kernels"), [("cpu", "default"), on_gpu("efficient"), on_gpu("default")])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
-def test_sdpa_shares_the_mask_in_the_dtype_attention_computes_in(zoo, weights, device, monkeypatch):
+def test_sdpa_shares_the_mask_in_the_dtype_attention_computes_in(zoo, weights, device, kernels, monkeypatch):
     """Under bf16 autocast (float32 weights; the query reaches attention in float32, and
     autocast casts SDPA's inputs to bf16) and with bf16 weights: one mask, in bf16, and the
-    same numbers as torch's own conversion (on a GPU: its memory-efficient kernel)."""
+    same numbers as torch's own conversion. On a GPU, first with the memory-efficient kernel
+    (cuDNN's kept out): one mask. Then with torch's own choice: where torch puts cuDNN first
+    (torch 2.11 on an H100 does so at its first attention call), which fills masks its own
+    way, the masks are left to torch, one per layer as without llmtrain."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from llmtrain.attention import _sdpa_sharing_masks
+    from llmtrain.attention import _sdpa_sharing_masks, converts_like_torch
 
     model = AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa", dtype=weights).to(device)
     model.train()
     batch = {"input_ids": torch.randint(3, 50, (2, 20)), "attention_mask": torch.tensor([[1] * 20, [1] * 13 + [0] * 7])}
     batch = {k: v.to(device) for k, v in batch.items()}
+    efficient = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
     results = []
-    for attention in (sdpa_attention_forward, _sdpa_sharing_masks):
-        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", attention)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=weights == torch.float32):
-            results.append(train_pass(model, batch))
+    with efficient if kernels == "efficient" else nullcontext():
+        for attention in (sdpa_attention_forward, _sdpa_sharing_masks):
+            monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", attention)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=weights == torch.float32):
+                results.append(train_pass(model, batch))
+        shares = converts_like_torch(device)
     (stock, stock_grads, stock_masks), (logits, grads, kept) = results
     assert torch.equal(logits, stock)
     for a, b in zip(grads, stock_grads, strict=True):
@@ -160,7 +176,23 @@ def test_sdpa_shares_the_mask_in_the_dtype_attention_computes_in(zoo, weights, d
             assert torch.equal(a, b)
         else:  # the memory-efficient kernel's backward is not deterministic run to run
             torch.testing.assert_close(a, b)
-    assert (stock_masks, kept) == (model.config.num_hidden_layers, 1)
+    layers = model.config.num_hidden_layers
+    assert shares or (device, kernels) == ("cuda", "default")
+    assert (stock_masks, kept) == (layers, 1 if shares else layers)
+
+
+@pytest.mark.parametrize("length", [20, 24])
+def test_float_masks_are_aligned_as_the_memory_efficient_kernel_takes_them(length):
+    """CUDA's memory-efficient kernel copies a mask whose strides are not multiples of 8 on
+    every call (torch's preprocess_mask), which would make a copy per layer again: the
+    shared mask's rows start at multiples of 8, and it holds torch's own 0/-inf."""
+    from llmtrain.attention import float_mask
+
+    mask = torch.rand(2, 1, length, length, generator=torch.Generator().manual_seed(0)) > 0.3
+    made = float_mask(mask, torch.bfloat16)
+    assert made.stride(-1) == 1 and all(s % 8 == 0 for s in made.stride()[:-1]), made.stride()
+    assert torch.equal(made, torch.zeros_like(made).masked_fill(~mask, float("-inf")))
+    assert float_mask(mask, torch.bfloat16) is made
 
 
 def test_sdpa_leaves_masks_of_no_grad_passes_to_torch(zoo, monkeypatch):
@@ -316,8 +348,9 @@ def test_a_model_sharded_by_fsdp2_is_still_taken_for_transformers_own(zoo, tmp_p
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_right_padded_batches_on_a_gpu_train_alike_without_the_padding_mask(zoo, name):
-    """On CUDA, SDPA without a mask takes the flash kernel, with one the memory-efficient
-    kernel: different kernels, so the same numbers within bf16 rounding, not to the bit."""
+    """On CUDA, torch picks different kernels with and without a mask (flash or cuDNN's
+    without; memory-efficient or cuDNN's with one), so the same numbers within bf16
+    rounding, not to the bit."""
     from transformers import AutoModelForCausalLM
 
     from llmtrain.core.objective import model_inputs
