@@ -172,3 +172,22 @@ def test_every_part_step_checks_times_is_a_function_the_loop_calls():
             owner = getattr(owner, part)
         assert callable(owner), path
     assert set(checks.OUTER) | set(checks.INNER) <= {path for _, _, path in checks.PARTS}
+
+
+def test_the_padding_mask_timing_pads_as_llmtrain_pads_and_compares_the_same_work():
+    """Rows right-padded to the longest of their batch (as batches.Collator pads), the padding
+    holding no token, and the two passes giving the same output at the real positions."""
+    import torch
+
+    mask_bench = load("padding_mask")
+    w = dict(mask_bench.WORKLOADS["cpu"], hidden=32, layers=2, heads=2, kv=2, ffn=64, seq=48)
+    data = mask_bench.batches(w, 3, torch.device("cpu"))
+    for ids, mask in data:
+        lengths = mask.sum(1)
+        assert mask.shape[1] == int(lengths.max()) and int(lengths.min()) >= w["seq"] // 4
+        assert torch.equal(mask, (torch.arange(mask.shape[1]) < lengths[:, None]).long())  # on the right
+        assert not ids[mask == 0].any()
+    model = mask_bench.build(w, torch.device("cpu"))
+    _, given = mask_bench.passes(model, data, True, torch.device("cpu"))
+    _, left_out = mask_bench.passes(model, data, False, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(given, left_out, strict=True))
