@@ -141,7 +141,7 @@ def overflowing_model(tiny_model, tmp_path_factory) -> Path:
 def assert_overflows_took_no_step(rows: list[dict]) -> None:
     """`rows` as in metrics.jsonl: a step taken (step, loss, lr) or a window skipped (step, skipped)."""
     overflows = [r for r in rows if r.get("skipped", "").startswith("fp16 gradient overflow")]
-    assert overflows, "the model was built to overflow fp16 at the scaler's initial scale"
+    assert overflows, f"the model was built to overflow fp16 at the scaler's initial scale; rows: {rows[:12]}"
     taken = [r for r in rows if "loss" in r]
     assert [r["step"] for r in taken] == list(range(1, 9))  # overflowed attempts took no step number
     assert {r["step"] for r in overflows} <= {r["step"] for r in taken}  # each was retried under the same number
