@@ -70,9 +70,24 @@ def preload() -> list:
 
 IMPORTED_EXITS = preload()
 
-# The handlers a fresh interpreter starts with (SIGINT raises KeyboardInterrupt, SIGPIPE is
-# ignored, the rest default), put back in every child: torchrun's agent sets its own.
-FRESH = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
+# What Python sets at start-up where the signal is not ignored already (SIGINT raises
+# KeyboardInterrupt; SIGPIPE and SIGXFSZ are ignored); every other signal keeps what exec left.
+STARTUP = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}
+
+
+def fresh_handlers() -> None:
+    """Give this (forked) process the handlers `python` would start with if this process
+    exec'd it: exec keeps an ignored signal ignored and resets a handled one to its default
+    (torchrun's agent handles SIGINT, so its workers start with KeyboardInterrupt even where
+    the launch itself ignores SIGINT, as a job started in the background does), then Python
+    sets STARTUP."""
+    for sig in signal.valid_signals():
+        current = signal.getsignal(sig)
+        if current is None:  # not set from Python: left as it is
+            continue
+        fresh = signal.SIG_IGN if current is signal.SIG_IGN else STARTUP.get(sig, signal.SIG_DFL)
+        if current is not fresh:
+            signal.signal(sig, fresh)
 
 
 class Forked:
@@ -128,9 +143,7 @@ def become(argv: list[str], env: dict, cwd: str, unbuffered: bool = False) -> No
     """Run `python *argv` in this process and exit with its code: never returns."""
     code = 1
     try:
-        for sig, handler in FRESH.items():
-            if signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
+        fresh_handlers()
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)

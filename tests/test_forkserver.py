@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FORKS, free_port
+from tests.conftest import FORKS, ROOT, free_port
 
 SCRIPT = """\
 import atexit, json, os, signal, sys
@@ -88,3 +88,37 @@ def test_a_launchs_forked_workers_are_what_torchrun_starts(script, cache_env):
     assert forked.returncode == real.returncode == 0, forked.stderr + real.stderr
     assert sorted(forked.stdout.splitlines()) == sorted(real.stdout.splitlines())
     assert forked.stdout.count("atexit ran") == 2
+
+
+def test_a_child_starts_with_the_handlers_exec_would_leave_it(tmp_path):
+    """fresh_handlers, in a process started with SIGINT ignored (a job in the background) that
+    then handles SIGINT and SIGTERM itself (as torchrun's agent does) and ignores SIGHUP: a
+    handled signal goes back to Python's start-up handler, an ignored one stays ignored."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from forkserver import fresh_handlers\n"
+        "ignored_at_start = signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "for sig in (signal.SIGINT, signal.SIGTERM):\n"
+        "    signal.signal(sig, lambda *_: None)\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        "fresh_handlers()\n"
+        "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]\n"
+        "print(ignored_at_start, *handlers, sep='|')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(probe)],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    ignored_at_start, sigint, sigterm, sighup = out.stdout.strip().split("|")
+    assert ignored_at_start == "True"
+    assert (sigint, sigterm, sighup) == (
+        str(signal.default_int_handler),
+        str(signal.SIG_DFL),
+        str(signal.SIG_IGN),
+    )
