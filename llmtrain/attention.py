@@ -20,13 +20,14 @@ not), and a model that builds no mask from them would let samples see each other
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import AttentionError, shown
@@ -147,8 +148,10 @@ def share_sdpa_masks() -> None:
     (tests/test_attention.py). Only under autograd (a no-grad pass frees each copy at once),
     outside torch.compile (which traces the layers itself), and not for a mask combined with a
     position bias (transformers builds that one per layer), nor where torch may pick cuDNN's
-    kernel (converts_like_torch). Registered once, process-wide,
-    under transformers' own "sdpa" name, so configs and exported models are unchanged."""
+    kernel (converts_like_torch). The same function keeps cuDNN's kernel out of training
+    calls with a mask on CUDA (masked_training_kernels: its backward can return NaN there).
+    Registered once, process-wide, under transformers' own "sdpa" name, so configs and
+    exported models are unchanged."""
     from transformers import AttentionInterface
 
     if not getattr(AttentionInterface._global_mapping.get("sdpa"), "shares_masks", False):
@@ -158,21 +161,48 @@ def share_sdpa_masks() -> None:
 def _sdpa_sharing_masks(module, query, key, value, attention_mask, *args, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (
-        isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dtype == torch.bool
-        and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not args
-        and kwargs.get("position_bias") is None
-        and converts_like_torch(query.device.type)
-    ):
-        # The dtype SDPA computes in: autocast's where it is on (it casts the inputs to it,
-        # and leaves a mask already in it as it is), else the query's.
-        device = query.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-        attention_mask = float_mask(attention_mask, dtype)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    training = (
+        isinstance(attention_mask, torch.Tensor) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    )
+    kernels = masked_training_kernels(query.device.type) if training else None
+    with sdpa_kernel(kernels) if kernels else contextlib.nullcontext():
+        if (
+            training
+            and attention_mask.dtype == torch.bool
+            and not args
+            and kwargs.get("position_bias") is None
+            and converts_like_torch(query.device.type)
+        ):
+            # The dtype SDPA computes in: autocast's where it is on (it casts the inputs to it,
+            # and leaves a mask already in it as it is), else the query's.
+            device = query.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+            attention_mask = float_mask(attention_mask, dtype)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def masked_training_kernels(device_type: str) -> list[SDPBackend] | None:
+    """The SDPA kernels a training call with a mask may take: on CUDA, those enabled but
+    cuDNN's; None where that changes nothing (another device, cuDNN's already off, or no other
+    kernel on, which is the user's choice to keep).
+
+    cuDNN's attention backward returns NaN gradients for the query when it is given a mask
+    and the length is 64 past a multiple of 128, wherever a row's scores are all very
+    negative (pytorch/pytorch#196678, reported for torch 2.11 to 2.13 on H100 and H200, where
+    torch puts that kernel first; TRL's DPO and KTO went NaN on it, huggingface/trl#7181).
+    Without a mask cuDNN's kernel is clean, so padded batches (no mask with SDPA,
+    padding_needs_mask) keep it; masked calls (sliding windows, packed rows under SDPA) take
+    the memory-efficient kernel, which also lets them share one float mask
+    (converts_like_torch). Written here because torch chooses the kernel per call and has no
+    switch for masked calls alone."""
+    if device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    enabled = (
+        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
+    )
+    return [kernel for kernel, on in enabled if on] or None
 
 
 _sdpa_sharing_masks.shares_masks = True
