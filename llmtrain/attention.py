@@ -210,17 +210,10 @@ _sdpa_sharing_masks.shares_masks = True
 
 def converts_like_torch(device_type: str) -> bool:
     """Whether torch's SDPA would turn a boolean mask into 0/-inf, as `float_mask` does. It
-    does for every kernel but cuDNN's, which it fills with -65504 instead. Where cuDNN may
-    come before the math kernel (which takes any input), masks are left to torch: a priority
-    order or disabled kernels set by the user, and torch's own choice on newer GPUs (torch
-    2.11 on an H100 puts cuDNN first at its first attention call; seen 2026-11-26)."""
-    if device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
-        return True
-    order = getattr(torch._C, "_get_sdp_priority_order", None)  # private; without it, leave masks to torch
-    if order is None or not torch.backends.cuda.math_sdp_enabled():
-        return False
-    order = list(order())
-    return order.index(int(SDPBackend.MATH)) < order.index(int(SDPBackend.CUDNN_ATTENTION))
+    does for every kernel but cuDNN's, which it fills with -65504 instead. Inside a masked
+    training call cuDNN's kernel is off (masked_training_kernels), so this holds there but
+    where the user left cuDNN's kernel alone on; then masks are left to torch."""
+    return device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
