@@ -35,17 +35,21 @@ from .errors import AttentionError, shown
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
+def text_config(mcfg):
+    """The config of a model's text layers: a multimodal config's text part, else the config."""
+    return mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+
+
 def attends_both_ways(mcfg) -> bool:
     """Whether the config makes the text layers attend to later tokens too (Gemma's
     use_bidirectional_attention, True or 'all'; 'vision' is both ways among image tokens only)."""
-    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
-    return getattr(text, "use_bidirectional_attention", None) in (True, "all")
+    return getattr(text_config(mcfg), "use_bidirectional_attention", None) in (True, "all")
 
 
 def layer_types(mcfg) -> list[str]:
     """The attention of each layer as the model's config declares it, in transformers'
     names (full_attention, sliding_attention, chunked_attention, or a model's own)."""
-    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    text = text_config(mcfg)
     n = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 0
     declared = getattr(text, "layer_types", None)
     if declared:
@@ -60,7 +64,7 @@ def layer_types(mcfg) -> list[str]:
 
 def describe_pattern(mcfg) -> str:
     """e.g. 'sliding window of 128 tokens on 12 layers, full on 12'."""
-    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    text = text_config(mcfg)
     types = layer_types(mcfg)
     names = {
         FULL: "full causal",

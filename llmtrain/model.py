@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import Attention, attends_both_ways, share_sdpa_masks
+from .attention import Attention, attends_both_ways, share_sdpa_masks, text_config
 from .attention import choose as choose_attention
 from .config import ModelConfig
 from .errors import AttentionError, ModelError, describe, shown, warn
@@ -296,8 +296,7 @@ def check_vocab(cfg: ModelConfig, mcfg, tokenizer) -> None:
     model): the first id past the embeddings would stop training mid-run with an index
     error (a device-side assert on a GPU). As dpo.reference's check, a larger vocabulary
     is accepted: models pad theirs."""
-    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
-    vocab = getattr(text, "vocab_size", None)
+    vocab = getattr(text_config(mcfg), "vocab_size", None)
     if past := ids_past(tokenizer, vocab):
         raise ModelError(
             f"model.name_or_path: the tokenizer of '{cfg.name_or_path}' has {past}, but the model embeds only "

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import safefs
+from ..attention import text_config
 from ..core.window import Outcome, draw_window
 from ..errors import ModelError, describe
 from ..files import content_hash
@@ -52,8 +53,7 @@ def check_reference(cfg, tokenizer, section: str = "dpo") -> None:
     except Exception as e:
         raise ModelError(f"{key}: could not load a model config from '{name}' ({describe(e)})") from None
     policy = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
-    text = rcfg.get_text_config() if hasattr(rcfg, "get_text_config") else rcfg
-    ref_vocab = getattr(text, "vocab_size", None)
+    ref_vocab = getattr(text_config(rcfg), "vocab_size", None)
     if past := ids_past(tokenizer, ref_vocab):
         raise ModelError(
             f"{key}: '{name}' embeds {ref_vocab} tokens, but the policy's tokenizer has {past}; "
@@ -74,7 +74,7 @@ def check_reference(cfg, tokenizer, section: str = "dpo") -> None:
                 "fine-tune, before training)"
             )
         return
-    policy_vocab = (policy.get_text_config() if hasattr(policy, "get_text_config") else policy).vocab_size
+    policy_vocab = text_config(policy).vocab_size
     if ref_vocab != policy_vocab:
         raise ModelError(
             f"{key}: '{name}' has a vocabulary of {ref_vocab} tokens and no tokenizer to show it is the "
