@@ -153,7 +153,8 @@ def share_sdpa_masks() -> None:
     outside torch.compile (which traces the layers itself), and not for a mask combined with a
     position bias (transformers builds that one per layer), nor where torch may pick cuDNN's
     kernel (converts_like_torch). The same function keeps cuDNN's kernel out of training
-    calls with a mask on CUDA (masked_training_kernels: its backward can return NaN there).
+    calls with a mask on CUDA, in compiled blocks too (masked_training_kernels: its backward
+    can return NaN there).
     Registered once, process-wide, under transformers' own "sdpa" name, so configs and
     exported models are unchanged."""
     from transformers import AttentionInterface
@@ -165,13 +166,14 @@ def share_sdpa_masks() -> None:
 def _sdpa_sharing_masks(module, query, key, value, attention_mask, *args, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    training = (
-        isinstance(attention_mask, torch.Tensor) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    )
+    training = isinstance(attention_mask, torch.Tensor) and torch.is_grad_enabled()
+    # Also while torch.compile traces a block: dynamo records the kernel choice in the graph,
+    # and the backward it builds is the chosen kernel's.
     kernels = masked_training_kernels(query.device.type) if training else None
     with sdpa_kernel(kernels) if kernels else contextlib.nullcontext():
         if (
             training
+            and not torch.compiler.is_compiling()
             and attention_mask.dtype == torch.bool
             and not args
             and kwargs.get("position_bias") is None

@@ -231,10 +231,54 @@ def test_cudnns_kernel_is_kept_out_of_masked_training_calls_only(zoo, monkeypatc
     assert seen == [True] * 2 * layers
 
 
-def masked_attention_gradients(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def test_compiled_blocks_keep_the_kernel_choice_of_masked_training_calls(zoo, monkeypatch):
+    """With train.compile, torch.compile traces the blocks' attention, llmtrain's SDPA function
+    with it: the kernels masked_training_kernels leaves on are traced too, so the compiled
+    forward and backward are those kernels'. Here on CPU, with the math kernel alone put in as
+    the answer: the traced graphs hold no call of CPU's fused kernel, which they do when the
+    answer changes nothing."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.nn.attention import SDPBackend
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    import llmtrain.attention as attention
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", attention._sdpa_sharing_masks)
+    model = AutoModelForCausalLM.from_pretrained(zoo("llama"), attn_implementation="sdpa", dtype=torch.float32)
+    ids = torch.randint(3, 50, (2, 12))
+    mask = torch.tensor([[1] * 12, [1] * 5 + [0] * 7])
+
+    def traced(kernels) -> list[str]:
+        """The forward and backward graphs of the first block, compiled and trained once."""
+        monkeypatch.setattr(attention, "masked_training_kernels", lambda device: kernels)
+        torch._dynamo.reset()
+        graphs = []
+
+        def keep(graph, inputs):
+            graphs.append(str(graph.graph))
+            return make_boxed_func(graph.forward)
+
+        block = model.model.layers[0]
+        block.compile(backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        try:
+            model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+        finally:
+            block._compiled_call_impl = None
+            torch._dynamo.reset()
+        assert len(graphs) == 2  # the forward and the backward
+        return graphs
+
+    fused = "_scaled_dot_product_flash_attention_for_cpu"
+    assert all(fused in graph for graph in traced(None))
+    assert not any(fused in graph for graph in traced([SDPBackend.MATH]))
+
+
+def masked_attention_gradients(device: str, compiled: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients of query, key and value through llmtrain's SDPA function with a causal
     mask, on pytorch/pytorch#196678's inputs (length 704, 64 past a multiple of 128, and every
-    score near -120), as torch picks the kernel and with the math kernel alone."""
+    score near -120), as torch picks the kernel (through torch.compile if `compiled`, as
+    train.compile runs it) and with the math kernel alone."""
     import math
     import types
 
@@ -251,14 +295,16 @@ def masked_attention_gradients(device: str) -> tuple[list[torch.Tensor], list[to
     out_grad = torch.randn(1, length, 1, dim, device=device, dtype=torch.bfloat16)  # transformers' [b, l, h, d]
     module = types.SimpleNamespace(is_causal=True, training=True)
 
-    def gradients():
+    def gradients(attend):
         leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
-        _sdpa_sharing_masks(module, *leaves, mask)[0].backward(out_grad)
+        attend(module, *leaves, mask)[0].backward(out_grad)
         return [t.grad.float() for t in leaves]
 
-    ours = gradients()
+    if compiled:
+        torch._dynamo.reset()
+    ours = gradients(torch.compile(_sdpa_sharing_masks) if compiled else _sdpa_sharing_masks)
     with sdpa_kernel([SDPBackend.MATH]):
-        return ours, gradients()
+        return ours, gradients(_sdpa_sharing_masks)
 
 
 def assert_finite_and_close(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
@@ -276,12 +322,13 @@ def test_masked_attention_gradients_are_finite_and_match_the_math_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_masked_training_call_on_a_gpu_gets_finite_gradients():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_masked_training_call_on_a_gpu_gets_finite_gradients(compiled):
     """cuDNN's attention backward, torch's first choice on an H100 since torch 2.11, returns
     NaN for the query's gradient on these inputs with a mask (pytorch/pytorch#196678);
-    llmtrain keeps it out of masked training calls, so the gradients are finite and match the
-    math kernel's."""
-    assert_finite_and_close(*masked_attention_gradients("cuda"))
+    llmtrain keeps it out of masked training calls, compiled or not, so the gradients are
+    finite and match the math kernel's."""
+    assert_finite_and_close(*masked_attention_gradients("cuda", compiled))
 
 
 @pytest.mark.parametrize("length", [20, 24])
