@@ -64,6 +64,32 @@ class RowError(ValueError):
     data.bad_rows=skip, is dropped and counted)."""
 
 
+class TextRow(dict):
+    """A row whose fields are all text: a CSV row (CSV has no types; an empty field is None).
+    A column read as a boolean or a number reads that text (`flag`, `number`)."""
+
+
+def flag(row: dict, key: str):
+    """row[key], where a text row's 'true' or 'false' (any case) is the boolean it spells;
+    any other value as it is, for the caller to check."""
+    value = row.get(key)
+    if isinstance(row, TextRow) and isinstance(value, str):
+        return {"true": True, "false": False}.get(value.strip().lower(), value)
+    return value
+
+
+def number(row: dict, key: str):
+    """row[key], where a text row's number ('1.5', '-2') is that float; any other value as it
+    is, for the caller to check."""
+    value = row.get(key)
+    if isinstance(row, TextRow) and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 class NothingToTrain(RowError):
     """A well-formed row with nothing to train (no assistant turn, an empty conversation
     or answer): dropped and counted with the reason, never an error."""

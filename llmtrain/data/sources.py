@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import DataError, describe
 from ..files import LINE, RAW, TEXT_FILES, content_hash, first_rows, row_dataset
-from .rows import REQUIRED
+from .rows import REQUIRED, TextRow
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -23,6 +23,7 @@ class Source:
     columns: list[str]  # the fields its rows fill (for a local text file: those of its first rows)
     format: str = ""
     raw: bool = False  # rows are files.RAW JSON text with their files.LINE (local .jsonl/.json/.csv)
+    text: bool = False  # every field is text (CSV): parsed rows are rows.TextRow
 
     def where(self, row: dict, index: int) -> str:
         """'file.jsonl line 12' for a row of a local text file, else 'name row 12'."""
@@ -30,7 +31,10 @@ class Source:
 
     def parse(self, row: dict) -> dict:
         """The row as the user wrote it."""
-        return json.loads(row[RAW]) if self.raw else row
+        if not self.raw:
+            return row
+        parsed = json.loads(row[RAW])
+        return TextRow(parsed) if self.text else parsed
 
 
 def as_list(x) -> list[str]:
@@ -56,7 +60,8 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             if not first:
                 raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
             ds = row_dataset(path, key, streaming)
-            return Source(key, name, ds, sorted({k for row in first for k in row}), raw=True)
+            columns = sorted({k for row in first for k in row})
+            return Source(key, name, ds, columns, raw=True, text=suffix == ".csv")
         if suffix == ".parquet" and parquet_rows(path) == 0:  # datasets fails on it with "BatchSize must be > 0"
             raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
         try:

@@ -28,7 +28,7 @@ from ..config import DataConfig
 from ..data.batches import Collator
 from ..data.build import DataKind
 from ..data.packing import join_rows, pack_sources
-from ..data.rows import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, check_line, message, shift
+from ..data.rows import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, check_line, message, number, shift
 from ..errors import shown
 
 
@@ -154,11 +154,11 @@ def _dropped(status: str) -> dict:
 def pair_margin(row: dict) -> float:
     """A pair's optional 'margin' column (recipes/reward.py): how far apart its scores
     should be, a finite number; 0 without one."""
-    value = row.get("margin")
+    value = number(row, "margin")
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RowError(f"'margin' must be a finite number, got {shown(value)}")
+        raise RowError(f"'margin' must be a finite number, got {shown(row['margin'])}")
     return float(value)
 
 
@@ -178,7 +178,7 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig, margin
                 f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
                 "rows with recipes/finetune.py"
             )
-        return "pairs-v3" + ("-margins" if margins else "")
+        return "pairs-v3" + ("-margins-v2" if margins else "")  # margins v2: CSV margins read from their text
 
     def process(src, row: dict) -> dict:
         if not margins:

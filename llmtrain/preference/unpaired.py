@@ -30,7 +30,7 @@ import torch
 from ..config import DataConfig
 from ..data.batches import Collator
 from ..data.build import DataKind
-from ..data.rows import IGNORE, NothingToTrain, RowError, check_line, shift
+from ..data.rows import IGNORE, NothingToTrain, RowError, check_line, flag, shift
 from ..errors import shown
 from .pairs import PAIRS, _answer_ids, _fit, _messages, conversation
 
@@ -43,8 +43,8 @@ def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bo
     check_line(row)
     missing = [k for k in COLUMNS if row.get(k) is None]
     if missing:
-        raise RowError(f"a KTO row needs 'prompt', 'completion' and 'label'; this row has no {missing}")
-    prompt, completion, label = row["prompt"], row["completion"], row["label"]
+        raise RowError(f"a KTO row needs 'prompt', 'completion' and 'label'; this row has no value for {missing}")
+    prompt, completion, label = row["prompt"], row["completion"], flag(row, "label")
     if not isinstance(label, bool):
         raise RowError(
             f"'label' must be true (a desirable completion) or false (an undesirable one), got {shown(label)}"
@@ -135,7 +135,7 @@ def prepare_unpaired(key: str, names: list[str], tokenizer, cfg: DataConfig):
                 f"{key}: {src.name}: dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label' (true: "
                 f"desirable); found columns {sorted(src.columns)}; {fix}"
             )
-        return "unpaired-v1"
+        return "unpaired-v2"  # v2: CSV labels read from their text
 
     def process(src, row: dict) -> dict:
         return process_unpaired(row, tokenizer, cfg)

@@ -71,7 +71,7 @@ def test_a_row_is_tokenized_as_a_pairs_answer_with_its_label(tokenizer):
     ("row", "status"),
     [
         ({"prompt": "hi", "completion": "yo"}, "error: a KTO row needs 'prompt', 'completion' and 'label'; this row "
-         "has no ['label']"),
+         "has no value for ['label']"),
         ({"prompt": "hi", "completion": "yo", "label": 1}, "error: 'label' must be true (a desirable completion) or "
          "false (an undesirable one), got 1"),
         ({"prompt": "hi", "completion": "yo", "label": "true"}, "error: 'label' must be true"),
@@ -98,6 +98,31 @@ def test_a_malformed_row_stops_the_run_naming_its_file_and_line(tokenizer, tmp_p
         prepare_unpaired("data.train", [str(pairs)], tokenizer, CFG)
     assert "dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label'" in str(e.value)
     assert "turn each pair into two rows" in str(e.value)
+
+
+def test_csv_labels_are_read_from_their_text(tokenizer, tmp_path):
+    """CSV has no types: 'true' and 'false' in any case are the labels they spell, so a CSV
+    file trains the same rows as the JSON Lines file; other text stays an error."""
+    import csv
+
+    from llmtrain.errors import DataError
+
+    plain = [r for r in ROWS if isinstance(r["prompt"], str) and isinstance(r["completion"], str)]
+    jsonl, table = tmp_path / "kto.jsonl", tmp_path / "kto.csv"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in plain))
+    with table.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "completion", "label"])
+        for r, text in zip(plain, ["true", "False", " TRUE "], strict=True):
+            assert (text.strip().lower() == "true") == r["label"]
+            writer.writerow([r["prompt"], r["completion"], text])
+    columns = ["input_ids", "labels", "desirable"]
+    read = [prepare_unpaired("data.train", [str(p)], tokenizer, CFG)[0] for p in (jsonl, table)]
+    assert [read[0][c] for c in columns] == [read[1][c] for c in columns]
+    assert read[1]["desirable"] == [True, False, True]
+    table.write_text(table.read_text().replace("False", "yes"))
+    with pytest.raises(DataError, match=r"kto.csv line 3: 'label' must be true .* got 'yes'"):
+        prepare_unpaired("data.train", [str(table)], tokenizer, CFG)
 
 
 def test_an_overlong_row_loses_its_prompt_from_the_left(tokenizer):

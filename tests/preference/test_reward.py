@@ -109,3 +109,26 @@ def test_a_bad_margin_is_one_error_naming_the_line(tokenizer, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds, _ = prepare_pairs("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=96), margins=True)
     assert ds["margin"][1] == 1.5 and ds["margin"][0] == 0.0
+
+
+def test_csv_margins_are_read_from_their_text(tokenizer, tmp_path):
+    """CSV has no types: a margin's text is the number it spells, an empty field none."""
+    import csv
+
+    rows = [r for r in make_pairs(12, seed=5) if isinstance(r.get("chosen"), str)][:4]  # the string shape
+    path = tmp_path / "pairs.csv"
+
+    def write(margins):
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, ["prompt", "chosen", "rejected", "margin"])
+            writer.writeheader()
+            writer.writerows(r | {"margin": m} for r, m in zip(rows, margins, strict=True))
+
+    cfg = DataConfig(max_seq_len=96, bad_rows="error")
+    write(["1.5", "", "-2", " 3 "])
+    ds, _ = prepare_pairs("data.train", [str(path)], tokenizer, cfg, margins=True)
+    assert ds["margin"] == [1.5, 0.0, -2.0, 3.0]
+    for bad in ("large", "nan"):
+        write(["1.5", bad, "-2", "3"])
+        with pytest.raises(DataError, match=rf"pairs.csv line 3: 'margin' must be a finite number, got '{bad}'"):
+            prepare_pairs("data.train", [str(path)], tokenizer, cfg, margins=True)
