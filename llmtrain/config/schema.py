@@ -346,9 +346,10 @@ class CheckpointConfig:
 
 @dataclass
 class ExportConfig:
-    merge_lora: bool = False
-    """For LoRA runs, write the merged full model to final/ (the adapter goes to
-    final/adapter/). Without it, final/ holds the adapter."""
+    merge_lora: bool | Literal["auto"] = "auto"
+    """For LoRA runs, true writes the merged full model to final/ (the adapter goes to
+    final/adapter/), false the adapter alone. auto: merged for recipes/reward.py, whose
+    final/ must score text in plain transformers, the adapter for the other recipes."""
     max_shard_size: int | str = "5GB"
     """Largest safetensors file in final/ (bytes, or a size such as 5GB or 500MB): a
     bigger model is written as numbered shards with model.safetensors.index.json, as
@@ -380,6 +381,7 @@ class ExportConfig:
 @dataclass
 class Config:
     HEAD: ClassVar[str] = "lm"  # the model.head the recipe trains
+    MERGES_LORA: ClassVar[bool] = False  # what export.merge_lora=auto means for a LoRA run
 
     output_dir: str = "runs/demo"
     """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
@@ -394,6 +396,8 @@ class Config:
     def __post_init__(self):
         if self.model.head == "lm":  # the default: the recipe's own head
             self.model.head = self.HEAD
+        if self.export.merge_lora == "auto":
+            self.export.merge_lora = self.MERGES_LORA and self.model.lora.enabled
 
     def problems(self) -> list[str]:
         """Every problem of the tree, one line each naming its key: each section's own,
@@ -610,11 +614,18 @@ class RewardConfig(Config):
     'score'; a pair's rows may carry a 'margin' column (a number)."""
 
     HEAD: ClassVar[str] = "score"
+    MERGES_LORA: ClassVar[bool] = True
 
     reward: RewardSection = field(default_factory=RewardSection)
 
     def problems(self) -> list[str]:
         p = super().problems()
+        if self.model.lora.enabled and not self.export.merge_lora:
+            p.append(
+                "export.merge_lora: a reward model's final/ is merged, so that it scores text in plain transformers "
+                "and as a grpo.rewards reward_model (the adapter is written to final/adapter/ too); remove "
+                "export.merge_lora=false"
+            )
         if self.eval.sample_prompts:
             p.append("eval.sample_prompts: a reward model scores text and does not generate; remove them")
         return p + pair_data_problems(self.data, "recipes/reward.py")

@@ -64,13 +64,14 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
     when writing a weight shard failed. Past the gathers, nothing here is a collective, so
     a write that raises on the main process cannot leave the others waiting in one."""
     main, sharded = accelerator.is_main_process, is_sharded(accelerator)
+    merge = export.merge_lora is True  # "auto" is resolved by the recipe's Config; alone it is the adapter
     if hasattr(model, "peft_config"):
         # The adapter is small: when the model is sharded only its trainable weights are
         # gathered (peft's save keeps the adapter's names from them), not the base's.
         adapter = gathered_trainable(model, main) if sharded else None
         if main:
-            model.save_pretrained(tmp / "adapter" if export.merge_lora else tmp, state_dict=adapter)
-        if main and export.merge_lora:
+            model.save_pretrained(tmp / "adapter" if merge else tmp, state_dict=adapter)
+        if main and merge:
             # A sharded or quantized training copy cannot be merged in place: the base weights
             # are loaded again, whole and in their own dtype, with the adapter folded in.
             merged = (

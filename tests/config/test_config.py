@@ -330,3 +330,20 @@ def test_a_config_filled_in_at_start_up_is_checked_again():
     with pytest.raises(ConfigError) as e:
         check(cfg)
     assert e.value.problems == ["data.train: required; a path, a list of paths, or a hub data set name"]
+
+
+def test_merge_lora_auto_merges_reward_models_only():
+    """export.merge_lora=auto: a LoRA reward model's final/ is merged (an adapter would not
+    load as a one-label classifier in plain transformers), other recipes keep the adapter;
+    a reward model's adapter alone is refused naming the key."""
+    base = ["model.name_or_path=x", "data.train=a.jsonl"]
+    lora = [*base, "model.lora.enabled=true"]
+    assert load_config(None, lora, schema=RewardConfig).export.merge_lora is True
+    assert load_config(None, base, schema=RewardConfig).export.merge_lora is False
+    for schema in (Config, DPOConfig):
+        assert load_config(None, lora, schema=schema).export.merge_lora is False
+        assert load_config(None, [*lora, "export.merge_lora=true"], schema=schema).export.merge_lora is True
+    with pytest.raises(ConfigError, match=r"export.merge_lora: a reward model's final/ is merged"):
+        load_config(None, [*lora, "export.merge_lora=false"], schema=RewardConfig)
+    with pytest.raises(ConfigError, match=r"export.merge_lora: only applies with model.lora.enabled=true"):
+        load_config(None, [*base, "export.merge_lora=true"], schema=RewardConfig)

@@ -111,7 +111,7 @@ def test_pairs_train_alike_on_one_process_and_two_resume_exactly_and_final_score
 
 def test_lora_trains_the_adapters_and_the_whole_score_head_and_exports_merged(args, pair_files, cache_env, tmp_path):
     out = tmp_path / "lora"
-    reward(args(out, "model.lora.enabled=true", "export.merge_lora=true", "train.micro_batch_size=4"), cache_env)
+    reward(args(out, "model.lora.enabled=true", "train.micro_batch_size=4"), cache_env)  # merged by default
     assert (out / "final" / "adapter" / "adapter_config.json").exists()
     adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
     assert any("score" in k for k in adapter)  # saved whole (modules_to_save), not adapted
