@@ -27,35 +27,54 @@ def hub_kwargs(cfg: ModelConfig) -> dict:
     return kw
 
 
-def _load_error(what: str, name: str, e: Exception) -> ModelError:
+def no_such_directory(name: str, key: str = "model.name_or_path") -> ModelError | None:
+    """A name written as a path (./x, /x, ~/x, a/b/c) that is no directory: an error, rather
+    than a hub lookup of a name the hub cannot hold."""
+    if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
+        return ModelError(
+            f"{key}: no such directory: {name}; give a local model directory "
+            "(with config.json) or a hub name like 'owner/model'"
+        )
+    return None
+
+
+def load_error(what: str, name: str, e: Exception, key: str = "model.name_or_path", given=None) -> ModelError:
     """A failed from_pretrained, with what to do about it: a local directory's missing
     files named in the user's words (transformers' words for them point elsewhere, e.g.
-    at sentencepiece for a missing tokenizer.json), else what to check."""
+    at sentencepiece for a missing tokenizer.json), else what to check. `key` names the
+    setting that gave `name`; `given(path)` spells that setting with another path."""
+    given = given or (lambda path: f"{key}={path}")
     local = Path(name).expanduser()
+    if error := no_such_directory(name, key):
+        return error
     if local.is_dir() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
         try:
             base = json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
         except (OSError, ValueError, KeyError, TypeError):
             base = "the model they were trained on"
-        return ModelError(
-            f"model.name_or_path: {name} holds LoRA adapters only (adapter_config.json), not a model; train from "
-            f"their base ({base}), or from a merged export (a LoRA run with export.merge_lora=true writes one)"
+        fix = (
+            f"train from their base ({base}), or from a merged export (a LoRA run with export.merge_lora=true "
+            "writes one)"
+            if key == "model.name_or_path"
+            else "give a merged model (a LoRA run with export.merge_lora=true writes one to final/; recipes/reward.py "
+            "always does)"
         )
+        return ModelError(f"{key}: {name} holds LoRA adapters only (adapter_config.json), not a model; {fix}")
     if "ignore_mismatched_sizes" in str(e):  # transformers' load report, printed above, lists the weights
         return ModelError(
-            f"model.name_or_path: the weights in '{name}' do not have the shapes its config.json gives (transformers' "
+            f"{key}: the weights in '{name}' do not have the shapes its config.json gives (transformers' "
             "load report above lists them); config.json and the weights must come from the same model"
         )
     if local.is_dir():
         if missing := _missing_files(local, what):
             final = local / "final"  # an llmtrain run's output_dir holds its model there
             fix = (
-                f"it is a run's output_dir: give its model, model.name_or_path={final}"
+                f"it is a run's output_dir: give its model, {given(final)}"
                 if final.is_dir()
                 else "give a model directory as save_pretrained writes it (config.json, the weights, and the "
                 "tokenizer's files)"
             )
-            return ModelError(f"model.name_or_path: {name} has no {missing}; {fix}")
+            return ModelError(f"{key}: {name} has no {missing}; {fix}")
         hint = (
             "check its config.json (an architecture newer than this transformers needs an upgrade)"
             if what == "a model config"
@@ -69,7 +88,7 @@ def _load_error(what: str, name: str, e: Exception) -> ModelError:
             if constants.HF_HUB_OFFLINE
             else "network access and, for a gated or private model, your login (hf auth login)"
         )
-    return ModelError(f"model.name_or_path: could not load {what} from '{name}' ({describe(e)}); {hint}")
+    return ModelError(f"{key}: could not load {what} from '{name}' ({describe(e)}); {hint}")
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
@@ -86,7 +105,7 @@ def _missing_files(path: Path, what: str) -> str | None:
     ]
     if what == "a tokenizer" and not tokenizer:
         return "tokenizer files (tokenizer.json)"
-    if what == "a causal LM" and not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+    if what not in ("a model config", "a tokenizer") and not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
         return "weights (model.safetensors)"
     return None
 
@@ -99,11 +118,8 @@ def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
     from transformers import AutoConfig
 
     name = cfg.name_or_path
-    if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
-        raise ModelError(
-            f"model.name_or_path: no such directory: {name}; give a local model directory "
-            "(with config.json) or a hub name like 'owner/model'"
-        )
+    if error := no_such_directory(name):
+        raise error
     if cfg.revision and Path(name).expanduser().is_dir():
         raise ModelError(
             f"model.revision: {cfg.revision} selects a hub revision, but {name} is a local directory, read as it is; "
@@ -113,7 +129,8 @@ def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
     try:
         mcfg = AutoConfig.from_pretrained(name, **hub_kwargs(cfg))
     except Exception as e:
-        raise _load_error("a model config", name, e) from None
+        raise load_error("a model config", name, e) from None
+    _check_head(cfg, mcfg)
     _check_dtype(cfg, mcfg)
     if cfg.lora.enabled:
         meta_model(cfg, mcfg)  # adds the adapters as training will, or says why it cannot
@@ -132,6 +149,19 @@ def check_model(cfg: ModelConfig, max_seq_len: int, sample_tokens: int = 0):
         f"(max_position_embeddings, no rope scaling); set data.max_seq_len={limit} or less, or use "
         "a model configured for longer context"
     )
+
+
+def _check_head(cfg: ModelConfig, mcfg) -> None:
+    """A sequence classifier (a reward model's final/) has no language-model head: loaded as
+    a causal LM, transformers would start one at random (tied embeddings hide it) and the
+    run would train from it without a word beyond the load report."""
+    saved = getattr(mcfg, "architectures", None) or []
+    if cfg.head == "lm" and saved and all(str(a).endswith("ForSequenceClassification") for a in saved):
+        raise ModelError(
+            f"model.name_or_path: {cfg.name_or_path} is a sequence classifier ({saved[0]}, such as a reward model), "
+            "with no language-model head for this recipe to train; give a causal LM, such as the model it was "
+            "trained from"
+        )
 
 
 def _check_readable(path: Path) -> None:
@@ -259,7 +289,7 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
     except Exception as e:
-        raise _load_error("a tokenizer", cfg.name_or_path, e) from None
+        raise load_error("a tokenizer", cfg.name_or_path, e) from None
     if not tok.is_fast:
         raise ModelError(
             f"model.name_or_path: '{cfg.name_or_path}' has no fast tokenizer; llmtrain needs one "
@@ -384,7 +414,7 @@ def load_model(cfg: ModelConfig):
         )
     except Exception as e:
         what = "a sequence-classification (reward) model" if cfg.head == "score" else "a causal LM"
-        raise _load_error(what, cfg.name_or_path, e) from None
+        raise load_error(what, cfg.name_or_path, e) from None
     model.config.use_cache = False
     if model.config._attn_implementation == "sdpa":
         share_sdpa_masks()  # one float copy of a boolean mask for all layers, not one each

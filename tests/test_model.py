@@ -184,3 +184,17 @@ def test_a_causal_lm_that_attends_both_ways_is_refused_and_a_reward_model_is_not
     assert not out.exists()
     score = ModelConfig(name_or_path=str(model_dir), head="score")
     assert attention_backend(score, mcfg, False, torch.device("cpu")).name == "sdpa"
+
+
+def test_a_sequence_classifier_is_refused_as_a_causal_lm_and_taken_as_a_reward_model(tiny_model, tmp_path):
+    """A reward model's final/ loaded as a causal LM would get a random language-model head;
+    the recipes that train one refuse it from its config, before any weight loads."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    scorer = tmp_path / "scorer"
+    mcfg = AutoConfig.from_pretrained(tiny_model, num_labels=1)
+    AutoModelForSequenceClassification.from_config(mcfg).save_pretrained(scorer)
+    with pytest.raises(ModelError, match=rf"^model.name_or_path: {scorer} is a sequence classifier \(LlamaFor"):
+        check_model(ModelConfig(name_or_path=str(scorer)), 256)
+    check_model(ModelConfig(name_or_path=str(scorer), head="score"), 256)
+    check_model(ModelConfig(name_or_path=str(tiny_model), head="score"), 256)

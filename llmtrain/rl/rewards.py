@@ -108,9 +108,10 @@ class RewardModelScore:
         try:
             config = AutoConfig.from_pretrained(self.path)
         except Exception as e:
-            raise RewardError(
-                f"{where}: no reward model there ({describe(e)}); give recipes/reward.py's final/"
-            ) from None
+            from ..model import load_error
+
+            given = lambda path: f"grpo.rewards=[{REWARD_MODEL}{path}]"  # noqa: E731
+            raise RewardError(str(load_error("a model config", self.path, e, where, given))) from None
         archs = getattr(config, "architectures", None) or []
         if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
             raise RewardError(

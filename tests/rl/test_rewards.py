@@ -127,8 +127,23 @@ def test_a_reward_model_scores_completions_as_transformers_scores_the_rendered_p
     assert math.isnan(got[3])
 
 
-def test_a_reward_model_that_is_not_one_is_one_line(tiny_model, tmp_path):
+def test_a_reward_model_that_is_not_one_is_one_line(tiny_model, reward_model_dir, tmp_path):
+    """A causal LM, a missing directory, a run's output_dir and LoRA adapters alone: one line
+    each, naming the setting and what to give instead."""
+    import shutil
+
     with pytest.raises(RewardError, match=r"grpo.rewards: reward_model:.* is not a reward model; give a one-label"):
         load_rewards([f"reward_model:{tiny_model}"], None)
-    with pytest.raises(RewardError, match=r"grpo.rewards: reward_model:.*: no reward model there"):
-        load_rewards([f"reward_model:{tmp_path / 'missing'}"], None)
+    missing = tmp_path / "missing"
+    with pytest.raises(RewardError, match=rf"^grpo.rewards: reward_model:{missing}: no such directory: {missing};"):
+        load_rewards([f"reward_model:{missing}"], None)
+    run = tmp_path / "run"
+    shutil.copytree(reward_model_dir, run / "final")
+    with pytest.raises(RewardError, match=r"has no config.json; it is a run's output_dir: give its model, "
+                       rf"grpo.rewards=\[reward_model:{run / 'final'}\]$"):  # fmt: skip
+        load_rewards([f"reward_model:{run}"], None)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "base"}')
+    with pytest.raises(RewardError, match=r"holds LoRA adapters only \(adapter_config.json\), not a model; give a"):
+        load_rewards([f"reward_model:{adapter}"], None)
