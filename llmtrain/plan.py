@@ -33,12 +33,21 @@ from .data.rows import IGNORE
 from .data.stream import StreamedRows
 from .errors import ConfigError, DataError, describe
 from .files import read_own
-from .model import attention_backend, check_model, check_vocab, chunkable_head, hub_kwargs, load_tokenizer, meta_model
+from .model import (
+    WEIGHT_SUFFIXES,
+    attention_backend,
+    check_model,
+    check_vocab,
+    chunkable_head,
+    hub_kwargs,
+    load_tokenizer,
+    meta_model,
+)
 from .preference.reference import check_reference
 from .preference.reward import REWARD_PAIRS
 from .preference.unpaired import preference_data
 from .rl.prompts import grpo_prompts
-from .rl.rewards import check_grpo
+from .rl.rewards import REWARD_MODEL, check_grpo
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
@@ -241,7 +250,22 @@ def memory_estimate(
         out["generation KV cache"] = 2 * layers * heads * head_dim * width * tokens
         if cfg.grpo.beta and not cfg.model.lora.enabled:  # the frozen reference copy, whole on each process
             out["reference model"] = float(total * width)
+        for name in cfg.reward_names():
+            if name.startswith(REWARD_MODEL):  # loaded whole on each process, in the dtype it was saved in
+                path = name[len(REWARD_MODEL) :]
+                out[f"reward model {path}"] = saved_weights_bytes(path)
     return out
+
+
+def saved_weights_bytes(path: str) -> float:
+    """The bytes of a local model directory's weight files (its safetensors where it has
+    any), about what it takes loaded in the dtype it was saved in; 0 for a hub name."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        return 0.0
+    files = [f for f in local.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
+    safetensors = [f for f in files if f.suffix == ".safetensors"]
+    return float(sum(f.stat().st_size for f in safetensors or files))
 
 
 def human(n: float) -> str:

@@ -289,3 +289,24 @@ def test_a_demo_name_with_a_typo_gets_the_closest_one():
     assert str(e.value).startswith(
         "model.name_or_path: demo:tiny-lama is not one of the demo's assets; did you mean demo:tiny-llama? they are "
     )
+
+
+def test_memory_estimate_of_an_rl_run_counts_each_reward_model(tiny_model, tmp_path):
+    """A reward_model: reward is loaded whole on each process, in the dtype it was saved
+    in: its weight files' bytes count, once per reward model."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from llmtrain.config import GRPOConfig
+
+    scorer = tmp_path / "scorer"
+    AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(tiny_model, num_labels=1)
+    ).save_pretrained(scorer)
+    saved = (scorer / "model.safetensors").stat().st_size
+    common = [f"model.name_or_path={tiny_model}", "data.train=x"]
+    rewards = f"grpo.rewards=[accuracy, reward_model:{scorer}]"
+    cfg = load_config(None, [*common, rewards], schema=GRPOConfig)
+    memory = memory_estimate(cfg, Launch(), *count_params(cfg))
+    assert memory[f"reward model {scorer}"] == saved
+    without = memory_estimate(load_config(None, common, schema=GRPOConfig), Launch(), *count_params(cfg))
+    assert not any(k.startswith("reward model") for k in without)
