@@ -51,7 +51,7 @@ CASES = {
     "a dpo key for finetune.py": (
         "finetune",
         [*SFT, "dpo.beta=0.2"],
-        "dpo: unknown key for recipes/finetune.py; preference settings are recipes/dpo.py's: run that recipe, or "
+        "dpo: unknown key for recipes/finetune.py; dpo settings are recipes/dpo.py's: run that recipe, or "
         "remove the dpo section",
     ),
     "a data.train mapping outside a list": (

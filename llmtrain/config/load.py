@@ -22,6 +22,9 @@ from ..files import size_text
 from .schema import Config, DataSource
 from .validate import closest
 
+# a recipe's own section of the tree -> that recipe
+RECIPE_SECTIONS = {"dpo": "recipes/dpo.py", "grpo": "recipes/grpo.py", "reward": "recipes/reward.py"}
+
 
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
@@ -115,10 +118,10 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
     for key, value in raw.items():
         full = f"{prefix}{key}"
         if key not in names:
-            if full == "dpo":  # recipes/dpo.py's section, in another recipe's config
+            if owner := RECIPE_SECTIONS.get(full):  # another recipe's own section
                 problems.append(
-                    "dpo: unknown key for recipes/finetune.py; preference settings are recipes/dpo.py's: run that "
-                    "recipe, or remove the dpo section"
+                    f"{full}: unknown key for {cls.RECIPE}; {full} settings are {owner}'s: run that recipe, or "
+                    f"remove the {full} section"
                 )
                 continue
             close = closest(str(key), names)

@@ -380,6 +380,7 @@ class ExportConfig:
 
 @dataclass
 class Config:
+    RECIPE: ClassVar[str] = "recipes/finetune.py"  # the recipe that reads this tree
     HEAD: ClassVar[str] = "lm"  # the model.head the recipe trains
     MERGES_LORA: ClassVar[bool] = False  # what export.merge_lora=auto means for a LoRA run
 
@@ -477,6 +478,8 @@ class PreferenceConfig:
 class DPOConfig(Config):
     """recipes/dpo.py's tree: every section of Config, plus dpo."""
 
+    RECIPE: ClassVar[str] = "recipes/dpo.py"
+
     dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
 
     def problems(self) -> list[str]:
@@ -557,6 +560,8 @@ class GRPOConfig(Config):
     """recipes/grpo.py's tree: every section of Config, plus grpo. train.micro_batch_size
     counts prompts."""
 
+    RECIPE: ClassVar[str] = "recipes/grpo.py"
+
     grpo: GRPOSection = field(default_factory=GRPOSection)
 
     def reward_names(self) -> list[str]:
@@ -613,6 +618,7 @@ class RewardConfig(Config):
     """recipes/reward.py's tree: every section of Config, plus reward. model.head is
     'score'; a pair's rows may carry a 'margin' column (a number)."""
 
+    RECIPE: ClassVar[str] = "recipes/reward.py"
     HEAD: ClassVar[str] = "score"
     MERGES_LORA: ClassVar[bool] = True
 

@@ -173,10 +173,15 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig, margin
 
     def check(src) -> str:
         if not {"chosen", "rejected"} <= set(src.columns):
+            other = (
+                "recipes/dpo.py with dpo.loss=kto (they are unpaired rows)"
+                if {"prompt", "completion", "label"} <= set(src.columns)
+                else "recipes/finetune.py"
+            )
             raise DataError(
                 f"{key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
                 f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
-                "rows with recipes/finetune.py"
+                f"rows with {other}"
             )
         return "pairs-v3" + ("-margins-v2" if margins else "")  # margins v2: CSV margins read from their text
 

@@ -296,6 +296,21 @@ def test_preference_settings_that_cannot_apply_are_errors_naming_the_key():
         load_config(None, [*base, "dpo.beta=0.2"])  # finetune.py's tree has no dpo section
 
 
+@pytest.mark.parametrize(
+    ("schema", "override", "message"),
+    [
+        (Config, "dpo.beta=0.2", "dpo: unknown key for recipes/finetune.py; dpo settings are recipes/dpo.py's"),
+        (RewardConfig, "dpo.beta=0.2", "dpo: unknown key for recipes/reward.py; dpo settings are recipes/dpo.py's"),
+        (GRPOConfig, "dpo.beta=0.2", "dpo: unknown key for recipes/grpo.py; dpo settings are recipes/dpo.py's"),
+        (DPOConfig, "grpo.beta=0.1", "grpo: unknown key for recipes/dpo.py; grpo settings are recipes/grpo.py's"),
+        (Config, "reward.center_coefficient=0.1", "reward: unknown key for recipes/finetune.py; reward settings are"),
+    ],
+)
+def test_another_recipes_section_names_both_recipes(schema, override, message):
+    with pytest.raises(ConfigError, match=rf"^{message}"):
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", override], schema)
+
+
 def test_kto_refuses_packing_and_the_sft_term_and_takes_positive_weights():
     base = ["model.name_or_path=m", "data.train=d.jsonl", "dpo.loss=kto"]
     bad = ["data.packing=true", "dpo.sft_weight=0.5", "dpo.desirable_weight=0", "dpo.undesirable_weight=-1"]

@@ -100,6 +100,16 @@ def test_a_malformed_row_stops_the_run_naming_its_file_and_line(tokenizer, tmp_p
     assert "turn each pair into two rows" in str(e.value)
 
 
+def test_unpaired_rows_given_as_pairs_point_to_kto(tokenizer, tmp_path):
+    from llmtrain.errors import DataError
+    from llmtrain.preference.pairs import prepare_pairs
+
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with pytest.raises(DataError, match=r"train on these rows with recipes/dpo.py with dpo.loss=kto \(they are"):
+        prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+
+
 def test_csv_labels_are_read_from_their_text(tokenizer, tmp_path):
     """CSV has no types: 'true' and 'false' in any case are the labels they spell, so a CSV
     file trains the same rows as the JSON Lines file; other text stays an error."""
