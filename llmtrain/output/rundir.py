@@ -74,8 +74,18 @@ def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
 def check_writable(output_dir: str) -> None:
     """Create output_dir and write and remove a file in it, so that an unwritable directory
     stops the run at start-up rather than at its first checkpoint."""
+    path = Path(output_dir)
+    if path.is_symlink() and not path.is_dir():
+        target = os.readlink(path)
+        what = "a file" if path.exists() else "nothing (its target is missing)"
+        raise CheckpointError(
+            f"output_dir: {output_dir} is a link to {target}, which is {what}; make the link point to a directory, "
+            "or choose another output_dir"
+        )
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"output_dir: {output_dir} is a file, not a directory; choose another output_dir")
     try:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
         safefs.new_temp(output_dir, ".llmtrain-write-test-").unlink()  # created exclusively: never a planted link
     except OSError as e:
         raise CheckpointError(

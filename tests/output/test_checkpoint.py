@@ -274,6 +274,24 @@ def test_an_unwritable_output_dir_is_refused_at_start_up(tmp_path):
     assert list((tmp_path / "new" / "run").iterdir()) == []  # the probe is gone
 
 
+def test_an_output_dir_that_is_a_file_or_a_link_to_no_directory_says_so(tmp_path):
+    from llmtrain.output.rundir import check_writable
+
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "to_file").symlink_to(tmp_path / "a_file")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "to_dir").symlink_to(tmp_path / "new", target_is_directory=True)
+    (tmp_path / "new").mkdir()
+    with pytest.raises(CheckpointError, match=r"^output_dir: .*a_file is a file, not a directory; choose another"):
+        check_writable(str(tmp_path / "a_file"))
+    with pytest.raises(CheckpointError, match=r"^output_dir: .*to_file is a link to .*a_file, which is a file; make"):
+        check_writable(str(tmp_path / "to_file"))
+    with pytest.raises(CheckpointError, match=r"dangling is a link to .*gone, which is nothing \(its target"):
+        check_writable(str(tmp_path / "dangling"))
+    assert not (tmp_path / "gone").exists()
+    check_writable(str(tmp_path / "to_dir"))  # a link to a directory is taken, as the user made it
+
+
 def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
     import shutil
     from types import SimpleNamespace
