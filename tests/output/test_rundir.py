@@ -153,7 +153,7 @@ def test_a_resume_with_other_settings_names_them(finished_run, cache_env, tmp_pa
         f"warning: checkpoint.resume: {copy}/checkpoints/step-4 was written with other settings; the run goes "
         "on with the new ones: train.lr: 0.001 -> 0.0005" in proc.stderr
     )
-    assert "nothing left to train at step 4; final/ is up to date" in proc.stdout
+    assert "nothing left to train at step 4; final/ is up to date, and changed settings apply to no step" in proc.stdout
     assert snapshot(copy) == before
 
 
