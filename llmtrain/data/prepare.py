@@ -133,7 +133,7 @@ def _fingerprint(source: Source, fmt: str, tokenizer, cfg: DataConfig) -> str:
         cfg.system_prompt,
         tok,
         str(tokenizer.eos_token_id),
-        "llmtrain-data-v4",
+        "llmtrain-data-v5",  # v5: train: false is kept out of the loss under loss_on=all too
     ):
         h.update(part.encode())
         h.update(b"\0")

@@ -196,10 +196,10 @@ def chat_ids(
         return render_chat(tokenizer, msgs, tools_, gen)
 
     check_control_tokens(messages, tools, tokenizer)
-    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
-    if not trained:
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
+    if not answers:
         raise NothingToTrain("no assistant turn")
-    trained = [i for i in trained if messages[i].get("train", True)]
+    trained = [i for i in answers if messages[i].get("train", True)]
     if loss_on != "all":
         if not trained:
             raise NothingToTrain("every assistant turn has train: false")
@@ -207,23 +207,23 @@ def chat_ids(
             raise NothingToTrain("empty answer")
     text = render(messages)
     check_rendered(messages, tools, text, render)
+    # loss_on=all trains every token but those of the turns marked train: false; otherwise
+    # only the trained assistant turns.
+    marked = [i for i in answers if i not in trained] if loss_on == "all" else trained
     spans = []
-    for i in [] if loss_on == "all" else trained:
+    for i in marked:
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
         if not (end.startswith(start) and text.startswith(end)):
+            other = "remove train: false (weight: 0) from its messages" if loss_on == "all" else "data.loss_on=all"
             raise RowError(
                 "the chat template does not render conversations as growing prefixes, so assistant "
-                "turns cannot be located; use another data.chat_template or data.loss_on=all"
+                f"turns cannot be located; use another data.chat_template or {other}"
             )
         spans.append((len(start), len(end)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
-    if loss_on == "all":
-        return ids, list(ids)
-    labels = [
-        tok if any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE for tok, (s, e) in zip(ids, enc["offset_mapping"])
-    ]
-    return ids, labels
+    inside = [any(s < e2 and e > s2 for s2, e2 in spans) for s, e in enc["offset_mapping"]]
+    return ids, [tok if hit != (loss_on == "all") else IGNORE for tok, hit in zip(ids, inside, strict=True)]
 
 
 def render_chat(tokenizer, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:

@@ -274,6 +274,24 @@ def test_an_assistant_turn_marked_not_to_train_has_no_loss(tokenizer, flag):
     )
 
 
+@pytest.mark.parametrize("flag", [{"train": False}, {"weight": 0}])
+def test_a_turn_marked_not_to_train_has_no_loss_under_loss_on_all_too(tokenizer, flag):
+    """data.loss_on=all trains every token of the row but those of a turn marked train: false
+    (weight: 0); a row whose only answer is marked keeps its other tokens."""
+    messages = [dict(m) for m in CHAT["messages"]]
+    messages[2] |= flag
+    every = row(tokenizer, CHAT, "chat", loss_on="all")
+    ex = row(tokenizer, {"messages": messages}, "chat", loss_on="all")
+    assert ex["input_ids"] == every["input_ids"]
+    assert ex["n_trained"] == every["n_trained"] - len(
+        tokenizer("4<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    )
+    assert "4<|im_end|>" not in trained_text(tokenizer, ex) and "6<|im_end|>" in trained_text(tokenizer, ex)
+    assert "What is 2 + 2?" in trained_text(tokenizer, ex)
+    only = row(tokenizer, {"messages": messages[:3]}, "chat", loss_on="all")
+    assert only["status"] == "ok" and "4<|im_end|>" not in trained_text(tokenizer, only)
+
+
 def test_system_prompt_goes_first_in_rows_without_their_own(tmp_path, tokenizer):
     plain = {"messages": CHAT["messages"][1:]}
     with_system = row(tokenizer, plain, "chat", system_prompt="Be brief.")
