@@ -212,6 +212,11 @@ def chat_ids(
     marked = [i for i in answers if i not in trained] if loss_on == "all" else trained
     spans = []
     for i in marked:
+        if i == 0:  # its span starts where a generation prompt after nothing would end, which no template renders
+            raise RowError(
+                "messages[0]: the conversation opens with an assistant turn, which answers nothing; start it with "
+                "a user or system message (data.system_prompt puts a system message first)"
+            )
         start, end = render(messages[:i], gen=True), render(messages[: i + 1])
         if not (end.startswith(start) and text.startswith(end)):
             other = "remove train: false (weight: 0) from its messages" if loss_on == "all" else "data.loss_on=all"

@@ -43,6 +43,19 @@ def _messages(value, what: str) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "train" or not v} for m in messages]  # train: true is the default
 
 
+def _answer(messages: list[dict], what: str) -> list[dict]:
+    """An answer's messages, which hold the assistant's turn where there are any: messages of
+    other roles alone answer nothing (the row is malformed, not an empty answer)."""
+    if messages and not any(m["role"] == "assistant" for m in messages):
+        roles = [m["role"] for m in messages]
+        raise RowError(f"'{what}' holds no assistant message (roles {roles}); an answer is the assistant's turn")
+    return messages
+
+
+def _answer_messages(value, what: str) -> list[dict]:
+    return _answer(_messages(value, what), what)
+
+
 def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
     """(prompt, chosen, rejected): three strings for plain-text pairs, else message lists
     where the answers hold only what follows the prompt."""
@@ -56,14 +69,15 @@ def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[d
     if prompt is not None:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        return _messages(prompt, "prompt"), _messages(chosen, "chosen"), _messages(rejected, "rejected")
+        prompt = _messages(prompt, "prompt")
+        return prompt, _answer_messages(chosen, "chosen"), _answer_messages(rejected, "rejected")
     chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     if shared == 0:
         raise RowError("'chosen' and 'rejected' share no prompt: their first messages differ (or give 'prompt')")
-    return chosen[:shared], chosen[shared:], rejected[shared:]
+    return chosen[:shared], _answer(chosen[shared:], "chosen"), _answer(rejected[shared:], "rejected")
 
 
 def _answer_ids(prompt, answer, tokenizer, tools=None) -> tuple[list[int], list[int], int]:
@@ -183,7 +197,7 @@ def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig, margin
                 f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
                 f"rows with {other}"
             )
-        return "pairs-v3" + ("-margins-v2" if margins else "")  # margins v2: CSV margins read from their text
+        return "pairs-v4" + ("-margins-v2" if margins else "")  # v4: answers without an assistant turn are errors
 
     def process(src, row: dict) -> dict:
         if not margins:

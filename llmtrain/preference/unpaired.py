@@ -32,7 +32,7 @@ from ..data.batches import Collator
 from ..data.build import DataKind
 from ..data.rows import IGNORE, NothingToTrain, RowError, check_line, flag, shift
 from ..errors import shown
-from .pairs import PAIRS, _answer_ids, _fit, _messages, conversation
+from .pairs import PAIRS, _answer_ids, _answer_messages, _fit, _messages, conversation
 
 COLUMNS = ("prompt", "completion", "label")
 
@@ -53,7 +53,7 @@ def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bo
         return prompt, completion, label
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    return _messages(prompt, "prompt"), _messages(completion, "completion"), label
+    return _messages(prompt, "prompt"), _answer_messages(completion, "completion"), label
 
 
 def process_unpaired(row: dict, tokenizer, cfg: DataConfig) -> dict:
@@ -135,7 +135,7 @@ def prepare_unpaired(key: str, names: list[str], tokenizer, cfg: DataConfig):
                 f"{key}: {src.name}: dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label' (true: "
                 f"desirable); found columns {sorted(src.columns)}; {fix}"
             )
-        return "unpaired-v2"  # v2: CSV labels read from their text
+        return "unpaired-v3"  # v2: CSV labels read from their text; v3: answers without an assistant turn are errors
 
     def process(src, row: dict) -> dict:
         return process_unpaired(row, tokenizer, cfg)

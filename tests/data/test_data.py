@@ -292,6 +292,15 @@ def test_a_turn_marked_not_to_train_has_no_loss_under_loss_on_all_too(tokenizer,
     assert only["status"] == "ok" and "4<|im_end|>" not in trained_text(tokenizer, only)
 
 
+def test_a_conversation_opening_with_an_assistant_turn_is_one_clear_row_error(tokenizer):
+    messages = CHAT["messages"][2:]  # assistant, user, assistant
+    assert row(tokenizer, {"messages": messages}, "chat")["status"] == (
+        "error: messages[0]: the conversation opens with an assistant turn, which answers nothing; start it with a "
+        "user or system message (data.system_prompt puts a system message first)"
+    )
+    assert row(tokenizer, {"messages": messages}, "chat", system_prompt="Be brief.")["status"] == "ok"
+
+
 def test_system_prompt_goes_first_in_rows_without_their_own(tmp_path, tokenizer):
     plain = {"messages": CHAT["messages"][1:]}
     with_system = row(tokenizer, plain, "chat", system_prompt="Be brief.")

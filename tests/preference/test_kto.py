@@ -76,6 +76,8 @@ def test_a_row_is_tokenized_as_a_pairs_answer_with_its_label(tokenizer):
          "false (an undesirable one), got 1"),
         ({"prompt": "hi", "completion": "yo", "label": "true"}, "error: 'label' must be true"),
         ({"prompt": "hi", "completion": [{"role": "bot", "content": "yo"}], "label": True}, "error: completion[0]: "),
+        ({"prompt": "hi", "completion": [{"role": "user", "content": "yo"}], "label": True},
+         "error: 'completion' holds no assistant message (roles ['user'])"),
         ({"prompt": "hi", "completion": "", "label": True}, "empty answer"),
     ],
 )  # fmt: skip

@@ -85,6 +85,11 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
         ({"prompt": "a", "chosen": 5, "rejected": "x"}, "error: 'chosen' must be a string or a non-empty list"),
         ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
          "error: 'chosen' and 'rejected' share no prompt"),
+        ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+         "error: 'chosen' holds no assistant message (roles ['user']); an answer is the assistant's turn"),
+        ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+          "rejected": [{"role": "user", "content": "q"}, {"role": "user", "content": "b"}]},
+         "error: 'rejected' holds no assistant message (roles ['user'])"),
     ],
 )  # fmt: skip
 def test_pairs_with_nothing_to_compare_are_dropped_and_malformed_ones_are_errors(tokenizer, row, status):
