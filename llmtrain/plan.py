@@ -48,6 +48,7 @@ from .preference.reward import REWARD_PAIRS
 from .preference.unpaired import preference_data
 from .rl.prompts import grpo_prompts
 from .rl.rewards import REWARD_MODEL, check_grpo
+from .train import check_lengths
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
@@ -400,6 +401,8 @@ def plan(argv: list[str]) -> None:
         print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")
     else:
         print(f"  steps per epoch: {steps_per_epoch}; total steps: {t.total_steps(steps_per_epoch)}")
+    sys.stdout.flush()  # before the warnings, on stderr, that the run would print at this point
+    check_lengths(t, t.max_steps if steps_per_epoch is None else t.total_steps(steps_per_epoch))
     device = launch_device(launch)
     attention = attention_backend(cfg.model, mcfg, cfg.data.packing, torch.device(device))
     print(f"\n== attention ({'GPU' if device == 'cuda' else 'CPU'}) ==")
@@ -531,7 +534,8 @@ def reference_source(cfg) -> str:
     return f"the starting weights: log-probs for {every} computed once before training (cached in output_dir)"
 
 
-HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo|grpo] [key.sub=value ...]
+HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo|grpo|reward]
+                     [key.sub=value ...]
 
 commands:
   plan   what a run would do, without training: the data (rows kept and dropped, one
@@ -541,6 +545,7 @@ training runs through the recipes (see README.md):
   accelerate launch recipes/finetune.py [--config F] [key.sub=value ...]   supervised fine-tuning
   accelerate launch recipes/dpo.py [--config F] [key.sub=value ...]        preference tuning
   accelerate launch recipes/grpo.py [--config F] [key.sub=value ...]       online RL from rewards
+  accelerate launch recipes/reward.py [--config F] [key.sub=value ...]     reward models
   python recipes/finetune.py --prepare-only --config F                     tokenize into the cache
   python -m llmtrain.demo score DIR                                        score a model on the demo task
 with no --config, the recipes run the offline demo."""

@@ -35,8 +35,10 @@ def test_plan_shows_batch_steps_memory_and_a_marked_row(base_config, tiny_model,
     out = proc.stdout
     assert "data.eval: 20/20 rows kept" in out
     assert "WARNING: this config" not in out
-    without = plan(*args, env={k: v for k, v in cache_env.items() if k != "ACCELERATE_USE_CPU"}).stdout
-    assert "WARNING: this config starts 2 CPU processes, but ACCELERATE_USE_CPU=1 is not set" in without
+    assert "train.warmup_steps" not in proc.stderr
+    without = plan(*args, "train.warmup_steps=3", env={k: v for k, v in cache_env.items() if k != "ACCELERATE_USE_CPU"})
+    assert "WARNING: this config starts 2 CPU processes, but ACCELERATE_USE_CPU=1 is not set" in without.stdout
+    assert "warning: train.warmup_steps: 3 is not below the run's 3 steps" in without.stderr  # as the run warns
     assert "world size: 2" in out
     assert "global batch: 8 sequences = micro_batch_size 2 x grad_accum_steps 2 x 2 process(es)" in out
     assert "steps per epoch: 3" in out  # 20 rows, 8 per step: 8, 8, 4
@@ -236,9 +238,10 @@ def test_help_lists_the_commands_and_recipes_and_succeeds():
     for args in (["--help"], ["plan", "-h"]):
         proc = subprocess.run([LLMTRAIN, *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.startswith("usage: llmtrain plan")
-        for command in ("plan ", "recipes/finetune.py", "recipes/dpo.py", "llmtrain.demo score"):
+        for command in ("plan ", "recipes/finetune.py", "recipes/dpo.py", "recipes/grpo.py", "recipes/reward.py"):
             assert command in proc.stdout
-    for shipped in ("recipes/finetune.py", "recipes/dpo.py"):
+        assert "llmtrain.demo score" in proc.stdout and "--recipe finetune|dpo|grpo|reward" in proc.stdout
+    for shipped in ("recipes/finetune.py", "recipes/dpo.py", "recipes/grpo.py", "recipes/reward.py"):
         assert (ROOT / shipped).is_file()
 
 
