@@ -153,8 +153,12 @@ CASES = {
     "data.train that is a directory": (
         "finetune",
         [*SFT, "data.train={T}/empty"],
-        "data.train: {T}/empty is a directory; give its data files (.jsonl, .json, .parquet or .csv), e.g. "
-        "data.train=[{T}/empty/a.jsonl, {T}/empty/b.jsonl]",
+        "data.train: {T}/empty is a directory; give its data files (.jsonl, .json, .parquet or .csv): it holds none",
+    ),
+    "a data path that does not exist, with no data file's ending": (
+        "finetune",
+        [*SFT, "data.train={T}/nothere.txt"],
+        "data.train: no such file: {T}/nothere.txt; give a .jsonl, .json, .parquet or .csv file",
     ),
     "a Parquet file with no rows": (
         "finetune",

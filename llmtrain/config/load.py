@@ -20,7 +20,7 @@ import yaml
 from ..errors import ConfigError, shown
 from ..files import size_text
 from .schema import Config, DataSource
-from .validate import closest
+from .validate import closest, number_problems
 
 # a recipe's own section of the tree -> that recipe
 RECIPE_SECTIONS = {"dpo": "recipes/dpo.py", "grpo": "recipes/grpo.py", "reward": "recipes/reward.py"}
@@ -369,17 +369,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     expand_home(cfg)
     # A key whose value was refused keeps its default; its check would call that missing too.
     refused = {re.split(r"[:\[]", q, maxsplit=1)[0] for q in problems}
-    problems += [q for q in cfg.problems() if q.split(":", 1)[0] not in refused]
+    problems += [q for q in tree_problems(cfg) if q.split(":", 1)[0] not in refused]
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def tree_problems(cfg: Config) -> list[str]:
+    """cfg.problems(), where a number out of its range gets that problem alone: a check
+    between keys would read the bad value as one meant (eval.every_steps=-1 as an evaluation
+    that needs data)."""
+    problems, ranges = cfg.problems(), number_problems(cfg)
+    out_of_range = {q.split(":", 1)[0] for q in ranges}
+    return [q for q in problems if q in ranges or q.split(":", 1)[0] not in out_of_range]
 
 
 def check(cfg: Config) -> None:
     """Check a tree again after start-up has filled in what the YAML left to it (the demo's
     names resolved to its files, model.attn_implementation=auto to the backend chosen), so
     the config that runs, and that config.yaml records, is one that passes every check."""
-    if problems := cfg.problems():
+    if problems := tree_problems(cfg):
         raise ConfigError(problems)
 
 

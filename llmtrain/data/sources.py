@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from ..errors import DataError, describe
@@ -80,12 +81,16 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
     if path.is_dir():
+        found = sorted(f.name for f in islice(path.iterdir(), 10_000) if f.suffix.lower() in FILE_BUILDERS)
+        files = ", ".join(str(path / f) for f in found[:3])
         raise DataError(
-            f"{key}: {name} is a directory; give its data files (.jsonl, .json, .parquet or .csv), "
-            f"e.g. {key}=[{name}/a.jsonl, {name}/b.jsonl]"
+            f"{key}: {name} is a directory; give its data files (.jsonl, .json, .parquet or .csv): "
+            + (f"e.g. {key}=[{files}]" if found else "it holds none")
         )
     if path.exists():
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, which no hub name is
+        raise DataError(f"{key}: no such file: {name}; give a .jsonl, .json, .parquet or .csv file")
     hub, _, split = name.partition(":")
     try:
         ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)

@@ -362,3 +362,16 @@ def test_merge_lora_auto_merges_reward_models_only():
         load_config(None, [*lora, "export.merge_lora=false"], schema=RewardConfig)
     with pytest.raises(ConfigError, match=r"export.merge_lora: only applies with model.lora.enabled=true"):
         load_config(None, [*base, "export.merge_lora=true"], schema=RewardConfig)
+
+
+def test_a_number_out_of_its_range_gets_that_problem_alone():
+    """Checks between keys would read the bad value as one meant: eval.every_steps=-1 is not an
+    evaluation that needs eval data."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "eval.every_steps=-1"])
+    assert e.value.problems == ["eval.every_steps: must be zero or more, got -1"]
+    with pytest.raises(ConfigError) as e:  # a meant value still gets the check between keys
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "eval.every_steps=5"])
+    assert e.value.problems == [
+        "eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0"
+    ]

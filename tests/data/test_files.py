@@ -242,3 +242,21 @@ def test_a_streamed_file_names_the_line_of_a_row_it_cannot_read(tmp_path, tokeni
     stream = StreamedRows("data.train", [str(path)], tokenizer, DataConfig(train="x", shuffle=False), 0, 0, 1)
     with pytest.raises(DataError, match=rf"^data.train: {path} line 302: not UTF-8 text \(byte 0xe9\)"):
         list(stream)
+
+
+def test_a_directory_given_as_data_names_the_data_files_in_it(tmp_path):
+    from llmtrain.data.sources import load_source
+    from llmtrain.errors import DataError
+
+    (tmp_path / "b.jsonl").write_text("")
+    (tmp_path / "a.parquet").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(DataError) as e:
+        load_source(str(tmp_path), "data.train")
+    assert str(e.value) == (
+        f"data.train: {tmp_path} is a directory; give its data files (.jsonl, .json, .parquet or .csv): "
+        f"e.g. data.train=[{tmp_path}/a.parquet, {tmp_path}/b.jsonl]"
+    )
+    for path in ("./nothere", f"{tmp_path}/nothere.txt", "a/b/c"):  # paths, never hub names: not looked up
+        with pytest.raises(DataError, match=rf"^data.train: no such file: {path}; give a .jsonl"):
+            load_source(path, "data.train")
