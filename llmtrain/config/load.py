@@ -365,6 +365,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value, schema)
+    if path is not None and "output_dir" not in raw:  # a run of its own, not one in the default's directory
+        raw["output_dir"] = f"runs/{path.stem}"
     cfg = _build(schema, raw, "", problems)
     expand_home(cfg)
     # A key whose value was refused keeps its default; its check would call that missing too.

@@ -385,7 +385,9 @@ class Config:
     MERGES_LORA: ClassVar[bool] = False  # what export.merge_lora=auto means for a LoRA run
 
     output_dir: str = "runs/demo"
-    """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written."""
+    """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written. A config file
+    that sets none gets runs/ and the file's name without its ending (my_sft.yaml:
+    runs/my_sft), so that runs of different configs never share a directory."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -375,3 +375,13 @@ def test_a_number_out_of_its_range_gets_that_problem_alone():
     assert e.value.problems == [
         "eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0"
     ]
+
+
+def test_a_config_file_without_output_dir_gets_one_named_after_it(tmp_path):
+    """Not the default runs/demo, where runs of different configs (and the demo) would meet."""
+    path = tmp_path / "my_sft.yaml"
+    path.write_text("model:\n  name_or_path: m\ndata:\n  train: d.jsonl\n")
+    assert load_config(path).output_dir == "runs/my_sft"
+    assert load_config(path, ["output_dir=elsewhere"]).output_dir == "elsewhere"
+    path.write_text(path.read_text() + "output_dir: mine\n")
+    assert load_config(path).output_dir == "mine"
