@@ -28,6 +28,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,6 +229,11 @@ def _csv(lines: Iterator[str], path: Path, key: str):
             if not values:
                 continue
             if header is None:
+                if repeated := sorted(v for v, n in Counter(values).items() if n > 1):
+                    raise DataError(
+                        f"{key}: {path} line {start}: the header names {repeated} more than once, so their fields "
+                        "would overwrite each other; give each column its own name"
+                    )
                 header = values
                 continue
             if len(values) > len(header):

@@ -59,9 +59,10 @@ class DataStats:
         """Stop the run when more than data.max_bad_fraction of the rows were malformed."""
         bad = self.dropped[MALFORMED]
         if bad and bad > cfg.max_bad_fraction * self.rows:
+            first = "the first" if len(self.bad) == 1 else f"the first {len(self.bad)}"
             raise DataError(
                 f"data.max_bad_fraction: {bad} of {self.rows} rows of {key} are malformed ({bad / self.rows:.1%}), "
-                f"more than {cfg.max_bad_fraction:g}; the first: {'; '.join(self.bad)}. Fix the rows, or raise "
+                f"more than {cfg.max_bad_fraction:g}; {first}: {'; '.join(self.bad)}. Fix the rows, or raise "
                 "data.max_bad_fraction"
             )
 

@@ -240,7 +240,7 @@ def test_too_many_malformed_rows_stop_the_run_anyway(tmp_path, tokenizer):
         prepare_split("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.02))
     message = str(e.value)
     assert message.startswith(
-        "data.max_bad_fraction: 3 of 100 rows of data.train are malformed (3.0%), more than 0.02; the first: "
+        "data.max_bad_fraction: 3 of 100 rows of data.train are malformed (3.0%), more than 0.02; the first 3: "
         f"{path} line 11: messages[0]: needs a 'role'"
     )
     assert message.endswith("Fix the rows, or raise data.max_bad_fraction") and "\n" not in message

@@ -48,6 +48,7 @@ def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path)
     [
         ("latin1.csv", "prompt,completion\na,b\nx,caf\xe9\n".encode("latin-1"), r"latin1.csv line 3: not UTF-8 text"),
         ("wide.csv", b"prompt,completion\na,b\nx,y,z\n", r"wide.csv line 3: 3 fields but the header has 2"),
+        ("twice.csv", b"text,text\na,b\n", r"twice.csv line 1: the header names \['text'\] more than once"),
         ("bad.json", b'[\n {"text": "a"},\n {"text": }\n]', r"bad.json line 3: invalid JSON \(Expecting value\)"),
         ("object.json", b'{"text": "a"}', r"object.json line 1: the top level is not an array"),
         ("open.json", b'[\n {"text": "a"},\n', r"open.json line 3: the array is not closed"),
