@@ -228,7 +228,8 @@ def chat_ids(
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     inside = [any(s < e2 and e > s2 for s2, e2 in spans) for s, e in enc["offset_mapping"]]
-    return ids, [tok if hit != (loss_on == "all") else IGNORE for tok, hit in zip(ids, inside, strict=True)]
+    trains_inside = loss_on != "all"  # the spans are what trains, or under loss_on=all what does not
+    return ids, [tok if hit == trains_inside else IGNORE for tok, hit in zip(ids, inside, strict=True)]
 
 
 def render_chat(tokenizer, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
