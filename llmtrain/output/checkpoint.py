@@ -41,13 +41,16 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of complete checkpoints, oldest first."""
+    """(step, path) of the checkpoints, oldest first: every step-N directory, each complete
+    when it was published. One that has since lost files (its train_state.json too) is
+    damaged, which find_resume reports, not a checkpoint that never was: left out here, a
+    run would start over and replace the others without a word."""
     root = checkpoint_root(output_dir)
     found = []
     if root.is_dir():
         for p in root.iterdir():
             m = re.fullmatch(r"step-(\d+)", p.name)
-            if m and p.is_dir() and (p / STATE_FILE).is_file():
+            if m and p.is_dir():
                 found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -171,6 +174,8 @@ def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
     (file, fault)."""
     try:
         state = load_json(Path(path) / STATE_FILE)
+    except FileNotFoundError:
+        return f"{STATE_FILE} is missing", []
     except (OSError, ValueError) as e:
         return f"{STATE_FILE} is unreadable ({type(e).__name__})", []
     if (why := state_problem(state)) is not None:

@@ -128,15 +128,24 @@ def test_only_damaged_checkpoints_is_an_error_not_a_fresh_start(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step-4: model.safetensors is missing"):
         find_resume(str(tmp_path), "auto")
+    (path / STATE_FILE).unlink()  # a published checkpoint that lost its state file is damaged too
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step-4: train_state.json is missing"):
+        find_resume(str(tmp_path), "auto")
+    with pytest.raises(CheckpointError, match=r"checkpoint.resume=none but .* holds checkpoints"):
+        find_resume(str(tmp_path), "none")
 
 
-def test_only_complete_checkpoints_count(tmp_path):
+def test_published_checkpoints_count_and_one_without_its_state_is_damaged(tmp_path):
+    """A step-N directory is complete when published (renamed from .tmp-step-N): one without
+    train_state.json has lost it, and is skipped with a warning, not taken for none."""
     fake_checkpoint(tmp_path, "step-10")
     fake_checkpoint(tmp_path, "step-2")
     fake_checkpoint(tmp_path, ".tmp-step-20")  # being written when the job died
     fake_checkpoint(tmp_path, "step-30", complete=False)
-    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 10]
-    assert find_resume(str(tmp_path), "auto").name == "step-10"
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 10, 30]
+    warnings = []
+    assert find_resume(str(tmp_path), "auto", warnings.append).name == "step-10"
+    assert len(warnings) == 1 and "step-30 is damaged (train_state.json is missing)" in warnings[0]
 
 
 def test_resume_modes(tmp_path):
