@@ -8,8 +8,9 @@ is complete.
 
 SIGUSR1 is the preemption warning (Slurm's `--signal=USR1@<seconds>`): exit 0, so a
 launcher with --max_restarts does not restart the workers, and the batch script
-requeues the job. SIGTERM and SIGINT exit 128+signal; a second Ctrl-C while training
-interrupts at once.
+requeues the job. SIGTERM, SIGINT and SIGHUP (a closed terminal or SSH session, which the
+launcher passes on) exit 128+signal; a second Ctrl-C while training interrupts at once. A
+SIGHUP the process started with ignored (nohup) stays ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
-GRACEFUL = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+GRACEFUL = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def exit_code(signum: int) -> int:
@@ -33,6 +34,8 @@ class StopRequest:
 
     def install(self) -> StopRequest:
         for sig in GRACEFUL:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: the user asked for the run to outlive the terminal
             signal.signal(sig, self._handle)
         return self
 

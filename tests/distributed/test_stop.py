@@ -12,13 +12,15 @@ from llmtrain.distributed.stop import StopRequest
 
 @pytest.fixture
 def stop():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     yield StopRequest().install()
     for sig, handler in saved.items():
         signal.signal(sig, handler)
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 0)])
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 0), (signal.SIGHUP, 129)]
+)
 def test_outside_training_a_signal_stops_at_once(stop, capsys, sig, code):
     with pytest.raises(SystemExit) as exited:
         os.kill(os.getpid(), sig)
@@ -47,3 +49,16 @@ def test_a_second_ctrl_c_while_training_interrupts_at_once(stop):
     with pytest.raises(KeyboardInterrupt), stop.deferred():
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_hangup_ignored_at_start_stays_ignored():
+    """nohup starts the process with SIGHUP ignored, so that the run outlives the terminal."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        StopRequest().install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) != saved[signal.SIGTERM]
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
