@@ -12,6 +12,10 @@
 
 set -uo pipefail
 recipe=recipes/finetune.py
+# A preemption warning before training starts has nothing to checkpoint, but must not kill
+# this shell (bash's default for USR1): the job is requeued once the step running ends.
+preempted=0
+trap 'preempted=1; echo "llmtrain: preemption warning before training; requeueing job $SLURM_JOB_ID"' USR1
 
 # The head node, and its address as Slurm itself knows it (node names need not resolve).
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -21,6 +25,10 @@ echo "llmtrain: job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)), $SL
 
 # 1. Tokenize once, on one node, into the datasets cache that every node reads.
 srun --nodes=1 --ntasks=1 --nodelist="$head_node" python "$recipe" --prepare-only "$@" || exit $?
+if [ "$preempted" = 1 ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
 
 # 2. Train: one `accelerate launch` per node. The machine rank and the process count are
 #    read inside each task (the single quotes keep this shell from expanding them).
@@ -30,7 +38,6 @@ srun --nodes=1 --ntasks=1 --nodelist="$head_node" python "$recipe" --prepare-onl
 # the restart only on the failed node; workers that share the agents' store key it by that
 # count and would wait for each other forever. A store of their own per round avoids that.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-preempted=0
 on_preempt() {
   preempted=1
   echo "llmtrain: preemption warning; asking the training processes to checkpoint"

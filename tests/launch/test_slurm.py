@@ -116,6 +116,35 @@ def test_templates_read_rank_inside_each_task():
                 assert "$" not in line, f"{name}: {line}"
 
 
+def test_a_preemption_warning_before_training_requeues_the_job(tmp_path):
+    """USR1 while the data are prepared (the batch shell waits on that srun step) must not
+    kill the batch shell, which would end the job without a requeue: it is requeued once the
+    step ends, and training does not start. Slurm's commands are stand-ins that log their
+    calls; the stand-in srun sends the warning to the batch shell as Slurm would."""
+    import subprocess
+    import textwrap
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    stubs = {
+        "scontrol": 'case "$1 $2" in "show hostnames") echo node1;; "show node") echo "NodeAddr=127.0.0.1";; '
+        '*) echo "scontrol $*" >> "$LOG";; esac',
+        "srun": 'case "$*" in *--prepare-only*) kill -USR1 "$PPID"; sleep 0.3;; *) echo "srun train" >> "$LOG";; esac',
+        "scancel": 'echo "scancel $*" >> "$LOG"',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(textwrap.dedent(f"#!/bin/bash\n{body}\n"))
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", LOG=str(log))
+    env |= {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"}
+    proc = subprocess.run(
+        ["bash", "recipes/slurm/job.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "preemption warning before training; requeueing job 42" in proc.stdout
+    assert log.read_text().splitlines() == ["scontrol requeue 42"]
+
+
 def test_multi_node_job_matches_a_single_process_run(cluster, args, reference, cache_env, tmp_path):
     out = tmp_path / "out"
     job = submit(cluster, "multi_node.sbatch", args(out), cache_env, tmp_path / "job.log")
