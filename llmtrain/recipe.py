@@ -77,6 +77,8 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     start = rundir.prepare(cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg)))
     if start.finished_at is not None:
+        if accelerator.is_main_process and not (Path(cfg.output_dir) / "loss.png").exists():
+            plot_losses(Path(cfg.output_dir) / "metrics.jsonl", Path(cfg.output_dir) / "loss.png")  # stopped before it
         accelerator.print(
             f"{cfg.output_dir} already finished at step {start.finished_at} with these settings; final/ is up to date"
         )

@@ -124,6 +124,10 @@ def test_a_rerun_of_a_finished_run_says_so_and_changes_nothing(finished_run, cac
     proc = run_recipe(args + ["log.progress_bar=true"], cache_env)  # a setting that does not alter the run
     assert f"{out} already finished at step 4 with these settings; final/ is up to date" in proc.stdout
     assert snapshot(out) == before
+    (out / "loss.png").unlink()  # the run was stopped after final/, before its plot
+    run_recipe(args, cache_env)
+    assert (out / "loss.png").is_file()
+    assert snapshot(out) == before
 
 
 @pytest.mark.slow
