@@ -17,6 +17,10 @@ recipe=recipes/finetune.py
 preempted=0
 trap 'preempted=1; echo "llmtrain: preemption warning before training; requeueing job $SLURM_JOB_ID"' USR1
 
+# Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun's steps, whose tasks
+# would then get one CPU each for data loading and the CPU side of training.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi
+
 # The head node, and its address as Slurm itself knows it (node names need not resolve).
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 head_addr=$(scontrol show node "$head_node" | grep -oP 'NodeAddr=\K\S+')
