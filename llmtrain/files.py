@@ -80,6 +80,12 @@ def as_text(row: dict) -> str | BadLine:
     return text
 
 
+def is_path(name: str) -> bool:
+    """Whether a data or model name is written as a local path (./x, /x, ~/x, a/b/c), which no
+    hub name ('owner/name') is."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def size_text(n: int) -> str:
     """A bound in words: '64 MiB', '1 GiB', '1000 bytes'."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

@@ -15,6 +15,7 @@ from .attention import Attention, attends_both_ways, share_sdpa_masks, text_conf
 from .attention import choose as choose_attention
 from .config import ModelConfig
 from .errors import AttentionError, ModelError, describe, shown, warn
+from .files import is_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -30,7 +31,7 @@ def hub_kwargs(cfg: ModelConfig) -> dict:
 def no_such_directory(name: str, key: str = "model.name_or_path") -> ModelError | None:
     """A name written as a path (./x, /x, ~/x, a/b/c) that is no directory: an error, rather
     than a hub lookup of a name the hub cannot hold."""
-    if (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
+    if is_path(name) and not Path(name).expanduser().is_dir():
         return ModelError(
             f"{key}: no such directory: {name}; give a local model directory "
             "(with config.json) or a hub name like 'owner/model'"

@@ -10,7 +10,7 @@ from itertools import islice
 from pathlib import Path
 
 from ..errors import DataError, describe
-from ..files import LINE, RAW, TEXT_FILES, content_hash, first_rows, row_dataset
+from ..files import LINE, RAW, TEXT_FILES, content_hash, first_rows, is_path, row_dataset
 from .rows import REQUIRED, TextRow
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -89,7 +89,7 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
         )
     if path.exists():
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, which no hub name is
+    if is_path(name):
         raise DataError(f"{key}: no such file: {name}; give a .jsonl, .json, .parquet or .csv file")
     hub, _, split = name.partition(":")
     try:
