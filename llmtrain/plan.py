@@ -26,6 +26,7 @@ from . import demo
 from .cli import user_errors
 from .config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, check
+from .config.schema import RECIPE_SECTIONS
 from .data.batches import EpochSampler
 from .data.build import ROWS, DataKind, data_kind
 from .data.mixture import names, packer, sources, split_and_mix, training_set
@@ -513,7 +514,7 @@ def recipe_named(config: Path, overrides: list[str]) -> str:
     raw = {}
     with contextlib.suppress(OSError, ValueError, yaml.YAMLError):
         raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader)
-    for name in ("dpo", "grpo", "reward"):
+    for name in RECIPE_SECTIONS:  # a recipe's own section names the recipe
         if any(o.startswith((f"{name}.", f"{name}=")) for o in overrides) or (isinstance(raw, dict) and name in raw):
             return name
     return "finetune"

@@ -19,11 +19,8 @@ import yaml
 
 from ..errors import ConfigError, shown
 from ..files import size_text
-from .schema import Config, DataSource
+from .schema import RECIPE_SECTIONS, Config, DataSource
 from .validate import closest, number_problems
-
-# a recipe's own section of the tree -> that recipe
-RECIPE_SECTIONS = {"dpo": "recipes/dpo.py", "grpo": "recipes/grpo.py", "reward": "recipes/reward.py"}
 
 
 def _type_name(tp: Any) -> str:

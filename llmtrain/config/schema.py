@@ -639,6 +639,15 @@ class RewardConfig(Config):
         return p + pair_data_problems(self.data, "recipes/reward.py")
 
 
+# The section each recipe's tree adds to Config's (dpo, grpo, reward) -> that recipe.
+RECIPE_SECTIONS = {
+    f.name: tree.RECIPE
+    for tree in (DPOConfig, GRPOConfig, RewardConfig)
+    for f in dataclasses.fields(tree)
+    if f.name not in {g.name for g in dataclasses.fields(Config)}
+}
+
+
 def field_docs() -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every leaf field, read from this file's source
     so the reference can never drift from the schema."""
