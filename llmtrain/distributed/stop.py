@@ -11,10 +11,17 @@ launcher with --max_restarts does not restart the workers, and the batch script
 requeues the job. SIGTERM, SIGINT and SIGHUP (a closed terminal or SSH session, which the
 launcher passes on) exit 128+signal; a second Ctrl-C while training interrupts at once. A
 SIGHUP the process started with ignored (nohup) stays ignored.
+
+A process started by a launcher (`accelerate launch`, torchrun, DeepSpeed's) also stops,
+as on SIGTERM, when that launcher dies (`stop_with_launcher`): otherwise a launcher that
+is killed, or that exits on a signal it does not pass on (accelerate's one-process
+launcher passes on none; torchrun not SIGUSR1), leaves its workers training on with no one
+waiting for them, holding the output directory and the devices.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -37,12 +44,15 @@ class StopRequest:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: the user asked for the run to outlive the terminal
             signal.signal(sig, self._handle)
+        stop_with_launcher()
         return self
 
     def _handle(self, signum, frame) -> None:
         if not self.deferring:
             self._exit(signum, "")
-        self.signum = signum
+        # The first request names the stop: Ctrl-C reaches the one-process launcher too,
+        # whose exit then sends SIGTERM (stop_with_launcher) while this one is saving.
+        self.signum = self.signum or signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -69,3 +79,48 @@ class StopRequest:
 
     def exit_code(self) -> int:
         return exit_code(self.agreed)
+
+
+# The launchers' names on their command lines: torchrun and its modules, `python -m
+# accelerate.commands.launch`, DeepSpeed's per-node launcher; and `accelerate` (the command
+# or its module) when followed by `launch`.
+LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch"}
+LAUNCHERS |= {"deepspeed.launcher.launch"}
+ACCELERATE = ("accelerate", "accelerate.commands.accelerate_cli")
+
+
+def launched_by_launcher(parent_argv: list[str]) -> bool:
+    """Whether a parent process with this command line is a launcher that started this
+    process as one of its workers."""
+    words = [os.path.basename(a) for a in parent_argv[:8]]  # the launcher's own name comes first
+    if any(w in LAUNCHERS for w in words):
+        return True
+    first = next((i for i, w in enumerate(words) if w in ACCELERATE), None)
+    return first is not None and "launch" in words[first + 1 :]
+
+
+def stop_with_launcher() -> None:
+    """Ask the kernel for SIGTERM when the launcher that started this process dies
+    (Linux's PR_SET_PDEATHSIG). Written by hand because neither Accelerate's launchers nor
+    torchrun ask for it. Only under a launcher: a process run as `nohup python ...` must
+    outlive the shell that started it. torchrun's agent says it started the process
+    (TORCHELASTIC_RUN_ID in its environment); accelerate's one-process launcher says
+    nothing, so its command line is read."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        try:
+            with open(f"/proc/{parent}/cmdline", "rb") as f:
+                argv = f.read(1 << 16).decode(errors="replace").split("\0")
+        except OSError:
+            return
+        if not launched_by_launcher(argv):
+            return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the launcher died before the request took hold
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from llmtrain.distributed.stop import StopRequest
+from llmtrain.distributed.stop import StopRequest, launched_by_launcher
 
 
 @pytest.fixture
@@ -45,6 +45,15 @@ def test_a_signal_the_loop_did_not_act_on_stops_the_process_once_final_is_writte
     assert capsys.readouterr().err == "stopped on SIGTERM; final/ is saved\n"
 
 
+def test_the_first_request_names_the_stop(stop):
+    """Ctrl-C reaches accelerate's one-process launcher too, whose exit then sends SIGTERM."""
+    with stop.deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGINT
+        stop.agreed = stop.signum
+
+
 def test_a_second_ctrl_c_while_training_interrupts_at_once(stop):
     with pytest.raises(KeyboardInterrupt), stop.deferred():
         os.kill(os.getpid(), signal.SIGINT)
@@ -62,3 +71,78 @@ def test_a_hangup_ignored_at_start_stays_ignored():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(
+    ("argv", "launcher"),
+    [
+        (["/venv/bin/python3", "/venv/bin/accelerate", "launch", "--num_processes", "1", "train.py"], True),
+        (["python", "-m", "accelerate.commands.launch", "train.py"], True),
+        (["python", "-m", "accelerate.commands.accelerate_cli", "launch", "train.py"], True),
+        (["/venv/bin/python3", "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], True),
+        (["python", "-u", "-m", "torch.distributed.run", "train.py"], True),
+        (["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "train.py"], True),
+        (["-bash"], False),
+        (["nohup", "python", "train.py"], False),
+        (["/venv/bin/python3", "/venv/bin/accelerate", "env"], False),
+        (["python", "train.py", "launch"], False),
+        (["/usr/sbin/slurmstepd"], False),
+    ],
+)
+def test_launchers_are_told_by_their_command_line(argv, launcher):
+    assert launched_by_launcher(argv) is launcher
+
+
+# A stand-in parent: started as `python <dir>/<name> [launch]`, it starts the child below,
+# records its pid and waits, as a launcher waits for its workers.
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.stdin.read()], stderr=open("err", "w"))
+open("pid", "w").write(str(child.pid))
+time.sleep(600)
+"""
+CHILD = """
+import time
+from llmtrain.distributed.stop import StopRequest, launched_by_launcher
+StopRequest().install()
+open("ready", "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "env", "stops"),
+    [
+        ("accelerate launch", {}, True),  # accelerate's one-process launcher, told by its command line
+        ("agent", {"TORCHELASTIC_RUN_ID": "none"}, True),  # torchrun's agent, told by the worker's environment
+        ("shell", {}, False),  # `nohup python train.py &` outlives the shell that started it
+    ],
+)
+def test_a_process_stops_when_the_launcher_that_started_it_dies(tmp_path, name, env, stops):
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script, *args = name.split()
+    (tmp_path / script).write_text(PARENT)
+    parent = subprocess.Popen(
+        [sys.executable, script, *args], cwd=tmp_path, stdin=subprocess.PIPE, env={**os.environ, **env}, text=True
+    )
+    parent.stdin.write(CHILD)
+    parent.stdin.close()
+    deadline = time.time() + 60
+    while not (tmp_path / "ready").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    child = psutil.Process(int((tmp_path / "pid").read_text()))
+    parent.kill()  # SIGKILL: it can pass nothing on
+    parent.wait()
+    try:
+        gone, _ = psutil.wait_procs([child], timeout=10 if stops else 2)
+        assert bool(gone) is stops
+        if stops:
+            assert (tmp_path / "err").read_text() == "stopped on SIGTERM\n"
+    finally:
+        if child.is_running():
+            child.kill()

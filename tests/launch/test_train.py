@@ -195,6 +195,27 @@ def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_
     assert not (out / "final").exists()
 
 
+@pytest.mark.parametrize("topology", ["single_gpu", "cpu_ddp"])  # accelerate's one-process launcher; torchrun
+def test_a_killed_launcher_leaves_no_worker_training(common, resume_data, cache_env, tmp_path, topology):
+    """A launcher that dies without passing a signal on (SIGKILL; on one process accelerate
+    passes on none) stops its workers as SIGTERM would: at an agreed step, checkpointed."""
+    import psutil
+
+    out = tmp_path / topology
+    proc = start_run(
+        common(resume_data, out) + RESUME_ARGS, cache_env, nproc=1 + (topology == "cpu_ddp"), topology=topology
+    )
+    assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 3, proc)
+    workers = psutil.Process(proc.pid).children()
+    proc.kill()
+    output, _ = proc.communicate(timeout=120)  # the workers hold the pipe until they exit
+    assert not psutil.wait_procs(workers, timeout=30)[1]
+    stopped = train_rows(out)[-1]["step"]
+    assert f"stopped on SIGTERM after step {stopped}" in output, output[-3000:]
+    assert (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
+    assert not (out / "final").exists()
+
+
 def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
