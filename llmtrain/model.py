@@ -157,7 +157,7 @@ def _check_head(cfg: ModelConfig, mcfg) -> None:
     a causal LM, transformers would start one at random (tied embeddings hide it) and the
     run would train from it without a word beyond the load report."""
     saved = getattr(mcfg, "architectures", None) or []
-    if cfg.head == "lm" and saved and all(str(a).endswith("ForSequenceClassification") for a in saved):
+    if cfg.head != "score" and saved and all(str(a).endswith("ForSequenceClassification") for a in saved):
         raise ModelError(
             f"model.name_or_path: {cfg.name_or_path} is a sequence classifier ({saved[0]}, such as a reward model), "
             "with no language-model head for this recipe to train; give a causal LM, such as the model it was "

@@ -242,7 +242,7 @@ def memory_estimate(
     activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
     logits = cfg.train.loss_chunk_logits
     chunk = max(1, logits // mcfg.vocab_size) if chunkable and logits else 0
-    if cfg.model.head == "lm":  # logits over the vocabulary (a score head has one number per token)
+    if cfg.model.head != "score":  # logits over the vocabulary (a score head has one number per token)
         activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
     out = {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
     if isinstance(cfg, GRPOConfig):

@@ -67,10 +67,11 @@ class ModelConfig:
     quantization: Literal["none", "nf4", "fp4", "int8"] = "none"
     """Load the frozen base weights quantized by bitsandbytes (QLoRA): 'nf4' or 'fp4'
     (4-bit) or 'int8'; only with model.lora.enabled. Needs pip install -e ".[qlora]"."""
-    head: Literal["lm", "score"] = "lm"
-    """The head on the model's body, set by the recipe: 'lm', its language-modelling head
-    (AutoModelForCausalLM: finetune.py, dpo.py, grpo.py); 'score', one number per sequence
-    (AutoModelForSequenceClassification with one label: recipes/reward.py)."""
+    head: Literal["auto", "lm", "score"] = "auto"
+    """The head on the model's body, which the recipe decides (auto): 'lm', its
+    language-modelling head (AutoModelForCausalLM: finetune.py, dpo.py, grpo.py); 'score',
+    one number per sequence (AutoModelForSequenceClassification with one label:
+    recipes/reward.py). Another recipe's head is an error."""
     router_aux_loss: Literal["model", "train", "log"] = "model"
     """Mixture-of-experts models: the router load-balancing loss, times the model's
     router_aux_loss_coef, is trained as the model's config says (output_router_logits),
@@ -397,7 +398,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self):
-        if self.model.head == "lm":  # the default: the recipe's own head
+        if self.model.head == "auto":
             self.model.head = self.HEAD
         if self.export.merge_lora == "auto":
             self.export.merge_lora = self.MERGES_LORA and self.model.lora.enabled

@@ -385,3 +385,14 @@ def test_a_config_file_without_output_dir_gets_one_named_after_it(tmp_path):
     assert load_config(path, ["output_dir=elsewhere"]).output_dir == "elsewhere"
     path.write_text(path.read_text() + "output_dir: mine\n")
     assert load_config(path).output_dir == "mine"
+
+
+@pytest.mark.parametrize("schema", [Config, DPOConfig, GRPOConfig, RewardConfig], ids=lambda s: s.__name__)
+def test_model_head_is_the_recipes_own_and_another_is_refused(schema):
+    given = ["model.name_or_path=m", "data.train=d.jsonl"]
+    assert load_config(None, given, schema=schema).model.head == schema.HEAD
+    assert load_config(None, [*given, f"model.head={schema.HEAD}"], schema=schema).model.head == schema.HEAD
+    other = "lm" if schema.HEAD == "score" else "score"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*given, f"model.head={other}"], schema=schema)
+    assert e.value.problems == [f"model.head: this recipe trains the '{schema.HEAD}' head; remove model.head={other}"]
