@@ -1,5 +1,5 @@
 """FSDP2 on CPU: PyTorch's fully_shard over gloo, through accelerate launch with the shipped
-accelerate_configs/fsdp2.yaml and ACCELERATE_USE_CPU=1 (see launch.fsdp_on_cpu). Each
+accelerate_configs/fsdp2.yaml and ACCELERATE_USE_CPU=1 (see distributed.launch.fsdp_on_cpu). Each
 process holds its shard; the run gives the losses, gradient norms and weights of one
 process taking the same global batch, checkpoints shard by shard and resumes exactly, and
 exports a full final/."""
