@@ -101,22 +101,6 @@ def check_topology(accelerator) -> None:
                 "(see accelerate_configs/fsdp2.yaml)"
             ]
         )
-    if kind == DistributedType.FSDP and accelerator.num_processes == 1 and not offloads(accelerator.state.fsdp_plugin):
-        raise ConfigError(
-            [
-                "launch: FSDP with one process has nothing to shard over, so it would train unsharded; launch "
-                "two or more (--num_processes 2), or launch one without the FSDP config (on one GPU, FSDP "
-                "stays for fsdp_offload_params: true, which keeps the weights on the CPU)"
-            ]
-        )
-
-
-def offloads(plugin) -> bool:
-    """Whether FSDP2 keeps the weights on the CPU (fsdp_offload_params: true), the one use
-    of FSDP with a single process."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return isinstance(plugin.cpu_offload, CPUOffloadPolicy)
 
 
 def fsdp_on_cpu(accelerator) -> None:
