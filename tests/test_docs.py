@@ -223,7 +223,8 @@ def bash_commands(text: str):
 def recipe_call(words: list[str]):
     """(recipe name, its arguments, launcher config file or None) for a command that runs a
     recipe (`python recipes/r.py`, `accelerate launch ... recipes/r.py`, an sbatch template,
-    which runs recipes/finetune.py) or `llmtrain plan` (recipe name "plan"); else None."""
+    which runs recipes/finetune.py or the recipe script given first) or `llmtrain plan`
+    (recipe name "plan"); else None."""
     while words and re.match(r"[A-Za-z_]\w*=", words[0]):  # VAR=value before the command
         words = words[1:]
     if len(words) >= 2 and words[0] in ("python", "python3") and re.fullmatch(r"recipes/\w+\.py", words[1]):
@@ -239,7 +240,10 @@ def recipe_call(words: list[str]):
         at = next((i for i, w in enumerate(words) if w.endswith(".sbatch")), None)
         if at is None:
             return None
-        return "finetune", words[at + 1 :], words[at]
+        args = words[at + 1 :]
+        if args and re.fullmatch(r"recipes/\w+\.py", args[0]):  # another recipe than finetune.py
+            return Path(args[0]).stem, args[1:], words[at]
+        return "finetune", args, words[at]
     if words[:2] == ["llmtrain", "plan"]:
         return "plan", words[2:], None
     return None

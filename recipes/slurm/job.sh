@@ -1,7 +1,8 @@
 #!/bin/bash
 # The body of the llmtrain sbatch templates (single_node.sbatch, multi_node.sbatch source
 # it). sbatch starts in the submit directory: submit from the repository root. Arguments
-# go to recipes/finetune.py.
+# go to recipes/finetune.py; a first argument naming a recipe script runs that one instead
+# (sbatch recipes/slurm/single_node.sbatch recipes/dpo.py --config ...).
 #
 # Set before sbatch (or with --export=ALL,NAME=value):
 #   LLMTRAIN_PROCS_PER_NODE  processes per node (default: the GPUs Slurm gave the node)
@@ -12,6 +13,12 @@
 
 set -uo pipefail
 recipe=recipes/finetune.py
+if [[ "${1:-}" == *.py ]]; then recipe=$1; shift; fi
+if [ ! -f "$recipe" ]; then
+  echo "llmtrain: error: $recipe: no such recipe script here; give recipes/<name>.py as the first argument" \
+    "(or none, for recipes/finetune.py) and submit from the repository root" >&2
+  exit 2
+fi
 # A preemption warning before training starts has nothing to checkpoint, but must not kill
 # this shell (bash's default for USR1): the job is requeued once the step running ends.
 preempted=0

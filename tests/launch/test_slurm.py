@@ -116,12 +116,9 @@ def test_templates_read_rank_inside_each_task():
                 assert "$" not in line, f"{name}: {line}"
 
 
-def test_a_preemption_warning_before_training_requeues_the_job(tmp_path):
-    """USR1 while the data are prepared (the batch shell waits on that srun step) must not
-    kill the batch shell, which would end the job without a requeue: it is requeued once the
-    step ends, and training does not start. Slurm's commands are stand-ins that log their
-    calls; the stand-in srun sends the warning to the batch shell as Slurm would."""
-    import subprocess
+def stand_in_slurm(tmp_path: Path, srun: str) -> tuple[dict, Path]:
+    """An environment whose Slurm commands are stand-ins that log their calls (to the
+    returned file), for running job.sh as a batch job's shell; `srun` is its srun's body."""
     import textwrap
 
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
@@ -129,7 +126,7 @@ def test_a_preemption_warning_before_training_requeues_the_job(tmp_path):
     stubs = {
         "scontrol": 'case "$1 $2" in "show hostnames") echo node1;; "show node") echo "NodeAddr=127.0.0.1";; '
         '*) echo "scontrol $*" >> "$LOG";; esac',
-        "srun": 'case "$*" in *--prepare-only*) kill -USR1 "$PPID"; sleep 0.3;; *) echo "srun train" >> "$LOG";; esac',
+        "srun": srun,
         "scancel": 'echo "scancel $*" >> "$LOG"',
     }
     for name, body in stubs.items():
@@ -137,12 +134,46 @@ def test_a_preemption_warning_before_training_requeues_the_job(tmp_path):
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", LOG=str(log))
     env |= {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1"}
-    proc = subprocess.run(
-        ["bash", "recipes/slurm/job.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    return env, log
+
+
+def run_job(env: dict, *args: str):
+    import subprocess
+
+    return subprocess.run(
+        ["bash", "recipes/slurm/job.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
+
+
+def test_a_preemption_warning_before_training_requeues_the_job(tmp_path):
+    """USR1 while the data are prepared (the batch shell waits on that srun step) must not
+    kill the batch shell, which would end the job without a requeue: it is requeued once the
+    step ends, and training does not start. Slurm's commands are stand-ins that log their
+    calls; the stand-in srun sends the warning to the batch shell as Slurm would."""
+    srun = 'case "$*" in *--prepare-only*) kill -USR1 "$PPID"; sleep 0.3;; *) echo "srun train" >> "$LOG";; esac'
+    env, log = stand_in_slurm(tmp_path, srun)
+    proc = run_job(env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "preemption warning before training; requeueing job 42" in proc.stdout
     assert log.read_text().splitlines() == ["scontrol requeue 42"]
+
+
+def test_a_first_argument_naming_a_recipe_runs_that_recipe(tmp_path):
+    """recipes/finetune.py unless the first argument names a recipe script; one that does
+    not exist stops the job with one line before any step starts."""
+    env, log = stand_in_slurm(tmp_path, 'echo "srun ${*//$\'\\n\'/ }" >> "$LOG"')  # one line a call
+    for args, recipe in ([[], "recipes/finetune.py"], [["recipes/dpo.py"], "recipes/dpo.py"]):
+        log.unlink(missing_ok=True)
+        proc = run_job(env, *args, "--config", "c.yaml")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        prepare, train = log.read_text().splitlines()
+        assert prepare.endswith(f"python {recipe} --prepare-only --config c.yaml")
+        assert train.endswith(f"{recipe} --config c.yaml checkpoint.resume=auto")
+    log.unlink()
+    proc = run_job(env, "recipes/dpo_typo.py", "--config", "c.yaml")
+    assert proc.returncode == 2 and not log.exists()
+    assert proc.stderr.startswith("llmtrain: error: recipes/dpo_typo.py: no such recipe script here;")
+    assert len(proc.stderr.splitlines()) == 1
 
 
 def test_multi_node_job_matches_a_single_process_run(cluster, args, reference, cache_env, tmp_path):
