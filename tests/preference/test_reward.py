@@ -14,6 +14,7 @@ from llmtrain.errors import DataError
 from llmtrain.model import pad_id
 from llmtrain.preference.pairs import PackedPairs, PairCollator, prepare_pairs, process_pair
 from llmtrain.preference.reward import RewardLoss, score_head
+from tests.architectures import ARCHITECTURES
 from tests.conftest import rows_dataset
 
 
@@ -40,12 +41,19 @@ def alone(model, ids) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids])).logits[0, 0]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "qwen3_moe", "gpt2", "gpt_neox"])
+def with_score_heads() -> list[str]:
+    """The zoo's architectures that transformers gives a sequence-classification class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    return [name for name in ARCHITECTURES if name in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES]
+
+
+@pytest.mark.parametrize("name", with_score_heads())
 def test_scores_are_read_where_transformers_reads_them_padded_and_packed(zoo, tokenizer, name):
     """Each answer's score in a padded and in a packed pair batch equals the score
     transformers gives the sequence alone: the last token that is not padding, absolute
     positions, sliding windows and experts included."""
-    model = reward_model(zoo(name), tokenizer, "eager" if name == "gemma2" else "sdpa")
+    model = reward_model(zoo(name), tokenizer, "eager" if name in ("gemma2", "gpt_oss") else "sdpa")  # gpt-oss: no SDPA
     rows = pairs(tokenizer)
     objective = RewardLoss(score_head(model), pad_id(tokenizer))
     want = [alone(model, r[f"{side}_input_ids"]) for side in ("chosen", "rejected") for r in rows]
