@@ -52,7 +52,9 @@ from .rl.rewards import REWARD_MODEL, check_grpo
 from .train import check_lengths
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
+# Each recipe's offline demo, which it runs when given no --config (recipes/<name>.py).
+DEMOS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+DEMO_CONFIGS = {"finetune": DEMOS / "demo.yaml", **{r: DEMOS / f"{r}_demo.yaml" for r in ("dpo", "grpo", "reward")}}
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
 
 
@@ -292,7 +294,7 @@ def preview_row(row: dict, tokenizer) -> str:
 
 def plan(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="llmtrain plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=None, help="YAML config (default: the demo's)")
+    parser.add_argument("--config", type=Path, default=None, help="YAML config (default: the recipe's demo)")
     parser.add_argument(
         "--accelerate-config",
         default=None,
@@ -307,13 +309,9 @@ def plan(argv: list[str]) -> None:
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
-    if args.config is None:  # the demo's, found from this checkout wherever the command runs
-        args.config = DEMO_CONFIG
-        if not DEMO_CONFIG.is_file():
-            raise ConfigError([f"--config: required; the demo's {DEMO_CONFIG} is not here, so give your YAML"])
-    name = args.recipe or recipe_named(args.config, args.overrides)
+    config, name = config_and_recipe(args.config, args.recipe, args.overrides)
     recipe = RECIPES[name]
-    cfg = load_config(args.config, args.overrides, recipe.schema)
+    cfg = load_config(config, args.overrides, recipe.schema)
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
     check(cfg)
@@ -506,6 +504,18 @@ RECIPES = {
     "grpo": PlannedRecipe(GRPOConfig, grpo_prompts, check_grpo, describe_prompts),
     "reward": PlannedRecipe(RewardConfig, REWARD_PAIRS, None, describe_reward_pairs),
 }
+
+
+def config_and_recipe(config: Path | None, recipe: str | None, overrides: list[str]) -> tuple[Path, str]:
+    """The config file and recipe to plan: as given, the recipe guessed from the config when
+    not given (`recipe_named`), and with no config the recipe's own demo, as the recipe
+    itself runs it (found from this checkout wherever the command runs)."""
+    if config is None:
+        recipe = recipe or recipe_named(DEMO_CONFIGS["finetune"], overrides)
+        config = DEMO_CONFIGS[recipe]
+        if not config.is_file():
+            raise ConfigError([f"--config: required; the demo's {config} is not here, so give your YAML"])
+    return config, recipe or recipe_named(config, overrides)
 
 
 def recipe_named(config: Path, overrides: list[str]) -> str:

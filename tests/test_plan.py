@@ -313,3 +313,18 @@ def test_memory_estimate_of_an_rl_run_counts_each_reward_model(tiny_model, tmp_p
     assert memory[f"reward model {scorer}"] == saved
     without = memory_estimate(load_config(None, common, schema=GRPOConfig), Launch(), *count_params(cfg))
     assert not any(k.startswith("reward model") for k in without)
+
+
+def test_without_a_config_each_recipe_plans_its_own_demo(tmp_path):
+    """As `python recipes/<recipe>.py` runs its demo with no --config, so does `llmtrain
+    plan --recipe <recipe>`; with neither, the SFT demo (or the recipe an override names)."""
+    from llmtrain.plan import RECIPES, config_and_recipe
+
+    for name in RECIPES:
+        config, recipe = config_and_recipe(None, name, [])
+        assert recipe == name and config.is_file()
+        assert config_and_recipe(config, None, []) == (config, name)  # the demo is that recipe's config
+    assert config_and_recipe(None, None, [])[0].name == "demo.yaml"
+    assert config_and_recipe(None, None, ["dpo.beta=0.2"])[0].name == "dpo_demo.yaml"
+    given = tmp_path / "mine.yaml"
+    assert config_and_recipe(given, "dpo", []) == (given, "dpo")
