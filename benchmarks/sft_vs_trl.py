@@ -1,6 +1,6 @@
 """llmtrain vs TRL's SFTTrainer, side by side, on the same model, data and precision.
 
-    python benchmarks/sft_vs_trl.py                     # CPU workload, about 3 minutes on 2 cores
+    python benchmarks/sft_vs_trl.py                     # CPU workload, about 6 minutes on 2 cores (two repeats)
     python benchmarks/sft_vs_trl.py --workload gpu-1b   # Llama-3.2-1B shape, seq 2048, bf16 (one GPU)
     python benchmarks/sft_vs_trl.py --workload gpu-125m
     python benchmarks/sft_vs_trl.py --workload gpu-1b --ours train.compile=true   # llmtrain overrides
