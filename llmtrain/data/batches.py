@@ -90,6 +90,12 @@ def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, nu
     """A DataLoader over `dataset`: a datasets.Dataset of the collator's columns or a
     PackedDataset (ordered by an EpochSampler), either in a mixture.Mixture (whose epochs
     the sampler draws), or a stream.StreamedRows (which orders itself)."""
+    # Each iter() of a DataLoader draws its workers' base seed from `generator`, or from
+    # torch's global generator when it has none. That one draws dropout's masks and is
+    # restored on resume, and a resumed run starts its pass's iterator after restoring it:
+    # the extra draw would shift every mask after a resume. A generator of its own keeps the
+    # loader off it (the rows' order comes from the seeded sampler or stream either way).
+    generator = torch.Generator().manual_seed(seed)
     if isinstance(dataset, torch.utils.data.IterableDataset):
         # No persistent workers: each pass must start workers with the pass's shuffle seed.
         return torch.utils.data.DataLoader(
@@ -98,6 +104,7 @@ def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, nu
             collate_fn=collator,
             num_workers=num_workers,
             pin_memory=torch.cuda.is_available(),
+            generator=generator,
         )
     mix = None
     if isinstance(dataset, Mixture):
@@ -114,6 +121,7 @@ def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, nu
         persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
         drop_last=False,
+        generator=generator,
     )
 
 

@@ -155,7 +155,10 @@ def compute(
         # This process's batches: every world-th run of batch_size rows, in order.
         starts = range(rank * batch_size, n, world * batch_size)
         batches = [list(range(s, min(s + batch_size, n))) for s in starts]
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collator)
+        # A generator of its own: iter() would draw from torch's global one, and training's
+        # dropout masks would then depend on whether the reference came from the cache.
+        generator = torch.Generator().manual_seed(0)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collator, generator=generator)
         mine = (send_to_device(b, accelerator.device) for b in loader)
         while (window := draw_window(mine, 1, accelerator, objective.count, beat=beat)).outcome is Outcome.STEP:
             batch = window.micro_batches(empty)[0]
