@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import safefs
 from ..core.state import TrainState
 from ..errors import CheckpointError, describe
-from ..files import load_json
+from ..files import load_json, read_own
 
 STATE_FILE = "train_state.json"
 # Settings that fix what a step's data is: a resume that changes them would not continue
@@ -457,6 +457,24 @@ def check_pickles(path: Path) -> None:
             ) from None
 
 
+def check_weight_format(path: Path, cfg) -> None:
+    """Refuse a checkpoint whose base weights were quantized otherwise (model.quantization,
+    from its config.yaml). nf4 and fp4 pack 4-bit codes into tensors of the same shape, so a
+    load would read one as the other without an error and train a scrambled base."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load(read_own(Path(path) / "config.yaml"))["model"]["quantization"]
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return  # no record of it (written before it was kept): the load's own checks stand
+    if saved != cfg.model.quantization:
+        raise CheckpointError(
+            f"checkpoint.resume: {path} was trained on base weights loaded with model.quantization={saved}, "
+            f"now {cfg.model.quantization}: its weights would be read in another format. Resume with "
+            f"model.quantization={saved}, or start a new output_dir"
+        )
+
+
 def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | None:
     """Restore model, optimizer and RNG from `path` and `state` from its train_state.json,
     after checking that the run's data settings are the ones it was written with. Returns
@@ -480,6 +498,7 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | 
             "position would not mean the same rows. Resume with the same settings (the same global batch: "
             "train.micro_batch_size x train.grad_accum_steps x processes) or start a new output_dir"
         )
+    check_weight_format(path, cfg)
     relaid = any(was.get(k) != now[k] for k in LAYOUT_KEYS)
     if relaid and was.get("world_size") != now["world_size"] and is_deepspeed(accelerator):
         raise CheckpointError(

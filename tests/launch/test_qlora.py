@@ -57,6 +57,14 @@ def test_qlora_trains_resumes_exactly_and_exports(base_config, tiny_model, chat_
         plain = AutoModelForCausalLM.from_pretrained(tiny_model)(ids).logits
         assert not torch.allclose(merged(ids).logits, plain, atol=1e-3)
 
+    # Another quantization reads the 4-bit codes in another format (nf4 and fp4 have the same
+    # shapes): refused, naming the key, before anything is written.
+    rewind(out, 8)
+    for other in ("fp4", "none"):
+        proc = run_recipe([*args, f"model.quantization={other}"], cache_env, nproc=2, check=False)
+        assert proc.returncode != 0, proc.stderr[-2000:]  # the launcher exits 1 after the error line
+        assert f"was trained on base weights loaded with model.quantization=nf4, now {other}" in proc.stderr
+
 
 def test_qlora_trains_alike_on_one_process_under_ddp_and_under_fsdp2(
     base_config, tiny_model, chat_file, cache_env, tmp_path
