@@ -265,7 +265,7 @@ def _merged_from_adapter(peft_model, adapter_dir: Path, base):
     from peft import PeftModel
 
     with whole_models():
-        merged = PeftModel.from_pretrained(_base_again(base), adapter_dir).merge_and_unload()
+        merged = _merge(PeftModel.from_pretrained(_base_again(base), adapter_dir))
     merged.config.pad_token_id = peft_model.config.pad_token_id  # set for training (a reward model pools by it)
     return merged
 
@@ -274,7 +274,31 @@ def _merged_copy(peft_model):
     """The base model with the LoRA update folded in, leaving the training model as it was."""
     import copy
 
-    return copy.deepcopy(peft_model).merge_and_unload()
+    return _merge(copy.deepcopy(peft_model))
+
+
+def _merge(peft_model):
+    """peft's merge_and_unload, after giving each adapted layer a weight of its own where it
+    shares one (tied input and output embeddings: Qwen, Gemma, Llama 3.2 and others). peft
+    folds the update into the shared tensor, so an adapter on lm_head would change the input
+    embeddings too, and one on embed_tokens the output layer. Untied, the merged model keeps
+    both weights, and its config says so, so loading it does not tie them again."""
+    from peft.tuners.lora import LoraLayer
+
+    owners: dict[int, int] = {}
+    for _, param in peft_model.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
+    untied = False
+    for module in peft_model.modules():
+        layer = getattr(module, "base_layer", None)
+        if isinstance(module, LoraLayer) and owners.get(id(getattr(layer, "weight", None)), 0) > 1:
+            layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+            untied = True
+    merged = peft_model.merge_and_unload()
+    if untied:
+        for config in {id(c): c for c in (merged.config, merged.config.get_text_config())}.values():
+            config.tie_word_embeddings = False
+    return merged
 
 
 @torch.no_grad()

@@ -265,3 +265,33 @@ def test_a_model_loaded_again_after_training_is_loaded_as_training_loaded_it(
     else:
         loaded = export.model_for_sampling(accelerator, model, final, base)
         torch.testing.assert_close(loaded(ids).logits, want)
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_a_merged_adapter_on_a_tied_embedding_changes_that_layer_alone(tokenizer, tmp_path, target):
+    """Input and output embeddings that share one tensor (tie_word_embeddings): an adapter on
+    either, merged, must change that layer only, and final/ must load as it was merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_config(config)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", target], lora_dropout=0.0))
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # a trained adapter: peft starts lora_B at zero
+            torch.nn.init.normal_(param, std=0.5)
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        merged = export._merged_copy(model)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        merged.save_pretrained(tmp_path)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path)
+        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert again.lm_head.weight is not again.model.embed_tokens.weight
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # the training model is as it was
