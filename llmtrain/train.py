@@ -186,7 +186,7 @@ def setup(
     elif source is not None and eval_set is not None:
 
         def evaluator() -> dict[str, float]:
-            return data.evaluate(eval_set)
+            return data.evaluate(eval_set, state.step)
 
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:

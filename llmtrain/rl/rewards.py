@@ -294,10 +294,19 @@ def check_grpo(cfg, tokenizer) -> None:
 
 
 def score(
-    rewards: list[Reward], prompts: list, completions: list, completion_ids: list, columns: list[dict], state
+    rewards: list[Reward],
+    prompts: list,
+    completions: list,
+    completion_ids: list,
+    columns: list[dict],
+    state,
+    names: set[str] = frozenset(),
 ) -> torch.Tensor:
-    """[completions, functions] rewards, NaN where a function left a completion unscored."""
-    keys = sorted({k for c in columns for k in c})
+    """[completions, functions] rewards, NaN where a function left a completion unscored.
+    Every column in `names` (the data's, any row's) is passed, None where a row lacks it, as
+    TRL passes a dataset's columns: what a function receives must not depend on which rows
+    were drawn together."""
+    keys = sorted(names | {k for c in columns for k in c})
     by_column = {k: [c.get(k) for c in columns] for k in keys}
     table = [r(prompts, completions, completion_ids, by_column, state) for r in rewards]
     return torch.tensor(table, dtype=torch.float32).T.reshape(len(completions), len(rewards))

@@ -29,7 +29,7 @@ from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift
 from ..errors import DataError, RewardError
 from .loss import advantages, nanstd
-from .prompts import decoded
+from .prompts import decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
 
@@ -67,6 +67,7 @@ class Rollouts:
         mix = prompts.mix if isinstance(prompts, Mixture) else None
         self.prompts = prompts.examples if isinstance(prompts, Mixture) else prompts
         self.sampler = EpochSampler(len(self.prompts), t.seed, cfg.data.shuffle, mix)
+        self.columns = prompt_columns(self.prompts)  # every row's, for the reward functions
         self.rounds = len(self.sampler) // self.per_round
         if self.rounds == 0:
             raise DataError(
@@ -188,7 +189,7 @@ class Rollouts:
         ids = [s.completion_ids for s in samples]
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         try:
-            return score(self.rewards, prompts, completions, ids, columns, state), ""
+            return score(self.rewards, prompts, completions, ids, columns, state, self.columns), ""
         except RewardError as e:
             return torch.full((len(samples), len(self.rewards)), float("nan")), str(e)
 
@@ -217,11 +218,14 @@ class Rollouts:
 
     # --- evaluation ----------------------------------------------------------------------
 
-    def evaluate(self, eval_set) -> dict[str, float]:
-        """The held-out reward: one greedy completion per evaluation prompt, scored by every
-        reward function. Each process takes every world-th prompt, all in the same number
-        of generate calls (sharded models generate together)."""
+    def evaluate(self, eval_set, step: int) -> dict[str, float]:
+        """The held-out reward at `step`: one greedy completion per evaluation prompt, scored
+        by every reward function (which see the training state, as in training). Each process
+        takes every world-th prompt, all in the same number of generate calls (sharded
+        models generate together)."""
         n, rank = len(eval_set), self.accelerator.process_index
+        state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
+        names = prompt_columns(eval_set)
         mine = list(range(rank, n, self.world))
         calls = math.ceil(math.ceil(n / self.world) / self.micro)
         table = []
@@ -238,7 +242,7 @@ class Rollouts:
                 t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(prompts, texts)
             ]
             try:
-                rewards = score(self.rewards, list(prompts), completions, out.ids, list(columns), None)
+                rewards = score(self.rewards, list(prompts), completions, out.ids, list(columns), state, names)
             except RewardError as e:
                 raise RewardError(f"{e} (on the evaluation prompts)") from None
             table.append(rewards)

@@ -183,3 +183,28 @@ def test_a_broken_reward_function_is_one_line(args, cache_env, files, tmp_path):
     proc = grpo(args(tmp_path / "b", f"grpo.rewards=[{needs}:r]", "grpo.reward_weights=[]"), cache_env, check=False)
     assert proc.returncode == 2 and "needs column(s) ['solution']" in proc.stderr
     assert "Loading weights" not in proc.stdout + proc.stderr  # found before the model loads
+
+
+def test_rewards_see_every_column_and_the_training_state_in_evaluation_too(args, cache_env, tmp_path):
+    """Half the prompts lack `answer`: accuracy leaves theirs unscored whichever prompts are
+    drawn together, and the evaluation's reward calls get trainer_state as training's do."""
+    import json
+
+    from tests.conftest import metrics
+
+    rows = make_prompts(24, seed=31)
+    for row in rows[1::2]:
+        del row["answer"]
+    write_jsonl(rows, tmp_path / "some.jsonl")
+    staged = tmp_path / "staged.py"
+    staged.write_text(
+        "def staged(completions, trainer_state, **kwargs):\n"
+        "    return [float(trainer_state.global_step)] * len(completions)\n"
+    )
+    out = tmp_path / "out"
+    run = [f"data.train={tmp_path / 'some.jsonl'}", f"data.eval={tmp_path / 'some.jsonl'}", "eval.every_steps=2"]
+    run += [f"grpo.rewards=[accuracy,{staged}:staged]", "grpo.reward_weights=[]", "train.max_steps=2"]
+    grpo(args(out, *run), cache_env)
+    evals = [r for r in metrics(out) if "eval_reward" in r]
+    assert [(r["step"], r["eval_reward_staged"]) for r in evals] == [(0, 0.0), (2, 2.0)], json.dumps(evals)
+    assert all(0 <= r["eval_reward_accuracy"] <= 1 for r in evals)

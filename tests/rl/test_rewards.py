@@ -50,6 +50,16 @@ def test_user_functions_load_from_a_file_or_a_module_with_trls_signature(tmp_pat
     assert table[1, 0] == 2.0 and math.isnan(table[1, 1]) and table[1, 2] == 4.0
 
 
+def test_a_column_some_rows_lack_is_passed_as_none_whichever_rows_are_drawn_together():
+    """The data's columns (any row's) reach every call, None where a row lacks one: a batch
+    whose rows all lack `answer` leaves accuracy's completions unscored, not failing."""
+    (reward,) = load_rewards(["accuracy"], {"answer"})
+    table = score([reward], ["p", "q"], ["7", "8"], [[1], [2]], [{}, {}], trainer_state(1, 9, 0), {"answer"})
+    assert table.isnan().all()
+    table = score([reward], ["p", "q"], ["7", "8"], [[1], [2]], [{"answer": "7"}, {}], None, {"answer"})
+    assert table[0, 0] == 1.0 and math.isnan(table[1, 0])
+
+
 @pytest.mark.parametrize(
     ("source", "spec", "message"),
     [
