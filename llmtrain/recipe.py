@@ -113,7 +113,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             parts.source,
         )
         run.state.run = identity  # recorded in every checkpoint and final/
-        if rundir.up_to_date(cfg.output_dir, run.state.step, run.total_steps):
+        if rundir.up_to_date(cfg, run.state.step, run.total_steps):
             accelerator.print(
                 f"nothing left to train at step {run.state.step}; final/ is up to date, and changed settings apply "
                 "to no step: to train with them, choose another output_dir"

@@ -238,12 +238,24 @@ def already_finished(cfg) -> int | None:
     return done["step"]
 
 
-def up_to_date(output_dir: str, step: int, total_steps: int) -> bool:
-    """Whether a resumed run has no step left and final/ was exported at that step (the
-    settings changed, say the rate, but not the length: exporting again would change
-    nothing)."""
-    done = finished_state(output_dir)
-    return step >= total_steps and done is not None and done["step"] == step
+def up_to_date(cfg, step: int, total_steps: int) -> bool:
+    """Whether a resumed run has no step left and final/ was exported at that step with
+    these export settings (the others changed, say the rate, but not the length: exporting
+    again would change nothing). Other export settings (export.merge_lora, the shard size)
+    export the last checkpoint again."""
+    done = finished_state(cfg.output_dir)
+    if not (step >= total_steps and done is not None and done["step"] == step):
+        return False
+    return not any(change.startswith("export.") for change in final_changes(cfg))
+
+
+def final_changes(cfg) -> list[str]:
+    """`changed_settings` of final/'s config against `cfg` (one line saying so when it
+    cannot be read)."""
+    try:
+        return changed_settings(read_own(Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"), cfg)
+    except (OSError, ValueError):
+        return ["(the saved config cannot be read, so changes are not known)"]
 
 
 def check_rerun(cfg, resume_from: Path | None) -> None:
@@ -261,9 +273,11 @@ def check_rerun(cfg, resume_from: Path | None) -> None:
     done = finished_state(out)
     if done is not None and resume_from is None:
         at = f"exported at step {done['step']}" if done["step"] is not None else "whose train_state.json cannot be read"
+        changes = "; ".join(final_changes(cfg)) or "other settings"
         raise CheckpointError(
-            f"output_dir: {out} holds a finished run (final/ {at}) with other settings, and no checkpoint to "
-            "continue it from; choose another output_dir, or delete its final/ to train again from scratch"
+            f"output_dir: {out} holds a finished run (final/ {at}) with other settings ({changes}), and no "
+            "checkpoint to continue or export it from; choose another output_dir, or delete its final/ to train "
+            "again from scratch"
         )
 
 

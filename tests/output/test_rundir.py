@@ -312,3 +312,30 @@ def test_a_finished_run_is_not_up_to_date_for_new_data_or_another_recipe(
     assert proc.returncode == 2
     assert f"error: output_dir: {out}/final was trained by the finetune recipe, not dpo" in proc.stderr
     assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_other_export_settings_export_a_finished_run_again(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """export.merge_lora turned on after a LoRA run finished: its last checkpoint is
+    exported again, merged (it said final/ was up to date and kept the adapter alone).
+    Without a checkpoint to export from, the refusal names the setting."""
+    out = tmp_path / "run"
+    lora = ["model.lora.enabled=true", "model.lora.dropout=0", "train.micro_batch_size=4", "train.max_steps=2"]
+    args = recipe_args(base_config, tiny_model, chat_file, out, *lora, "checkpoint.every_steps=1")
+    run_recipe(args, cache_env)
+    assert (out / "final" / "adapter_config.json").is_file() and not (out / "final" / "model.safetensors").exists()
+    steps = [r["loss"] for r in train_rows(out)]
+    proc = run_recipe([*args, "export.merge_lora=true"], cache_env)
+    assert (out / "final" / "model.safetensors").is_file() and (
+        out / "final" / "adapter" / "adapter_config.json"
+    ).is_file()
+    assert [r["loss"] for r in train_rows(out)] == steps  # nothing trained again
+    proc = run_recipe([*args, "export.merge_lora=true"], cache_env)
+    assert "already finished at step 2 with these settings; final/ is up to date" in proc.stdout
+
+    bare = tmp_path / "bare"
+    args = recipe_args(base_config, tiny_model, chat_file, bare, *lora, "checkpoint.every_steps=0")
+    run_recipe(args, cache_env)
+    proc = run_recipe([*args, "export.merge_lora=true"], cache_env, check=False)
+    assert proc.returncode == 2
+    assert "with other settings (export.merge_lora: False -> True), and no checkpoint" in proc.stderr
