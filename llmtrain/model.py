@@ -464,8 +464,14 @@ def add_lora(model, cfg: ModelConfig, report=None):
     try:
         return get_peft_model(model, adapters)
     except ValueError as e:  # peft: no module matches target_modules (or a module it cannot adapt)
+        given = lora.target_modules
+        if isinstance(given, str) and given in linear:  # peft reads a string as a pattern for whole names
+            raise ModelError(
+                f"model.lora.target_modules: {shown(given)} is one name given as a string, which peft reads as a "
+                f"regular expression over whole module names; give a list: model.lora.target_modules=[{given}]"
+            ) from None
         raise ModelError(
-            f"model.lora.target_modules: {shown(lora.target_modules)} cannot be adapted ({describe(e)}); the model's "
+            f"model.lora.target_modules: {shown(given)} cannot be adapted ({describe(e)}); the model's "
             f"linear layers are named {', '.join(linear)}; or use all-linear"
         ) from None
 

@@ -108,6 +108,16 @@ def test_float16_weights_that_would_train_are_refused_before_loading(tiny_model,
     check_model(ModelConfig(name_or_path=str(tiny_model), dtype="float16", lora=LoraConfig(enabled=True)), 256)
 
 
+def test_one_layer_name_given_as_a_string_is_told_to_be_a_list(tiny_model):
+    """peft reads a string as a pattern for whole module names, which 'q_proj' never is."""
+    from llmtrain.config import LoraConfig
+
+    cfg = ModelConfig(name_or_path=str(tiny_model), lora=LoraConfig(enabled=True, target_modules="q_proj"))
+    with pytest.raises(ModelError) as e:
+        check_model(cfg, 256)
+    assert str(e.value).endswith("give a list: model.lora.target_modules=[q_proj]")
+
+
 def test_lora_targets_that_match_nothing_are_refused_naming_the_layers(tiny_model):
     from llmtrain.config import LoraConfig
 
