@@ -30,7 +30,7 @@ from ..attention import text_config
 from ..core.window import Outcome, draw_window
 from ..errors import ModelError, describe
 from ..files import content_hash
-from ..model import hub_kwargs, ids_past
+from ..model import hub_kwargs, ids_past, no_such_directory
 
 CACHE = "reference_logps.pt"
 
@@ -48,6 +48,8 @@ def check_reference(cfg, tokenizer, section: str = "dpo") -> None:
     if not name:
         return
     kw = {"trust_remote_code": cfg.model.trust_remote_code}
+    if error := no_such_directory(name, key):  # a path, not a hub name: the hub's name rules would answer
+        raise error
     try:
         rcfg = AutoConfig.from_pretrained(name, **kw)
     except Exception as e:

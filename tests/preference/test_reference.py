@@ -200,3 +200,20 @@ def test_a_reference_that_reads_other_token_ids_is_one_error_before_anything_loa
     lines = str(e.value).splitlines()
     assert len(lines) == 1 and lines[0].startswith("dpo.reference: ") and str(references[name]) in lines[0]
     assert says.format(small=len(tokenizer) - 10, n=len(tokenizer)) in lines[0]
+
+
+@pytest.mark.parametrize("section", ["dpo", "grpo"])
+def test_a_reference_path_that_is_no_directory_says_so(tiny_model, tokenizer, tmp_path, section):
+    """Not the hub's rules for repository names, which a path never meets."""
+    from llmtrain.config import GRPOConfig
+    from llmtrain.errors import UserError
+    from llmtrain.preference.reference import check_reference
+
+    missing = tmp_path / "sft" / "final"
+    overrides = [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"{section}.reference={missing}"]
+    if section == "grpo":
+        overrides.append("grpo.beta=0.1")
+    cfg = load_config(None, overrides, DPOConfig if section == "dpo" else GRPOConfig)
+    with pytest.raises(UserError) as e:
+        check_reference(cfg, tokenizer, section)
+    assert str(e.value).startswith(f"{section}.reference: no such directory: {missing}; give a local model directory")
