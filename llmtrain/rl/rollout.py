@@ -195,8 +195,8 @@ class Rollouts:
 
     def round_metrics(self, rewards, total, zero_spread, lengths, clipped) -> dict[str, float]:
         out = {"reward": float(total.nanmean()), "reward_std": float(nanstd(total))}
-        for i, reward in enumerate(self.rewards):
-            column, name = rewards[:, i], reward_label(reward.name)
+        for i, name in enumerate(reward_labels([r.name for r in self.rewards])):
+            column = rewards[:, i]
             out[f"reward_{name}"] = float(column.nanmean())
             out[f"reward_{name}_std"] = float(nanstd(column))
         out |= {
@@ -254,9 +254,9 @@ class Rollouts:
         summed = self.accelerator.reduce(both, reduction="sum").cpu()[0]
         k = len(self.rewards)
         out = {"eval_reward": float(summed[-2] / summed[-1])}
-        for i, reward in enumerate(self.rewards):
+        for i, name in enumerate(reward_labels([r.name for r in self.rewards])):
             if summed[k + i] > 0:
-                out[f"eval_reward_{reward_label(reward.name)}"] = float(summed[i] / summed[k + i])
+                out[f"eval_reward_{name}"] = float(summed[i] / summed[k + i])
         return out
 
     def log_probs(self, samples: list[Sample]) -> None:
@@ -315,9 +315,12 @@ class Rollouts:
         return batch | {"advantages": torch.zeros(1), "old_logps": torch.zeros(1, 1), "ref_logps": torch.zeros(1, 1)}
 
 
-def reward_label(name: str) -> str:
-    """A reward's name in the metrics: a built-in's, or the function's own."""
-    return name.rsplit(":", 1)[-1]
+def reward_labels(names: list[str]) -> list[str]:
+    """Each reward's name in the metrics: a built-in's, the function's own (file.py:fn is
+    fn), or reward_model for a reward model; a name two rewards share gets each one's place
+    in grpo.rewards (short_1, short_2), so that neither's figures replace the other's."""
+    base = ["reward_model" if n.startswith("reward_model:") else n.rsplit(":", 1)[-1] for n in names]
+    return [f"{b}_{i + 1}" if base.count(b) > 1 else b for i, b in enumerate(base)]
 
 
 def split(flat: torch.Tensor, lengths: list[int]) -> list[list[float]]:

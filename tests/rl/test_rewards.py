@@ -157,3 +157,10 @@ def test_a_reward_model_that_is_not_one_is_one_line(tiny_model, reward_model_dir
     (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "base"}')
     with pytest.raises(RewardError, match=r"holds LoRA adapters only \(adapter_config.json\), not a model; give a"):
         load_rewards([f"reward_model:{adapter}"], None)
+
+
+def test_each_reward_gets_a_metric_name_of_its_own():
+    from llmtrain.rl.rollout import reward_labels
+
+    names = ["accuracy", "a.py:short", "b.py:short", "reward_model:runs/rm/final", "my_rewards:length"]
+    assert reward_labels(names) == ["accuracy", "short_2", "short_3", "reward_model", "length"]
