@@ -176,7 +176,7 @@ class Reward:
         return self.checked(out, len(completions))
 
     def checked(self, out, n: int) -> list[float]:
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) or type(out).__module__ == "numpy":  # arrays, as TRL takes them
             out = out.tolist()
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{len(out)} values" if isinstance(out, (list, tuple)) else shown(out)

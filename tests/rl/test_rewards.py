@@ -164,3 +164,10 @@ def test_each_reward_gets_a_metric_name_of_its_own():
 
     names = ["accuracy", "a.py:short", "b.py:short", "reward_model:runs/rm/final", "my_rewards:length"]
     assert reward_labels(names) == ["accuracy", "short_2", "short_3", "reward_model", "length"]
+
+
+def test_arrays_and_tensors_are_taken_as_lists(tmp_path):
+    path = write(tmp_path, "import numpy, torch\ndef a(completions, **kw): return numpy.array([1.0, 0.5])\n"
+                 "def t(completions, **kw): return torch.tensor([0.0, 2.0])\n")  # fmt: skip
+    rewards = load_rewards([f"{path}:a", f"{path}:t"], set())
+    assert score(rewards, ["p", "q"], ["a", "b"], [[1], [2]], [{}, {}], None).tolist() == [[1.0, 0.0], [0.5, 2.0]]
