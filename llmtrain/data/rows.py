@@ -232,14 +232,22 @@ def chat_ids(
     return ids, [tok if hit == trains_inside else IGNORE for tok, hit in zip(ids, inside, strict=True)]
 
 
-def render_chat(tokenizer, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
+def render_chat(
+    tokenizer, messages: list[dict], tools=None, generation_prompt: bool = False, continue_final: bool = False
+) -> str:
     """The chat template's text for `messages`, bounded in time and size (llmtrain.template);
-    a template that refuses or fails on the conversation is the row's RowError."""
+    a template that refuses or fails on the conversation is the row's RowError. With
+    `continue_final` the text stops inside the last message (transformers'
+    continue_final_message), for the model to continue it."""
     install()  # bounds rendering in size (llmtrain.template), in this process too
     try:
         with time_limit():
             text = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **({"continue_final_message": True} if continue_final else {}),
             )
     except TemplateLimit:
         raise

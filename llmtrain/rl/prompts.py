@@ -5,7 +5,8 @@ A string prompt is a user message when the tokenizer has a chat template (as in 
 preference recipe), and plain text otherwise; messages are read as chat rows' are
 (`data/rows.message`), data.system_prompt goes first where the prompt has no system
 message, and the template is rendered with its generation prompt, so the model's
-completion is the assistant's answer. A prompt must leave grpo.max_completion_length
+completion is the assistant's answer (or, after a last message of the assistant's own, the
+rest of that message). A prompt must leave grpo.max_completion_length
 tokens within data.max_seq_len: a longer one is dropped, refused or cut from the left,
 by data.overlong.
 """
@@ -47,12 +48,39 @@ def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
 
 
 def prompt_ids(prompt, tokenizer, tools=None) -> list[int]:
+    """The prompt's token ids: a string as it is; messages through the chat template with
+    its generation prompt, or, when the last message is the assistant's (a prefilled start
+    of the answer), stopping inside it for the model to continue, as TRL does."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=True)["input_ids"]
     check_control_tokens(prompt, tools, tokenizer)
-    text = render_chat(tokenizer, prompt, tools, generation_prompt=True)
-    check_rendered(prompt, tools, text, lambda msgs, gen=True, tools_=tools: render_chat(tokenizer, msgs, tools_, gen))
+    prefilled = prompt[-1]["role"] == "assistant"
+
+    def render(msgs, tools_=tools) -> str:
+        return render_chat(tokenizer, msgs, tools_, generation_prompt=not prefilled, continue_final=prefilled)
+
+    text = render(prompt)
+    check_rendered(prompt, tools, text, render)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def as_rewards_see(prompt, text: str) -> tuple[object, object]:
+    """(prompt, completion) as the reward functions receive them, as TRL gives them: for a
+    string prompt the completion's text; for messages an assistant message, which begins
+    with a prefilled last assistant message (taken from the prompt) where there is one."""
+    if isinstance(prompt, str):
+        return prompt, text
+    if prompt and prompt[-1]["role"] == "assistant":
+        return prompt[:-1], [{"role": "assistant", "content": prompt[-1]["content"] + text}]
+    return prompt, [{"role": "assistant", "content": text}]
+
+
+def asked(prompt) -> str:
+    """What a prompt asks, for the log: a string, or its last message that is not the
+    assistant's."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m["role"] != "assistant"), prompt[-1]["content"])
 
 
 def process_prompt(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int) -> dict:
@@ -106,7 +134,7 @@ def prepare_prompts(key: str, names: list[str], tokenizer, cfg: DataConfig, max_
                 f"{key}: {src.name}: prompt rows need a 'prompt' column (a string or a list of messages), plus the "
                 f"columns your rewards read; found columns {sorted(src.columns)}"
             )
-        return f"prompts-v1-{max_completion_length}"
+        return f"prompts-v2-{max_completion_length}"  # v2: a prefilled last assistant message is continued
 
     def process(src, row: dict) -> dict:
         return process_prompt(row, tokenizer, cfg, max_completion_length)

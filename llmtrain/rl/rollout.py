@@ -29,7 +29,7 @@ from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift
 from ..errors import DataError, RewardError
 from .loss import advantages, nanstd
-from .prompts import decoded, prompt_columns
+from .prompts import as_rewards_see, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
 
@@ -178,14 +178,12 @@ class Rollouts:
     def score(self, examples: list[dict], samples: list[Sample], texts: list[str], step: int):
         """([completions, functions] rewards, ''), or (NaN, the error line) when a function
         failed: raised on every process together, after the exchange."""
-        prompts, columns = [], []
+        asked_as, columns = [], []
         for ex in examples:
             p, c = decoded(ex)
-            prompts += [p] * self.group
+            asked_as += [p] * self.group
             columns += [c] * self.group
-        completions = [
-            t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(prompts, texts)
-        ]
+        prompts, completions = (list(x) for x in zip(*(as_rewards_see(p, t) for p, t in zip(asked_as, texts))))
         ids = [s.completion_ids for s in samples]
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         try:
@@ -211,10 +209,9 @@ class Rollouts:
         """The first completion of each of the first grpo.log_completions prompts, for the log."""
         self.samples_shown = []
         for k in range(min(self.cfg.grpo.log_completions, len(examples))):
-            prompt = json.loads(examples[k]["prompt"])
-            asked = prompt if isinstance(prompt, str) else prompt[-1]["content"]
             i = k * self.group
-            self.samples_shown.append(f"completion> {asked!r} -> {texts[i]!r} (reward {float(total[i]):.3g})")
+            question = asked(json.loads(examples[k]["prompt"]))
+            self.samples_shown.append(f"completion> {question!r} -> {texts[i]!r} (reward {float(total[i]):.3g})")
 
     # --- evaluation ----------------------------------------------------------------------
 
@@ -237,12 +234,10 @@ class Rollouts:
             if not part:
                 continue
             texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in out.ids]
-            prompts, columns = zip(*(decoded(e) for e in examples))
-            completions = [
-                t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(prompts, texts)
-            ]
+            asked_as, columns = zip(*(decoded(e) for e in examples))
+            prompts, completions = (list(x) for x in zip(*(as_rewards_see(p, t) for p, t in zip(asked_as, texts))))
             try:
-                rewards = score(self.rewards, list(prompts), completions, out.ids, list(columns), state, names)
+                rewards = score(self.rewards, prompts, completions, out.ids, list(columns), state, names)
             except RewardError as e:
                 raise RewardError(f"{e} (on the evaluation prompts)") from None
             table.append(rewards)
