@@ -82,6 +82,19 @@ def test_a_model_within_max_shard_size_is_one_file(model, tokenizer, tmp_path, a
     assert final_weights(final).keys() == final_weights(tmp_path / "final").keys()
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_exported_model_keeps_its_cache_on_for_inference(model, tokenizer, tmp_path, monkeypatch, sharded):
+    """Training turns use_cache off; final/ is for inference, as the base was saved."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(export, "is_sharded", lambda accelerator: sharded)
+    model.config.use_cache = False  # as model.load_model leaves it
+    final = save_final(fake_accelerator(model), model, tokenizer, str(tmp_path), "", ExportConfig(), {"step": 1})
+    assert json.loads((final / "config.json").read_text())["use_cache"] is True
+    again = AutoModelForCausalLM.from_pretrained(final)
+    assert again(input_ids=torch.tensor([[3, 4, 5]])).past_key_values is not None
+
+
 def test_shard_by_shard_export_holds_one_shard_at_a_time(model, tokenizer, tmp_path, monkeypatch, as_if_sharded):
     """Every gathered weight is freed once its shard is written: the bytes alive at once
     never exceed one shard (or one weight larger than a shard)."""
