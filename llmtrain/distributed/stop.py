@@ -91,12 +91,20 @@ ACCELERATE = ("accelerate", "accelerate.commands.accelerate_cli")
 
 def launched_by_launcher(parent_argv: list[str]) -> bool:
     """Whether a parent process with this command line is a launcher that started this
-    process as one of its workers."""
-    words = [os.path.basename(a) for a in parent_argv[:8]]  # the launcher's own name comes first
-    if any(w in LAUNCHERS for w in words):
-        return True
-    first = next((i for i, w in enumerate(words) if w in ACCELERATE), None)
-    return first is not None and "launch" in words[first + 1 :]
+    process as one of its workers. Only the program is read (the command, or under a Python
+    interpreter its script or `-m` module), never its arguments: `python sweep.py --via
+    torchrun` is no launcher."""
+    words = [os.path.basename(a) for a in parent_argv]
+    at = 0
+    if words and words[0].startswith("python"):  # the interpreter's options, then -m module or a script
+        at = 1
+        while at < len(words) and words[at].startswith("-") and words[at] != "-m":
+            at += 2 if words[at] in ("-W", "-X") else 1  # these two take the next word as their value
+        at += at < len(words) and words[at] == "-m"
+    if at >= len(words):
+        return False
+    program, rest = words[at], words[at + 1 :]
+    return program in LAUNCHERS or (program in ACCELERATE and rest[:1] == ["launch"])
 
 
 def stop_with_launcher() -> None:

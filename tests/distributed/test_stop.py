@@ -87,6 +87,8 @@ def test_a_hangup_ignored_at_start_stays_ignored():
         (["/venv/bin/python3", "/venv/bin/accelerate", "env"], False),
         (["python", "train.py", "launch"], False),
         (["/usr/sbin/slurmstepd"], False),
+        (["python", "sweep.py", "--via", "torchrun"], False),  # an argument, not the program
+        (["python3.11", "-W", "ignore", "-m", "torch.distributed.run", "train.py"], True),  # -W takes a value
     ],
 )
 def test_launchers_are_told_by_their_command_line(argv, launcher):
