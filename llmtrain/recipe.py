@@ -116,7 +116,8 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         if rundir.up_to_date(cfg, run.state.step, run.total_steps):
             accelerator.print(
                 f"nothing left to train at step {run.state.step}; final/ is up to date, and changed settings apply "
-                "to no step: to train with them, choose another output_dir"
+                "to no step: to train with them, choose another output_dir (to export again with other export.* "
+                "settings, change those alone)"
             )
             accelerator.end_training()
             return

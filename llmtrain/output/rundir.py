@@ -239,14 +239,16 @@ def already_finished(cfg) -> int | None:
 
 
 def up_to_date(cfg, step: int, total_steps: int) -> bool:
-    """Whether a resumed run has no step left and final/ was exported at that step with
-    these export settings (the others changed, say the rate, but not the length: exporting
-    again would change nothing). Other export settings (export.merge_lora, the shard size)
-    export the last checkpoint again."""
+    """Whether a resumed run has no step left and final/ was exported at that step (the
+    settings changed, say the rate, but not the length: exporting again would change
+    nothing). When the only changes are export settings (export.merge_lora, the shard
+    size), it is not: the last checkpoint is exported again, and final/ records settings
+    that every step was trained with."""
     done = finished_state(cfg.output_dir)
     if not (step >= total_steps and done is not None and done["step"] == step):
         return False
-    return not any(change.startswith("export.") for change in final_changes(cfg))
+    changes = final_changes(cfg)
+    return not changes or not all(change.startswith("export.") for change in changes)
 
 
 def final_changes(cfg) -> list[str]:

@@ -332,6 +332,12 @@ def test_other_export_settings_export_a_finished_run_again(base_config, tiny_mod
     assert [r["loss"] for r in train_rows(out)] == steps  # nothing trained again
     proc = run_recipe([*args, "export.merge_lora=true"], cache_env)
     assert "already finished at step 2 with these settings; final/ is up to date" in proc.stdout
+    # With a setting that changes training too, nothing is exported: final/ would record a
+    # rate no step was trained with.
+    before = (out / "final" / "llmtrain_config.yaml").read_text()
+    proc = run_recipe([*args, "export.merge_lora=false", "train.lr=1e-6"], cache_env)
+    assert "final/ is up to date, and changed settings apply to no step" in proc.stdout
+    assert (out / "final" / "llmtrain_config.yaml").read_text() == before
 
     bare = tmp_path / "bare"
     args = recipe_args(base_config, tiny_model, chat_file, bare, *lora, "checkpoint.every_steps=0")
