@@ -300,13 +300,14 @@ def _merge(peft_model):
     both weights, and its config says so, so loading it does not tie them again."""
     from peft.tuners.lora import LoraLayer
 
-    owners: dict[int, int] = {}
-    for _, param in peft_model.named_parameters(remove_duplicate=False):
-        owners[id(param)] = owners.get(id(param), 0) + 1
+    base = peft_model.get_base_model()
+    ends = (base.get_input_embeddings(), base.get_output_embeddings())
+    shared = None not in ends and ends[0].weight is ends[1].weight
+    tied = {id(ends[0].weight)} if shared else set()  # only the embeddings: other sharing is the model's own
     untied = False
     for module in peft_model.modules():
         layer = getattr(module, "base_layer", None)
-        if isinstance(module, LoraLayer) and owners.get(id(getattr(layer, "weight", None)), 0) > 1:
+        if isinstance(module, LoraLayer) and id(getattr(layer, "weight", None)) in tied:
             layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
             untied = True
     merged = peft_model.merge_and_unload()

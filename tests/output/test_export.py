@@ -308,3 +308,19 @@ def test_a_merged_adapter_on_a_tied_embedding_changes_that_layer_alone(tokenizer
         torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
     assert again.lm_head.weight is not again.model.embed_tokens.weight
     assert base.lm_head.weight is base.model.embed_tokens.weight  # the training model is as it was
+
+
+def test_a_merge_that_leaves_the_embeddings_alone_keeps_them_tied(tokenizer):
+    """Other sharing (one block used twice, as some models do) is not the embeddings' tie:
+    the merged model keeps tie_word_embeddings, so a reload gets its output layer back."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_config(config)
+    base.model.layers[1] = base.model.layers[0]
+    merged = export._merged_copy(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0)))
+    assert merged.config.tie_word_embeddings and merged.lm_head.weight is merged.model.embed_tokens.weight
