@@ -463,8 +463,10 @@ def check_weight_format(path: Path, cfg) -> None:
     load would read one as the other without an error and train a scrambled base."""
     import yaml
 
+    from ..config.load import BoundedLoader
+
     try:
-        saved = yaml.safe_load(read_own(Path(path) / "config.yaml"))["model"]["quantization"]
+        saved = yaml.load(read_own(Path(path) / "config.yaml"), Loader=BoundedLoader)["model"]["quantization"]
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
         return  # no record of it (written before it was kept): the load's own checks stand
     if saved != cfg.model.quantization:
