@@ -89,9 +89,9 @@ def check_topology(accelerator) -> None:
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
         raise ConfigError(
             [
-                "launch: FSDP was asked for but this launch has no process group to shard over (one process, "
-                "or no GPU without ACCELERATE_USE_CPU=1); launch several processes, on CPU with "
-                "ACCELERATE_USE_CPU=1 (see accelerate_configs/fsdp2.yaml)"
+                "launch: FSDP was asked for but this launch has no process group to shard over (a process "
+                "started without accelerate launch, or no GPU without ACCELERATE_USE_CPU=1); launch with accelerate "
+                "launch, on CPU with ACCELERATE_USE_CPU=1 (see accelerate_configs/fsdp2.yaml)"
             ]
         )
     if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:

@@ -311,11 +311,21 @@ class Rollouts:
 
 
 def reward_labels(names: list[str]) -> list[str]:
-    """Each reward's name in the metrics: a built-in's, the function's own (file.py:fn is
-    fn), or reward_model for a reward model; a name two rewards share gets each one's place
-    in grpo.rewards (short_1, short_2), so that neither's figures replace the other's."""
-    base = ["reward_model" if n.startswith("reward_model:") else n.rsplit(":", 1)[-1] for n in names]
-    return [f"{b}_{i + 1}" if base.count(b) > 1 else b for i, b in enumerate(base)]
+    """Each reward's name in the metrics (reward_<name>, reward_<name>_std): a built-in's,
+    the function's own (file.py:fn is fn), or reward_model for a reward model. A name two
+    rewards share gets each one's place in grpo.rewards (short_1, short_2), and so does one
+    whose metrics would meet another's (len beside len_std, or std beside the total
+    reward_std), so that no reward's figures replace another's."""
+    labels = ["reward_model" if n.startswith("reward_model:") else n.rsplit(":", 1)[-1] for n in names]
+    labels = [f"{b}_{i + 1}" if labels.count(b) > 1 else b for i, b in enumerate(labels)]
+
+    def keys(label: str) -> set[str]:
+        return {label, f"{label}_std"}
+
+    for i in range(len(labels)):
+        while "std" in keys(labels[i]) or any(keys(labels[i]) & keys(o) for j, o in enumerate(labels) if j != i):
+            labels[i] = f"{labels[i]}_{i + 1}"
+    return labels
 
 
 def split(flat: torch.Tensor, lengths: list[int]) -> list[list[float]]:

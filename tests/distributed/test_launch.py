@@ -42,9 +42,10 @@ def test_fsdp1_is_refused(monkeypatch):
 
 
 def test_fsdp_asked_for_without_a_process_group_is_refused(monkeypatch):
-    """One process (or several without ACCELERATE_USE_CPU=1 on a machine without a GPU):
-    Accelerate drops FSDP silently, and training unsharded instead would mislead. Several
-    CPU processes run real FSDP2 (tests/launch/test_fsdp.py)."""
+    """A process started without a launcher (or several without ACCELERATE_USE_CPU=1 on a
+    machine without a GPU): Accelerate drops FSDP silently, and training without it would
+    mislead. CPU processes under accelerate launch run real FSDP2 (tests/launch/test_fsdp.py),
+    one of them too."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError, match="no process group to shard over"):
         check_topology(fake(DistributedType.NO))

@@ -164,6 +164,10 @@ def test_each_reward_gets_a_metric_name_of_its_own():
 
     names = ["accuracy", "a.py:short", "b.py:short", "reward_model:runs/rm/final", "my_rewards:length"]
     assert reward_labels(names) == ["accuracy", "short_2", "short_3", "reward_model", "length"]
+    for names in (["a.py:short", "b.py:short", "c.py:short_2"], ["m:len", "m:len_std", "m:std", "m:x", "n:x"]):
+        labels = reward_labels(names)
+        keys = [k for label in labels for k in (f"reward_{label}", f"reward_{label}_std")]
+        assert len(set(keys)) == len(keys) and "reward_std" not in keys, labels
 
 
 def test_arrays_and_tensors_are_taken_as_lists(tmp_path):
