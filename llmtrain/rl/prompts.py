@@ -54,6 +54,8 @@ def prompt_ids(prompt, tokenizer, tools=None) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=True)["input_ids"]
     check_control_tokens(prompt, tools, tokenizer)
+    if prompt[-1]["role"] == "assistant" and not prompt[-1]["content"].strip():
+        prompt = prompt[:-1]  # an empty start of the answer: the answer starts afresh
     prefilled = prompt[-1]["role"] == "assistant"
 
     def render(msgs, tools_=tools) -> str:
@@ -70,9 +72,15 @@ def as_rewards_see(prompt, text: str) -> tuple[object, object]:
     with a prefilled last assistant message (taken from the prompt) where there is one."""
     if isinstance(prompt, str):
         return prompt, text
-    if prompt and prompt[-1]["role"] == "assistant":
+    if prompt and prompt[-1]["role"] == "assistant":  # its start, continued (or empty: none)
         return prompt[:-1], [{"role": "assistant", "content": prompt[-1]["content"] + text}]
     return prompt, [{"role": "assistant", "content": text}]
+
+
+def as_rewards_see_all(prompts: list, texts: list[str]) -> tuple[list, list]:
+    """(prompts, completions) of a batch, each as `as_rewards_see` gives them."""
+    pairs = [as_rewards_see(p, t) for p, t in zip(prompts, texts)]
+    return [p for p, _ in pairs], [c for _, c in pairs]
 
 
 def asked(prompt) -> str:

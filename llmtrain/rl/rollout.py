@@ -29,7 +29,7 @@ from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift
 from ..errors import DataError, RewardError
 from .loss import advantages, nanstd
-from .prompts import as_rewards_see, asked, decoded, prompt_columns
+from .prompts import as_rewards_see_all, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
 
@@ -68,6 +68,7 @@ class Rollouts:
         self.prompts = prompts.examples if isinstance(prompts, Mixture) else prompts
         self.sampler = EpochSampler(len(self.prompts), t.seed, cfg.data.shuffle, mix)
         self.columns = prompt_columns(self.prompts)  # every row's, for the reward functions
+        self.eval_columns: set[str] | None = None
         self.rounds = len(self.sampler) // self.per_round
         if self.rounds == 0:
             raise DataError(
@@ -183,7 +184,7 @@ class Rollouts:
             p, c = decoded(ex)
             asked_as += [p] * self.group
             columns += [c] * self.group
-        prompts, completions = (list(x) for x in zip(*(as_rewards_see(p, t) for p, t in zip(asked_as, texts))))
+        prompts, completions = as_rewards_see_all(asked_as, texts)
         ids = [s.completion_ids for s in samples]
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         try:
@@ -222,7 +223,9 @@ class Rollouts:
         models generate together)."""
         n, rank = len(eval_set), self.accelerator.process_index
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
-        names = prompt_columns(eval_set)
+        if self.eval_columns is None:  # read once: the evaluation prompts stay the same
+            self.eval_columns = prompt_columns(eval_set)
+        names = self.eval_columns
         mine = list(range(rank, n, self.world))
         calls = math.ceil(math.ceil(n / self.world) / self.micro)
         table = []
@@ -235,7 +238,7 @@ class Rollouts:
                 continue
             texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in out.ids]
             asked_as, columns = zip(*(decoded(e) for e in examples))
-            prompts, completions = (list(x) for x in zip(*(as_rewards_see(p, t) for p, t in zip(asked_as, texts))))
+            prompts, completions = as_rewards_see_all(asked_as, texts)
             try:
                 rewards = score(self.rewards, prompts, completions, out.ids, list(columns), state, names)
             except RewardError as e:

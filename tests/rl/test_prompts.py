@@ -51,6 +51,9 @@ def test_a_prefilled_assistant_message_is_continued_and_given_back_to_the_reward
     assert asked(prompt) == "What is 2 + 2?"
     assert as_rewards_see(messages[:1], "4") == (messages[:1], [{"role": "assistant", "content": "4"}])
     assert as_rewards_see("What is 2 + 2?", "4") == ("What is 2 + 2?", "4")
+    # An empty start is no start: the generation prompt, as for the user message alone.
+    empty = process_prompt({"prompt": [messages[0], {"role": "assistant", "content": " "}]}, tokenizer, cfg, 20)
+    assert empty["prompt_ids"] == process_prompt({"prompt": messages[:1]}, tokenizer, cfg, 20)["prompt_ids"]
 
 
 def test_a_prompt_must_leave_room_for_the_completion(tokenizer):
