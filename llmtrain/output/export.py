@@ -89,24 +89,28 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
     elif main:
         model.save_pretrained(tmp, max_shard_size=export.shard_bytes())
     if main:
-        with_cache(tmp / "config.json")
+        with_cache(tmp / "config.json", base)
         tokenizer.save_pretrained(tmp)
         (tmp / "llmtrain_config.yaml").write_text(config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     return None
 
 
-def with_cache(config_json: Path) -> None:
-    """Training turns the model's key-value cache off (model.load_model); the exported
-    model is for inference, where a forward pass returns its cache unless told otherwise."""
+def with_cache(config_json: Path, base) -> None:
+    """Training turns the model's key-value cache off (model.load_model); final/ keeps the
+    base's own setting (on, for nearly every model), with which a forward pass for
+    inference returns its cache."""
     if not config_json.is_file():  # an adapter alone: its base's config stands
         return
+    from transformers import AutoConfig
+
+    wanted = True  # inference's default, where the base cannot be read again here
+    if base is not None:
+        with contextlib.suppress(Exception):
+            wanted = getattr(AutoConfig.from_pretrained(base.name_or_path, **hub_kwargs(base)), "use_cache", True)
     config = json.loads(config_json.read_text())
-    changed = False
-    for part in (config, config.get("text_config")):
-        if isinstance(part, dict) and part.get("use_cache") is False:
-            part["use_cache"], changed = True, True
-    if changed:
+    if config.get("use_cache") != wanted:
+        config["use_cache"] = wanted
         config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -83,16 +83,28 @@ def test_a_model_within_max_shard_size_is_one_file(model, tokenizer, tmp_path, a
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_the_exported_model_keeps_its_cache_on_for_inference(model, tokenizer, tmp_path, monkeypatch, sharded):
-    """Training turns use_cache off; final/ is for inference, as the base was saved."""
+@pytest.mark.parametrize("base_cache", [True, False])
+def test_the_exported_model_keeps_the_base_models_cache_setting(
+    model, tokenizer, tiny_model, tmp_path, monkeypatch, sharded, base_cache
+):
+    """Training turns use_cache off; final/ is for inference, with the base's own setting."""
     from transformers import AutoModelForCausalLM
 
+    from llmtrain.config import ModelConfig
+
+    base = tmp_path / "base"
+    model.config.use_cache = base_cache
+    model.save_pretrained(base)
     monkeypatch.setattr(export, "is_sharded", lambda accelerator: sharded)
     model.config.use_cache = False  # as model.load_model leaves it
-    final = save_final(fake_accelerator(model), model, tokenizer, str(tmp_path), "", ExportConfig(), {"step": 1})
-    assert json.loads((final / "config.json").read_text())["use_cache"] is True
+    out = tmp_path / "out"
+    out.mkdir()
+    final = save_final(
+        fake_accelerator(model), model, tokenizer, str(out), "", ExportConfig(), {"step": 1}, ModelConfig(str(base))
+    )
+    assert json.loads((final / "config.json").read_text())["use_cache"] is base_cache
     again = AutoModelForCausalLM.from_pretrained(final)
-    assert again(input_ids=torch.tensor([[3, 4, 5]])).past_key_values is not None
+    assert (again(input_ids=torch.tensor([[3, 4, 5]])).past_key_values is not None) is base_cache
 
 
 def test_shard_by_shard_export_holds_one_shard_at_a_time(model, tokenizer, tmp_path, monkeypatch, as_if_sharded):
