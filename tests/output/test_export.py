@@ -292,12 +292,15 @@ def test_a_model_loaded_again_after_training_is_loaded_as_training_loaded_it(
         torch.testing.assert_close(loaded(ids).logits, want)
 
 
+@pytest.mark.parametrize("reload", [False, True])  # the in-memory copy; the base loaded again (sharded, 4-bit)
 @pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
-def test_a_merged_adapter_on_a_tied_embedding_changes_that_layer_alone(tokenizer, tmp_path, target):
+def test_a_merged_adapter_on_a_tied_embedding_changes_that_layer_alone(tokenizer, tmp_path, target, reload):
     """Input and output embeddings that share one tensor (tie_word_embeddings): an adapter on
     either, merged, must change that layer only, and final/ must load as it was merged."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmtrain.config import ModelConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -306,17 +309,22 @@ def test_a_merged_adapter_on_a_tied_embedding_changes_that_layer_alone(tokenizer
     )  # fmt: skip
     base = AutoModelForCausalLM.from_config(config)
     assert base.lm_head.weight is base.model.embed_tokens.weight
+    base.save_pretrained(tmp_path / "base")
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", target], lora_dropout=0.0))
     for name, param in model.named_parameters():
         if "lora_" in name:  # a trained adapter: peft starts lora_B at zero
             torch.nn.init.normal_(param, std=0.5)
+    model.save_pretrained(tmp_path / "adapter")
     ids = torch.tensor([[3, 5, 7, 9, 11]])
     with torch.no_grad():
         want = model(input_ids=ids).logits
-        merged = export._merged_copy(model)
+        if reload:
+            merged = export._merged_from_adapter(model, tmp_path / "adapter", ModelConfig(str(tmp_path / "base")))
+        else:
+            merged = export._merged_copy(model)
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
-        merged.save_pretrained(tmp_path)
-        again = AutoModelForCausalLM.from_pretrained(tmp_path)
+        merged.save_pretrained(tmp_path / "final")
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
         torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
     assert again.lm_head.weight is not again.model.embed_tokens.weight
     assert base.lm_head.weight is base.model.embed_tokens.weight  # the training model is as it was
