@@ -153,15 +153,15 @@ def prepare_prompts(key: str, names: list[str], tokenizer, cfg: DataConfig, max_
     return ds, stats
 
 
-def prompt_kind(max_completion_length: int, check_columns=None) -> DataKind:
+def prompt_kind(max_completion_length: int, check_split=None) -> DataKind:
     """The DataKind of recipes/grpo.py's prompts (never packed: completions are generated).
-    `check_columns(key, columns)` sees each split's columns as soon as it is read, before
-    any weights load (the reward functions' parameters against them)."""
+    `check_split(key, prompts)` sees each split as soon as it is read, before any weights
+    load (the reward functions' parameters against its columns)."""
 
     def prepare(key, names, tokenizer, cfg):
         ds, stats = prepare_prompts(key, names, tokenizer, cfg, max_completion_length)
-        if check_columns is not None:
-            check_columns(key, prompt_columns(ds))
+        if check_split is not None:
+            check_split(key, ds)
         return ds, stats
 
     return DataKind(prepare, PackedDataset, unit="prompts", batched=("prompts", "prompts"))
@@ -169,16 +169,44 @@ def prompt_kind(max_completion_length: int, check_columns=None) -> DataKind:
 
 def grpo_prompts(cfg) -> DataKind:
     """recipes/grpo.py's data: prompt rows, each split's columns checked against the
-    reward functions (grpo.rewards) as soon as it is read."""
+    reward functions (grpo.rewards) as soon as it is read, and, for the accuracy reward,
+    its answers: none usable is an error (the reward would teach nothing), some missing a
+    warning (their completions go unscored)."""
+    from ..errors import warn
     from .rewards import load_rewards
 
-    def check_columns(key, columns):
+    def check_split(key, prompts):
         try:
-            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern)
+            load_rewards(cfg.reward_names(), prompt_columns(prompts), cfg.grpo.format_pattern)
         except RewardError as e:
             raise RewardError(f"{e} ({key})") from None
+        if "accuracy" not in cfg.reward_names():
+            return
+        usable, rows = usable_answers(prompts)
+        if usable == 0:
+            raise RewardError(
+                f"grpo.rewards: accuracy: no prompt of {key} has a usable 'answer' (text or a number), so it would "
+                "score no completion; fix the answers, or use other rewards"
+            )
+        if usable < rows:
+            warn(
+                f"grpo.rewards: accuracy: {rows - usable} of {rows} prompts of {key} have no usable 'answer' (text "
+                "or a number); their completions go unscored by it"
+            )
 
-    return prompt_kind(cfg.grpo.max_completion_length, check_columns)
+    return prompt_kind(cfg.grpo.max_completion_length, check_split)
+
+
+def usable_answers(prompts) -> tuple[int, int]:
+    """(prompts whose 'answer' the accuracy reward can compare: text or a number, prompts)."""
+    from .rewards import usable_answer
+
+    usable = rows = 0
+    for text in prompts["columns"]:
+        answer = json.loads(text).get("answer")
+        rows += 1
+        usable += usable_answer(answer)
+    return usable, rows
 
 
 def prompt_columns(prompts) -> set[str]:

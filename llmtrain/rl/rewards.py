@@ -56,12 +56,13 @@ def as_number(text: str) -> float | None:
 
 def accuracy(prompts, completions, answer, **kwargs) -> list[float | None]:
     """1.0 where the completion gives the row's `answer`, else 0.0 (None where the row has
-    no answer). A numeric answer is compared as a number with the completion's last number
-    (or its \\boxed{...}), so '1,000', '1000.0' and 'The answer is 1000' all match 1000;
-    any other answer must be the whole completion, spaces and a final period aside."""
+    no answer it can compare: none, blank, or neither text nor a number). A numeric answer
+    is compared as a number with the completion's last number (or its \\boxed{...}), so
+    '1,000', '1000.0' and 'The answer is 1000' all match 1000; any other answer must be the
+    whole completion, spaces and a final period aside."""
     out = []
     for completion, right in zip(completions, answer):
-        if right is None:
+        if not usable_answer(right):  # none, or a list or mapping: nothing to compare with
             out.append(None)
             continue
         text = completion_text(completion).strip()
@@ -75,6 +76,13 @@ def accuracy(prompts, completions, answer, **kwargs) -> list[float | None]:
         else:
             out.append(float(text.rstrip(".").strip() == str(right).strip().rstrip(".").strip()))
     return out
+
+
+def usable_answer(answer) -> bool:
+    """Text that is not blank, or a number: what accuracy compares a completion with."""
+    if isinstance(answer, str):
+        return bool(answer.strip())
+    return isinstance(answer, (int, float)) and not isinstance(answer, bool)
 
 
 def format_reward(pattern: str) -> Callable:

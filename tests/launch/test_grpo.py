@@ -204,7 +204,16 @@ def test_rewards_see_every_column_and_the_training_state_in_evaluation_too(args,
     out = tmp_path / "out"
     run = [f"data.train={tmp_path / 'some.jsonl'}", f"data.eval={tmp_path / 'some.jsonl'}", "eval.every_steps=2"]
     run += [f"grpo.rewards=[accuracy,{staged}:staged]", "grpo.reward_weights=[]", "train.max_steps=2"]
-    grpo(args(out, *run), cache_env)
+    proc = grpo(args(out, *run), cache_env)
     evals = [r for r in metrics(out) if "eval_reward" in r]
     assert [(r["step"], r["eval_reward_staged"]) for r in evals] == [(0, 0.0), (2, 2.0)], json.dumps(evals)
     assert all(0 <= r["eval_reward_accuracy"] <= 1 for r in evals)
+    assert "warning: grpo.rewards: accuracy: 12 of 24 prompts of data.train have no usable 'answer'" in proc.stderr
+
+    # No usable answer at all (none, or lists): accuracy would score nothing; refused before any weights load.
+    for row in rows:
+        row["answer"] = None if "answer" not in row else [row["answer"]]
+    write_jsonl(rows, tmp_path / "none.jsonl")
+    proc = grpo(args(tmp_path / "none", *run, f"data.train={tmp_path / 'none.jsonl'}"), cache_env, check=False)
+    assert proc.returncode == 2 and "Loading weights" not in proc.stdout + proc.stderr
+    assert "error: grpo.rewards: accuracy: no prompt of data.train has a usable 'answer'" in proc.stderr

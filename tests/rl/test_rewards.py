@@ -17,6 +17,8 @@ def test_accuracy_compares_numbers_as_numbers_and_words_exactly():
     assert accuracy(None, completions, answers) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, None]
     chat = [[{"role": "assistant", "content": "12"}]]
     assert accuracy(None, chat, [12]) == [1.0]
+    # Nothing to compare with: unscored, not wrong (nor right, for an empty completion).
+    assert accuracy(None, ["4", "", "[4]"], [["4"], " ", {"a": 4}]) == [None, None, None]
 
 
 def test_format_matches_the_whole_completion():
