@@ -227,13 +227,8 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
 def already_finished(cfg) -> int | None:
     """The step of final/ when output_dir holds this very run, finished (its export was
     written with the same settings, but for how it reports and checkpoints); else None."""
-    done, config = finished_state(cfg.output_dir), Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"
-    if done is None or done["step"] is None or not config.is_file():
-        return None
-    try:
-        if changed_settings(read_own(config), cfg):
-            return None
-    except (OSError, ValueError):
+    done = finished_state(cfg.output_dir)
+    if done is None or done["step"] is None or final_changes(cfg):  # an unreadable config is a change
         return None
     return done["step"]
 
