@@ -306,13 +306,12 @@ def _merge(peft_model):
 
     base = peft_model.get_base_model()
     ends = (base.get_input_embeddings(), base.get_output_embeddings())
-    shared = None not in ends and ends[0].weight is ends[1].weight
-    tied = {id(ends[0].weight)} if shared else set()  # only the embeddings: other sharing is the model's own
+    # Only the embeddings' tie: other sharing (a block used twice) is the model's own.
+    tied = ends[0].weight if None not in ends and ends[0].weight is ends[1].weight else None
     untied = False
     for module in peft_model.modules():
-        layer = getattr(module, "base_layer", None)
-        if isinstance(module, LoraLayer) and id(getattr(layer, "weight", None)) in tied:
-            layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+        if tied is not None and isinstance(module, LoraLayer) and getattr(module.base_layer, "weight", None) is tied:
+            module.base_layer.weight = torch.nn.Parameter(tied.detach().clone(), requires_grad=False)
             untied = True
     merged = peft_model.merge_and_unload()
     if untied:
