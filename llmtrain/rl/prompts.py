@@ -173,16 +173,21 @@ def grpo_prompts(cfg) -> DataKind:
     its answers: none usable is an error (the reward would teach nothing), some missing a
     warning (their completions go unscored)."""
     from ..errors import warn
-    from .rewards import load_rewards
+    from .rewards import load_rewards, usable_answer
 
     def check_split(key, prompts):
+        columns, usable, rows = set(), 0, 0
+        for text in prompts["columns"]:  # each row decoded once, for both checks
+            row = json.loads(text)
+            columns |= row.keys()
+            usable += usable_answer(row.get("answer"))
+            rows += 1
         try:
-            load_rewards(cfg.reward_names(), prompt_columns(prompts), cfg.grpo.format_pattern)
+            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern)
         except RewardError as e:
             raise RewardError(f"{e} ({key})") from None
         if "accuracy" not in cfg.reward_names():
             return
-        usable, rows = usable_answers(prompts)
         if usable == 0:
             raise RewardError(
                 f"grpo.rewards: accuracy: no prompt of {key} has a usable 'answer' (text or a number), so it would "
@@ -195,18 +200,6 @@ def grpo_prompts(cfg) -> DataKind:
             )
 
     return prompt_kind(cfg.grpo.max_completion_length, check_split)
-
-
-def usable_answers(prompts) -> tuple[int, int]:
-    """(prompts whose 'answer' the accuracy reward can compare: text or a number, prompts)."""
-    from .rewards import usable_answer
-
-    usable = rows = 0
-    for text in prompts["columns"]:
-        answer = json.loads(text).get("answer")
-        rows += 1
-        usable += usable_answer(answer)
-    return usable, rows
 
 
 def prompt_columns(prompts) -> set[str]:
