@@ -69,6 +69,7 @@ class Rollouts:
         self.sampler = EpochSampler(len(self.prompts), t.seed, cfg.data.shuffle, mix)
         self.columns = prompt_columns(self.prompts)  # every row's, for the reward functions
         self.eval_columns: set[str] | None = None
+        self.labels = reward_labels([r.name for r in rewards])  # each reward's name in the metrics
         self.rounds = len(self.sampler) // self.per_round
         if self.rounds == 0:
             raise DataError(
@@ -194,7 +195,7 @@ class Rollouts:
 
     def round_metrics(self, rewards, total, zero_spread, lengths, clipped) -> dict[str, float]:
         out = {"reward": float(total.nanmean()), "reward_std": float(nanstd(total))}
-        for i, name in enumerate(reward_labels([r.name for r in self.rewards])):
+        for i, name in enumerate(self.labels):
             column = rewards[:, i]
             out[f"reward_{name}"] = float(column.nanmean())
             out[f"reward_{name}_std"] = float(nanstd(column))
@@ -252,7 +253,7 @@ class Rollouts:
         summed = self.accelerator.reduce(both, reduction="sum").cpu()[0]
         k = len(self.rewards)
         out = {"eval_reward": float(summed[-2] / summed[-1])}
-        for i, name in enumerate(reward_labels([r.name for r in self.rewards])):
+        for i, name in enumerate(self.labels):
             if summed[k + i] > 0:
                 out[f"eval_reward_{name}"] = float(summed[i] / summed[k + i])
         return out
