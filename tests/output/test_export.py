@@ -292,22 +292,29 @@ def test_a_model_loaded_again_after_training_is_loaded_as_training_loaded_it(
         torch.testing.assert_close(loaded(ids).logits, want)
 
 
+def tied_llama(tokenizer, layers: int):
+    """A tiny random Llama whose input and output embeddings share one tensor."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
 @pytest.mark.parametrize("reload", [False, True])  # the in-memory copy; the base loaded again (sharded, 4-bit)
 @pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
 def test_a_merged_adapter_on_a_tied_embedding_changes_that_layer_alone(tokenizer, tmp_path, target, reload):
     """Input and output embeddings that share one tensor (tie_word_embeddings): an adapter on
     either, merged, must change that layer only, and final/ must load as it was merged."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from llmtrain.config import ModelConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-    )  # fmt: skip
-    base = AutoModelForCausalLM.from_config(config)
+    base = tied_llama(tokenizer, layers=1)
     assert base.lm_head.weight is base.model.embed_tokens.weight
     base.save_pretrained(tmp_path / "base")
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", target], lora_dropout=0.0))
@@ -334,13 +341,8 @@ def test_a_merge_that_leaves_the_embeddings_alone_keeps_them_tied(tokenizer):
     """Other sharing (one block used twice, as some models do) is not the embeddings' tie:
     the merged model keeps tie_word_embeddings, so a reload gets its output layer back."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-    )  # fmt: skip
-    base = AutoModelForCausalLM.from_config(config)
+    base = tied_llama(tokenizer, layers=2)
     base.model.layers[1] = base.model.layers[0]
     merged = export._merged_copy(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0)))
     assert merged.config.tie_word_embeddings and merged.lm_head.weight is merged.model.embed_tokens.weight
