@@ -69,8 +69,54 @@ def setup_accelerator(cfg: Config):
         # DeepSpeed calls torch.distributed functions that torch has renamed; torch warns on
         # every call, burying the training log under advice meant for DeepSpeed's authors.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    threads = use_cpu_cores(accelerator.device.type)
+    if threads:
+        accelerator.print(
+            f"launch: {threads} CPU threads per process (the launcher set OMP_NUM_THREADS=1, its default for GPU "
+            "runs); set OMP_NUM_THREADS to choose"
+        )
     set_seed(cfg.train.seed)
     return accelerator
+
+
+def use_cpu_cores(device_type: str) -> int | None:
+    """On CPU, undo a launcher's one thread per process. accelerate launch starts its workers
+    with OMP_NUM_THREADS=1 unless it was told a thread count or --cpu (so the README's
+    `accelerate launch recipes/finetune.py` on a machine with no GPU trained on one core of
+    many), and torchrun does the same for several processes: right for GPU runs, where
+    threads would compete with the data loaders. Where the launcher chose it (no
+    OMP_NUM_THREADS in the launcher's own environment), each process of this machine takes
+    its share of the cores it may run on, as accelerate does under --cpu; an OMP_NUM_THREADS
+    the user set is kept, and the count set is passed on to processes this one starts.
+    Written by hand because the workers cannot tell Accelerate's
+    default from a user's choice without reading the launcher's environment. Returns the
+    threads set, or None where nothing changed."""
+    from .stop import launcher_parent, proc_strings
+
+    if device_type != "cpu" or os.environ.get("OMP_NUM_THREADS") != "1" or torch.get_num_threads() != 1:
+        return None
+    parent = launcher_parent()
+    environ = proc_strings(parent, "environ") if parent is not None else None
+    if environ is None or any(v.startswith("OMP_NUM_THREADS=") for v in environ):
+        return None
+    import psutil
+
+    usable = len(os.sched_getaffinity(0))
+    threads = min(usable, psutil.cpu_count(logical=False) or usable) // local_processes()
+    if threads <= 1:
+        return None
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this one starts (the demo's model build)
+    return threads
+
+
+def local_processes() -> int:
+    """Processes on this machine, as the launcher says (torchrun and accelerate: LOCAL_WORLD_SIZE;
+    DeepSpeed's launcher: LOCAL_SIZE); 1 when it says nothing (accelerate's one-process launcher)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 0:
+            return int(os.environ[key])
+    return 1
 
 
 def check_topology(accelerator) -> None:

@@ -107,24 +107,42 @@ def launched_by_launcher(parent_argv: list[str]) -> bool:
     return program in LAUNCHERS or (program in ACCELERATE and rest[:1] == ["launch"])
 
 
+def launcher_parent() -> int | None:
+    """The process id of the launcher that started this process, or None when the parent is
+    no launcher (a shell, `nohup`) or cannot be read. torchrun's agent says it started the
+    process (TORCHELASTIC_RUN_ID in its environment); accelerate's one-process launcher says
+    nothing, so its command line is read (Linux)."""
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return parent
+    argv = proc_strings(parent, "cmdline")
+    return parent if argv is not None and launched_by_launcher(argv) else None
+
+
+PROC_LIMIT = 1 << 21  # bytes; Linux caps a process's arguments and environment together near 2 MiB
+
+
+def proc_strings(pid: int, name: str) -> list[str] | None:
+    """/proc/<pid>/<name> (cmdline, environ: NUL-separated strings), or None where it cannot
+    be read whole (another system, a process gone, longer than PROC_LIMIT)."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            data = f.read(PROC_LIMIT + 1)
+    except OSError:
+        return None
+    return None if len(data) > PROC_LIMIT else data.decode(errors="replace").split("\0")
+
+
 def stop_with_launcher() -> None:
     """Ask the kernel for SIGTERM when the launcher that started this process dies
     (Linux's PR_SET_PDEATHSIG). Written by hand because neither Accelerate's launchers nor
     torchrun ask for it. Only under a launcher: a process run as `nohup python ...` must
-    outlive the shell that started it. torchrun's agent says it started the process
-    (TORCHELASTIC_RUN_ID in its environment); accelerate's one-process launcher says
-    nothing, so its command line is read."""
+    outlive the shell that started it (`launcher_parent`)."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        try:
-            with open(f"/proc/{parent}/cmdline", "rb") as f:
-                argv = f.read(1 << 16).decode(errors="replace").split("\0")
-        except OSError:
-            return
-        if not launched_by_launcher(argv):
-            return
+    parent = launcher_parent()
+    if parent is None:
+        return
     import ctypes
 
     pr_set_pdeathsig = 1

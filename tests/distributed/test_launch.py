@@ -1,8 +1,12 @@
 """Launch topologies that would silently not be what was asked for are refused, and the
 recipe's batch settings drive DeepSpeed's."""
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from accelerate.utils import DistributedType
 
@@ -136,3 +140,42 @@ def test_a_deepspeed_value_that_is_no_number_names_its_key(monkeypatch):
         "gradient_accumulation_steps='four' in ds.json is not a number; set it to \"auto\" (the recipe's "
         "train.grad_accum_steps is then used)"
     ]
+
+
+CORES = min(len(os.sched_getaffinity(0)), psutil.cpu_count(logical=False) or 1)
+THREADS_SCRIPT = """
+import os
+import torch
+from llmtrain.distributed.launch import use_cpu_cores
+print("threads", use_cpu_cores("cuda"), use_cpu_cores("cpu"), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
+"""
+
+
+def threads_under(tmp_path, command: list[str], **env) -> str:
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [*command, str(script)], env=base | env, capture_output=True, text=True, timeout=120, check=True
+    )
+    return next(line for line in proc.stdout.splitlines() if line.startswith("threads"))
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
+def test_a_cpu_run_under_accelerate_launch_uses_the_cores(tmp_path):
+    """accelerate launch without --cpu gives its one process OMP_NUM_THREADS=1; on CPU the
+    run takes the machine's cores back, for the processes it starts too (on a GPU it leaves
+    the launcher's choice)."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1"]
+    assert threads_under(tmp_path, launch) == f"threads None {CORES} {CORES} {CORES}"
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
+@pytest.mark.parametrize("how", ["launcher", "shell"])
+def test_a_thread_count_the_user_set_is_kept(tmp_path, how):
+    if how == "launcher":  # OMP_NUM_THREADS=1 accelerate launch ...: the launcher's environment has it
+        command = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1"]
+        assert threads_under(tmp_path, command, OMP_NUM_THREADS="1") == "threads None None 1 1"
+    else:  # export OMP_NUM_THREADS=1 in a script: its shell's own environment never had it
+        command = ["bash", "-c", f'export OMP_NUM_THREADS=1; "{sys.executable}" "$0"']
+        assert threads_under(tmp_path, command) == "threads None None 1 1"

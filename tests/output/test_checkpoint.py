@@ -625,3 +625,23 @@ def test_a_run_resumes_on_another_process_count_and_split(base_config, tiny_mode
         assert [r["step"] for r in got] == [r["step"] for r in rows], name
         assert [r["tokens"] for r in got] == [r["tokens"] for r in rows], name
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in rows], rel=1e-5), name
+
+
+@pytest.mark.parametrize("saved", ["none", "nf4", "fp4", "int8"])
+@pytest.mark.parametrize("now", ["none", "nf4", "fp4", "int8"])
+def test_resume_with_another_quantization_is_refused(tmp_path, saved, now):
+    """Any change of model.quantization between a checkpoint and its resume is refused (nf4
+    and fp4 codes have the same shapes; int8 and none differ in dtype but the refusal names
+    the key either way); the same one resumes. tests/launch/test_qlora.py runs it end to end."""
+    from types import SimpleNamespace
+
+    from llmtrain.output.checkpoint import check_weight_format
+
+    (tmp_path / "config.yaml").write_text(f"model:\n  quantization: {saved}\n")
+    cfg = SimpleNamespace(model=SimpleNamespace(quantization=now))
+    if saved == now:
+        check_weight_format(tmp_path, cfg)
+        return
+    refusal = f"model.quantization={saved}, now {now}.*Resume with model.quantization={saved}"
+    with pytest.raises(CheckpointError, match=refusal):
+        check_weight_format(tmp_path, cfg)
