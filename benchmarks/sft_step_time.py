@@ -7,13 +7,21 @@ A step's time is the difference between a 22-step and a 2-step run's wall time, 
 20, so every per-step cost counts (the checks after each update, metrics, logging), and
 start-up does not.
 
+With --compile both compile their model: llmtrain each transformer block (train.compile=true),
+TRL the whole model (TrainingArguments.torch_compile=True). Every run then gets an empty
+compile cache of its own, so the 22-step run does not reuse what the 2-step run compiled and
+both pay the same compile; recompiling for new padded widths counts as per-step cost.
+
     python benchmarks/sft_step_time.py            # about 5 minutes on 2 CPU cores
+    python benchmarks/sft_step_time.py --compile  # both compiled
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +46,7 @@ def ours_args(setup: dict, steps: int, overrides: tuple[str, ...] = ()) -> list[
         f"train.max_steps={steps}",
         "checkpoint.every_steps=0",
         "eval.sample_prompts=[]",
+        f"train.compile={str(setup.get('compile', False)).lower()}",
         *overrides,
     ]
 
@@ -73,6 +82,7 @@ def trl_config(setup: dict, out: Path):
         bf16=False,  # TRL's configs turn bf16 on by default; both systems train in float32 here
         gradient_checkpointing=False,  # SFTConfig's default is on; llmtrain's is off
         train_sampling_strategy="sequential",  # the rows in file order, as llmtrain's data.shuffle=false
+        torch_compile=setup.get("compile", False),
         use_cpu=True,
         **harness.TRL_RUN,
         logging_steps=1,
@@ -95,7 +105,9 @@ def run_trl(setup: dict, out: Path) -> dict:
 
 
 def main() -> None:
-    args = harness.parser(__doc__, {"cpu": WORKLOAD}, harness.ROOT / "runs" / "bench-step").parse_args()
+    parser = harness.parser(__doc__, {"cpu": WORKLOAD}, harness.ROOT / "runs" / "bench-step")
+    parser.add_argument("--compile", action="store_true", help="both systems compile their model (see above)")
+    args = parser.parse_args()
     if args.worker:  # one TRL run, in its own process
         setup = json.loads(args.setup)
         result = run_trl(setup, args.dir)
@@ -106,8 +118,9 @@ def main() -> None:
         WORKLOAD["rows"] = args.rows
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
+    compile_caches = tempfile.mkdtemp(prefix="compile-caches-", dir=root) if args.compile else None
     sft_vs_trl.WORKLOADS["step"] = WORKLOAD
-    setup = sft_vs_trl.prepare("step", root) | {"overrides": args.ours}
+    setup = sft_vs_trl.prepare("step", root) | {"overrides": args.ours, "compile": args.compile}
     # Same rows in the same order: llmtrain keeps every row (none loses all its trained
     # tokens to truncation), as TRL does.
     kept = len(sft_vs_trl.prepared_rows(setup))
@@ -115,20 +128,33 @@ def main() -> None:
     per_step: dict[str, list[float]] = {"llmtrain": [], "trl": []}
     for repeat in range(args.repeats):
         for name, run in (("llmtrain", ours), ("trl", trl)):
-            short, long = run(setup, root / f"{name}-short", SHORT), run(setup, root / f"{name}-long", LONG)
+            times = {}
+            for length, steps in (("short", SHORT), ("long", LONG)):
+                if compile_caches:  # an empty compile cache for each run (inherited by its process)
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=compile_caches)
+                times[length] = run(setup, root / f"{name}-{length}", steps)
+            short, long = times["short"], times["long"]
             per_step[name].append((long - short) / (LONG - SHORT))
             print(f"{name} run {repeat + 1}: {per_step[name][-1] * 1000:.0f} ms a step", flush=True)
+    if compile_caches:
+        shutil.rmtree(compile_caches)
     import trl as trl_module
 
     ms = {name: [f"{x * 1000:.0f}" for x in runs] for name, runs in per_step.items()}
+    compiled = (
+        ", compiled (llmtrain: each block, train.compile=true; TRL: the whole model, torch_compile=True; an "
+        "empty compile cache for each run)"
+        if args.compile
+        else ""
+    )
     best = {name: min(runs) for name, runs in per_step.items()}
     lines = [
         harness.heading("SFT step time, equal padded work"),
         "",
-        f"{harness.command('sft_step_time.py', args)}; {WORKLOAD['layers']} layers x "
-        f"{WORKLOAD['hidden']} wide, the same 8 rows a step in both (file order), padded to the longest, one "
-        f"process, float32, no gradient checkpointing; ({LONG}-step run - {SHORT}-step run) / {LONG - SHORT}, "
-        f"wall time; TRL {trl_module.__version__}.",
+        f"{harness.command('sft_step_time.py', args, ' --compile' if args.compile else '')}; {WORKLOAD['layers']} "
+        f"layers x {WORKLOAD['hidden']} wide, the same 8 rows a step in both (file order), padded to the longest, "
+        f"one process, float32, no gradient checkpointing{compiled}; ({LONG}-step run - {SHORT}-step run) / "
+        f"{LONG - SHORT}, wall time; TRL {trl_module.__version__}.",
         "",
         "| system | ms a step (each repeat) | best | TRL / llmtrain |",
         "| --- | ---: | ---: | ---: |",

@@ -132,18 +132,22 @@ def test_trl_at_its_best_recomputes_nothing(tmp_path):
     assert bench.trl_config(BENCH_SETUP, tmp_path, best=False).gradient_checkpointing  # its defaults, as they come
 
 
-def test_the_step_time_comparison_is_the_same_work(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_step_time_comparison_is_the_same_work(tmp_path, compiled):
     """Both systems train on the same rows in each step (file order, no shuffling), padded,
-    8 to a step, without recomputing activations."""
+    8 to a step, without recomputing activations; with --compile both compile, else neither."""
     pytest.importorskip("trl")
     step = load("sft_step_time")
-    theirs = step.trl_config(BENCH_SETUP, tmp_path)
+    setup = BENCH_SETUP | {"compile": compiled}
+    theirs = step.trl_config(setup, tmp_path)
     assert theirs.train_sampling_strategy == "sequential" and not theirs.gradient_checkpointing
     assert not theirs.packing and not theirs.padding_free and theirs.per_device_train_batch_size == 8
     assert theirs.gradient_accumulation_steps == 1 and theirs.max_steps == 22
-    ours = step.ours_args(BENCH_SETUP | {"model": "m", "data": "d"}, 22)
+    assert theirs.torch_compile is compiled
+    ours = step.ours_args(setup | {"model": "m", "data": "d"}, 22)
     for override in ("data.shuffle=false", "data.packing=false", "train.micro_batch_size=8", "train.max_steps=22"):
         assert override in ours
+    assert f"train.compile={str(compiled).lower()}" in ours
     assert not any(a.startswith(("model.gradient_checkpointing", "train.grad_accum_steps")) for a in ours)
 
 

@@ -108,7 +108,8 @@ def split_and_mix(cfg, rows, stats, tokenizer, prepare, what: str = "rows"):
         rows, sizes, eval_rows = hold_out(rows, sizes, cfg.data.eval_fraction, cfg.train.seed)
         lines.append(
             f"data.eval: {len(eval_rows)} {what} held out of data.train (data.eval_fraction="
-            f"{cfg.data.eval_fraction:g}, seeded by train.seed), {sum(eval_rows['n_trained'])} trained tokens"
+            f"{cfg.data.eval_fraction:g}, seeded by train.seed), {sum(eval_rows['n_trained'])} trained tokens; "
+            f"{len(rows)} {what} left to train on"
         )
     elif names(cfg.data.eval):
         eval_rows, eval_stats = prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)
