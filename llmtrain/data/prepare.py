@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import DataConfig
-from ..errors import DataError
+from ..errors import DataError, warn
 from ..files import LINE
 from ..template import MAX_TEMPLATE_CHARS, TemplateLimit, template_source
-from .rows import KEPT, REQUIRED, process_row, row_problem
+from .rows import KEPT, REQUIRED, process_row, row_problem, several_formats
 from .sources import Source, detect_format, load_source
 
 MALFORMED = "malformed, data.bad_rows=skip"
@@ -134,7 +134,7 @@ def _fingerprint(source: Source, fmt: str, tokenizer, cfg: DataConfig) -> str:
         cfg.system_prompt,
         tok,
         str(tokenizer.eos_token_id),
-        "llmtrain-data-v5",  # v5: train: false is kept out of the loss under loss_on=all too
+        "llmtrain-data-v6",  # v6: rows say which formats they fill (process_row's fits)
     ):
         h.update(part.encode())
         h.update(b"\0")
@@ -197,6 +197,10 @@ def tokenize_sources(key: str, names: list[str], tokenizer, cfg: DataConfig, che
             desc=f"tokenizing {Path(name).name}",
         )
         status = ds["status"]
+        if "fits" in ds.column_names:  # rows read as the first of several formats they fill (process_row)
+            for fits, n in Counter(f for f in ds["fits"] if f).items():
+                warn(f"{key}: {name}: {n} rows {several_formats(fits)}")
+            ds = ds.remove_columns("fits")
         for i, s in enumerate(status):
             if problem := row_problem(s, cfg):
                 raise DataError(f"{key}: {src.where(ds[i], i)}: {problem}")

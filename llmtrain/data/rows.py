@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from collections.abc import Mapping
 
 from ..config import DataConfig
 from ..errors import describe, shown
@@ -44,10 +45,17 @@ def check_line(row: dict) -> None:
         raise RowError(row[BAD])
 
 
+def formats_filled(row: dict) -> list[str]:
+    """The formats whose fields this row fills, in REQUIRED's order (data.format=auto reads
+    a row as the first)."""
+    if not isinstance(row, Mapping):  # datasets hands map functions a Mapping that is no dict
+        return []
+    return [fmt for fmt, need in REQUIRED.items() if all(row.get(c) is not None for c in need)]
+
+
 def row_format(row: dict) -> str:
-    for fmt, need in REQUIRED.items():
-        if all(row.get(c) is not None for c in need):
-            return fmt
+    if fits := formats_filled(row):
+        return fits[0]
     null = sorted(k for k, v in row.items() if v is None)
     raise RowError(
         f"no known format fits this row's fields {sorted(k for k, v in row.items() if v is not None)}"
@@ -376,8 +384,28 @@ def shift(labels: list[int]) -> list[int]:
 
 
 def process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
-    """One row -> {input_ids, labels (shifted), status}. status is 'ok', 'truncated', or a
-    reason the row is dropped ('too long', 'no trained tokens', 'error: ...')."""
+    """One row -> {input_ids, labels (shifted), status, fits}. status is 'ok', 'truncated', or
+    a reason the row is dropped ('too long', 'no trained tokens', 'error: ...'). fits names,
+    comma-separated, the formats a row read with data.format=auto fills the fields of, where
+    it fills more than one (it is read as the first; a row with `instruction`, `output` and a
+    `text` of its own, say), else ''."""
+    fits = formats_filled(row) if fmt == "auto" else []
+    return _process_row(row, fmt, tokenizer, cfg) | {"fits": ",".join(fits) if len(fits) > 1 else ""}
+
+
+def several_formats(fits: str) -> str:
+    """What to say of rows whose `fits` (process_row's) names more than one format."""
+    first, *others = fits.split(",")
+    fields = {f: "+".join(f"'{c}'" for c in REQUIRED[f]) for f in (first, *others)}
+    return (
+        f"fill the fields of more than one row format ({', '.join(f'{f}: {fields[f]}' for f in fields)}) and are "
+        f"read as {first}, the first in data.format=auto's order; set data.format="
+        + " or data.format=".join(others)
+        + " to read them as that instead"
+    )
+
+
+def _process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
     try:
         ids, labels = tokenize_row(row, fmt, tokenizer, cfg)
     except NothingToTrain as e:

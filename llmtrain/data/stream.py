@@ -24,13 +24,13 @@ import sys
 import torch
 
 from ..config import DataConfig, DataSource
-from ..errors import DataError, describe
+from ..errors import DataError, describe, warn
 from ..files import user_cause
 from ..template import TemplateLimit
 from .mixture import sources
 from .packing import join_rows
 from .prepare import DataStats, check_source, template_error
-from .rows import KEPT, process_row, row_problem
+from .rows import KEPT, process_row, row_problem, several_formats
 from .sources import Source, load_source
 
 CHECK_BAD_AFTER = 1000  # rows read by a process before it holds them to data.max_bad_fraction
@@ -56,6 +56,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.key, self.tokenizer, self.cfg, self.rank = key, tokenizer, cfg, rank
         self.report = report
         self.seed, self.epoch = seed, 0
+        self.several_warned: set[tuple[str, str]] = set()  # (source, formats) said once (rows)
         self.entries = entries = sources(entries)
         self.streams: list[tuple[Source, object]] = []
         for entry in entries:
@@ -115,6 +116,9 @@ class StreamedRows(torch.utils.data.IterableDataset):
                 out = process_row(src.parse(row), src.format, self.tokenizer, cfg)
             except TemplateLimit as e:
                 raise template_error(self.key, self._where(src, row), e, cfg, self.tokenizer) from None
+            if out["fits"] and (src.name, out["fits"]) not in self.several_warned:  # once per source and kind
+                self.several_warned.add((src.name, out["fits"]))
+                warn(f"{self.key}: {src.name}: rows like {self._where(src, row)} {several_formats(out['fits'])}")
             if problem := row_problem(out["status"], cfg):
                 raise DataError(f"{self.key}: {self._where(src, row)}: {problem}")
             if out["status"].startswith("error"):

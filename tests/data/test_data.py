@@ -344,3 +344,26 @@ def test_tool_calls_are_trained_and_tool_results_and_definitions_are_not(tokeniz
     assert process_row(data, "auto", templated(tokenizer, TOOLS_TEMPLATE), DataConfig())["status"] == (
         "error: 'tools' must be a list of tool definitions"
     )
+
+
+def test_rows_that_fill_two_formats_are_read_as_the_first_and_said_so(tmp_path, tokenizer, capsys):
+    """Alpaca as published has a `text` column (the whole rendered example) beside
+    `instruction` and `output`: such rows are read as alpaca, and the run says so, naming the
+    file, the count and the setting that reads the other; data.format=text reads the text. A
+    file mixing rows of one format each says nothing."""
+    alpaca = {"instruction": "Say hi", "input": "", "output": "hi", "text": "Below is an instruction. Say hi. hi"}
+    path = write(tmp_path / "a.jsonl", [alpaca, alpaca, {"text": "plain"}])
+    ds, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    err = capsys.readouterr().err
+    assert (
+        f"warning: data.train: {path}: 2 rows fill the fields of more than one row format (alpaca: "
+        "'instruction'+'output', text: 'text') and are read as alpaca, the first in data.format=auto's order; "
+        "set data.format=text to read them as that instead"
+    ) in err
+    assert tokenizer.decode(ds["input_ids"][0]).startswith("<|im_start|>user\nSay hi")
+    ds, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, format="text"))
+    assert tokenizer.decode(ds["input_ids"][0]) == alpaca["text"] + "<|im_end|>"
+    assert "more than one row format" not in capsys.readouterr().err
+    mixed = write(tmp_path / "m.jsonl", [{"text": "plain"}, CHAT])
+    prepare_split("data.train", [mixed], tokenizer, DataConfig(train=mixed))
+    assert "more than one row format" not in capsys.readouterr().err

@@ -96,6 +96,23 @@ def test_a_bad_row_is_met_as_an_error_naming_file_and_line(tmp_path, tokenizer, 
         shares(path, tokenizer, cfg(shuffle=False), world=world)
 
 
+def test_streamed_rows_that_fill_two_formats_are_said_once(tmp_path, tokenizer, capsys):
+    """As prepared data (tests/data/test_data.py): rows read as the first of two formats they
+    fill are named once per source, with the setting that reads the other."""
+    rows = make_rows(6, seed=1)
+    for i in (2, 4):
+        rows[i] = dict(rows[i], text="the same example written out")
+    path = tmp_path / "both.jsonl"
+    write_jsonl(rows, path)
+    shares(path, tokenizer, cfg(shuffle=False), world=1)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "more than one row format" in line]
+    assert warned == [
+        f"warning: data.train: {path}: rows like {path} line 3 fill the fields of more than one row format "
+        "(chat: 'messages', text: 'text') and are read as chat, the first in data.format=auto's order; set "
+        "data.format=text to read them as that instead"
+    ]
+
+
 def test_a_streamed_malformed_row_is_skipped_under_bad_rows_skip_until_too_many_are(tmp_path, tokenizer):
     rows = make_rows(50, seed=1)
     rows[4] = {"messages": "hi"}
