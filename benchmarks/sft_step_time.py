@@ -9,8 +9,9 @@ start-up does not.
 
 With --compile both compile their model: llmtrain each transformer block (train.compile=true),
 TRL the whole model (TrainingArguments.torch_compile=True). Every run then gets an empty
-compile cache of its own, so the 22-step run does not reuse what the 2-step run compiled and
-both pay the same compile; recompiling for new padded widths counts as per-step cost.
+compile cache of its own, so the 22-step run does not reuse what the 2-step run compiled: the
+compiles of the first steps fall in both runs and cancel, and any later recompile (a padded
+width the compiled graphs do not cover) counts as a per-step cost.
 
     python benchmarks/sft_step_time.py            # about 5 minutes on 2 CPU cores
     python benchmarks/sft_step_time.py --compile  # both compiled
@@ -126,18 +127,21 @@ def main() -> None:
     kept = len(sft_vs_trl.prepared_rows(setup))
     assert kept == WORKLOAD["rows"], f"llmtrain keeps {kept} of {WORKLOAD['rows']} rows"
     per_step: dict[str, list[float]] = {"llmtrain": [], "trl": []}
-    for repeat in range(args.repeats):
-        for name, run in (("llmtrain", ours), ("trl", trl)):
-            times = {}
-            for length, steps in (("short", SHORT), ("long", LONG)):
-                if compile_caches:  # an empty compile cache for each run (inherited by its process)
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=compile_caches)
-                times[length] = run(setup, root / f"{name}-{length}", steps)
-            short, long = times["short"], times["long"]
-            per_step[name].append((long - short) / (LONG - SHORT))
-            print(f"{name} run {repeat + 1}: {per_step[name][-1] * 1000:.0f} ms a step", flush=True)
-    if compile_caches:
-        shutil.rmtree(compile_caches)
+    try:
+        for repeat in range(args.repeats):
+            for name, run in (("llmtrain", ours), ("trl", trl)):
+                times = {}
+                for length, steps in (("short", SHORT), ("long", LONG)):
+                    if compile_caches:  # an empty compile cache for each run (inherited by its process)
+                        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=compile_caches)
+                    times[length] = run(setup, root / f"{name}-{length}", steps)
+                short, long = times["short"], times["long"]
+                per_step[name].append((long - short) / (LONG - SHORT))
+                print(f"{name} run {repeat + 1}: {per_step[name][-1] * 1000:.0f} ms a step", flush=True)
+    finally:
+        if compile_caches:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            shutil.rmtree(compile_caches, ignore_errors=True)
     import trl as trl_module
 
     ms = {name: [f"{x * 1000:.0f}" for x in runs] for name, runs in per_step.items()}

@@ -471,6 +471,13 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] != ["score"] or len(sys.argv) < 3:
         sys.exit("usage: python -m llmtrain.demo score MODEL_DIR [MODEL_DIR ...]")
+    if missing := [p for p in sys.argv[2:] if not (Path(p) / "config.json").is_file()]:
+        print(
+            f"error: {', '.join(missing)}: no model directory (no config.json); give the directory a run saved, "
+            "e.g. runs/dpo-demo/final",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     for path in sys.argv[2:]:
         overall, by_kind = score(path)
         kinds = ", ".join(f"{k} {v:.0%}" for k, v in by_kind.items())

@@ -67,3 +67,20 @@ def test_unpaired_rows_are_the_pairs_answers_labelled_in_two_blocks(tokenizer):
         for row, side in ((rows[i], "chosen"), (rows[9 + i], "rejected")):
             out = process_unpaired(row, tokenizer, cfg)
             assert (out["input_ids"], out["labels"]) == (tokens[f"{side}_input_ids"], tokens[f"{side}_labels"])
+
+
+def test_scoring_a_directory_that_holds_no_model_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmtrain.demo", "score", str(tmp_path / "runs" / "dpo-demo" / "final")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"error: {tmp_path / 'runs' / 'dpo-demo' / 'final'}: no model directory (no config.json); give the "
+        "directory a run saved, e.g. runs/dpo-demo/final"
+    ]

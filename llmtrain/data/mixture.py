@@ -109,7 +109,7 @@ def split_and_mix(cfg, rows, stats, tokenizer, prepare, what: str = "rows"):
         lines.append(
             f"data.eval: {len(eval_rows)} {what} held out of data.train (data.eval_fraction="
             f"{cfg.data.eval_fraction:g}, seeded by train.seed), {sum(eval_rows['n_trained'])} trained tokens; "
-            f"{len(rows)} {what} left to train on"
+            f"{len(rows)} {what} left in data.train"
         )
     elif names(cfg.data.eval):
         eval_rows, eval_stats = prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)

@@ -73,7 +73,7 @@ def setup_accelerator(cfg: Config):
     if threads:
         accelerator.print(
             f"launch: {threads} CPU threads per process (the launcher set OMP_NUM_THREADS=1, its default for GPU "
-            "runs); set OMP_NUM_THREADS to choose"
+            "runs); set OMP_NUM_THREADS or --num_cpu_threads_per_process to choose"
         )
     set_seed(cfg.train.seed)
     return accelerator
@@ -85,24 +85,25 @@ def use_cpu_cores(device_type: str) -> int | None:
     `accelerate launch recipes/finetune.py` on a machine with no GPU trained on one core of
     many), and torchrun does the same for several processes: right for GPU runs, where
     threads would compete with the data loaders. Where the launcher chose it (no
-    OMP_NUM_THREADS in the launcher's own environment), each process of this machine takes
-    its share of the cores it may run on, as accelerate does under --cpu; an OMP_NUM_THREADS
-    the user set is kept, and the count set is passed on to processes this one starts.
-    Written by hand because the workers cannot tell Accelerate's
-    default from a user's choice without reading the launcher's environment. Returns the
-    threads set, or None where nothing changed."""
-    from .stop import launcher_parent, proc_strings
+    OMP_NUM_THREADS in the launcher's own environment, no --num_cpu_threads_per_process on
+    its command line), each process of this machine takes its share of the physical cores it
+    may run on, as accelerate does under --cpu; a count the user set is kept, and the count
+    set is passed on to processes this one starts. Written by hand because the workers
+    cannot tell Accelerate's default from a user's choice without reading the launcher's
+    environment and command line. Returns the threads set, or None where nothing changed."""
+    from .stop import launched_by_launcher, proc_strings
 
     if device_type != "cpu" or os.environ.get("OMP_NUM_THREADS") != "1" or torch.get_num_threads() != 1:
         return None
-    parent = launcher_parent()
-    environ = proc_strings(parent, "environ") if parent is not None else None
-    if environ is None or any(v.startswith("OMP_NUM_THREADS=") for v in environ):
+    parent = os.getppid()
+    argv, environ = proc_strings(parent, "cmdline"), proc_strings(parent, "environ")
+    if argv is None or environ is None or not launched_by_launcher(argv):
+        return None  # no launcher (a script that exported the variable, say), or one that cannot be read
+    if any(v.startswith("OMP_NUM_THREADS=") for v in environ) or any(
+        a.startswith("--num_cpu_threads_per_process") for a in argv
+    ):
         return None
-    import psutil
-
-    usable = len(os.sched_getaffinity(0))
-    threads = min(usable, psutil.cpu_count(logical=False) or usable) // local_processes()
+    threads = physical_cores() // local_processes()
     if threads <= 1:
         return None
     torch.set_num_threads(threads)
@@ -110,12 +111,27 @@ def use_cpu_cores(device_type: str) -> int | None:
     return threads
 
 
+def physical_cores() -> int:
+    """The physical cores this process may run on: the CPUs of its affinity mask (a Slurm or
+    taskset allotment) scaled by the machine's physical to logical ratio, so that two
+    hardware threads of one core count once. CPU quotas (a container's --cpus) are not seen."""
+    import psutil
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    logical, physical = psutil.cpu_count() or usable, psutil.cpu_count(logical=False) or usable
+    return max(1, usable * physical // logical)
+
+
 def local_processes() -> int:
     """Processes on this machine, as the launcher says (torchrun and accelerate: LOCAL_WORLD_SIZE;
     DeepSpeed's launcher: LOCAL_SIZE); 1 when it says nothing (accelerate's one-process launcher)."""
     for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 0:
-            return int(os.environ[key])
+        try:
+            n = int(os.environ.get(key, ""))
+        except ValueError:
+            continue
+        if n > 0:
+            return n
     return 1
 
 

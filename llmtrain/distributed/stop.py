@@ -119,18 +119,27 @@ def launcher_parent() -> int | None:
     return parent if argv is not None and launched_by_launcher(argv) else None
 
 
-PROC_LIMIT = 1 << 21  # bytes; Linux caps a process's arguments and environment together near 2 MiB
+# Bytes read of /proc/<pid>/<name>: a command line's program comes first, so its start is
+# enough; an environment is read whole (Linux caps arguments and environment together at a
+# quarter of the stack limit, 6 MiB at most) or not at all.
+PROC_LIMITS = {"cmdline": 1 << 16, "environ": 6 << 20}
 
 
 def proc_strings(pid: int, name: str) -> list[str] | None:
-    """/proc/<pid>/<name> (cmdline, environ: NUL-separated strings), or None where it cannot
-    be read whole (another system, a process gone, longer than PROC_LIMIT)."""
+    """/proc/<pid>/<name> (cmdline: its start; environ: whole) as NUL-separated strings, or
+    None where it cannot be read (another system, a process gone, an environment longer than
+    its limit)."""
+    limit = PROC_LIMITS[name]
     try:
         with open(f"/proc/{pid}/{name}", "rb") as f:
-            data = f.read(PROC_LIMIT + 1)
+            data = f.read(limit + 1)
     except OSError:
         return None
-    return None if len(data) > PROC_LIMIT else data.decode(errors="replace").split("\0")
+    if len(data) > limit:
+        if name == "environ":
+            return None
+        data = data[:limit]
+    return data.decode(errors="replace").split("\0")
 
 
 def stop_with_launcher() -> None:

@@ -152,7 +152,7 @@ def test_the_summary_names_each_sources_rows_tokens_and_share(tmp_path, tokenize
     assert lines[1].startswith(
         "data.eval: 3 rows held out of data.train (data.eval_fraction=0.1, seeded by train.seed)"
     )
-    assert lines[1].endswith("trained tokens; 27 rows left to train on")  # data.train's line counts them before
+    assert lines[1].endswith("trained tokens; 27 rows left in data.train")  # data.train's line counts them before
     tokens_a = sum(rows["n_trained"][:18])
     assert lines[2] == (
         f"  {a}: 18 rows, {tokens_a} trained tokens; fraction 0.5: 9 rows, about {round(tokens_a / 2)} trained "

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import psutil
 import pytest
 from accelerate.utils import DistributedType
 
@@ -142,40 +141,56 @@ def test_a_deepspeed_value_that_is_no_number_names_its_key(monkeypatch):
     ]
 
 
-CORES = min(len(os.sched_getaffinity(0)), psutil.cpu_count(logical=False) or 1)
+def cores() -> int:
+    from llmtrain.distributed.launch import physical_cores
+
+    return physical_cores()
+
+
 THREADS_SCRIPT = """
 import os
 import torch
 from llmtrain.distributed.launch import use_cpu_cores
 print("threads", use_cpu_cores("cuda"), use_cpu_cores("cpu"), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
 """
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1"]
 
 
 def threads_under(tmp_path, command: list[str], **env) -> str:
+    """What THREADS_SCRIPT prints when `command` runs it (its last word), without an
+    OMP_NUM_THREADS of the test's and without the user's accelerate config."""
     script = tmp_path / "threads.py"
     script.write_text(THREADS_SCRIPT)
-    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.run(
-        [*command, str(script)], env=base | env, capture_output=True, text=True, timeout=120, check=True
-    )
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([*command, str(script)], env=base | env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return next(line for line in proc.stdout.splitlines() if line.startswith("threads"))
 
 
-@pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
+@pytest.mark.skipif(cores() < 2, reason="needs 2 CPU cores")
 def test_a_cpu_run_under_accelerate_launch_uses_the_cores(tmp_path):
     """accelerate launch without --cpu gives its one process OMP_NUM_THREADS=1; on CPU the
     run takes the machine's cores back, for the processes it starts too (on a GPU it leaves
     the launcher's choice)."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1"]
-    assert threads_under(tmp_path, launch) == f"threads None {CORES} {CORES} {CORES}"
+    n = cores()
+    assert threads_under(tmp_path, LAUNCH) == f"threads None {n} {n} {n}"
 
 
-@pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
-@pytest.mark.parametrize("how", ["launcher", "shell"])
+@pytest.mark.skipif(cores() < 2, reason="needs 2 CPU cores")
+@pytest.mark.parametrize("how", ["environment", "script", "flag"])
 def test_a_thread_count_the_user_set_is_kept(tmp_path, how):
-    if how == "launcher":  # OMP_NUM_THREADS=1 accelerate launch ...: the launcher's environment has it
-        command = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1"]
-        assert threads_under(tmp_path, command, OMP_NUM_THREADS="1") == "threads None None 1 1"
-    else:  # export OMP_NUM_THREADS=1 in a script: its shell's own environment never had it
-        command = ["bash", "-c", f'export OMP_NUM_THREADS=1; "{sys.executable}" "$0"']
+    if how == "environment":  # OMP_NUM_THREADS=1 accelerate launch ...
+        assert threads_under(tmp_path, LAUNCH, OMP_NUM_THREADS="1") == "threads None None 1 1"
+    elif how == "script":  # a script that exports it, then launches
+        command = ["bash", "-c", f'export OMP_NUM_THREADS=1; "{LAUNCH[0]}" {" ".join(LAUNCH[1:])} "$0"']
         assert threads_under(tmp_path, command) == "threads None None 1 1"
+    else:  # accelerate's own flag, which reaches only the worker's environment
+        command = [*LAUNCH, "--num_cpu_threads_per_process", "1"]
+        assert threads_under(tmp_path, command) == "threads None None 1 1"
+
+
+def test_a_cpu_process_without_a_launcher_is_left_alone(tmp_path):
+    """A plain process (its parent a shell) keeps whatever threads it was given, even one
+    that the shell exported after it started."""
+    command = ["bash", "-c", f'export OMP_NUM_THREADS=1; "{sys.executable}" "$0"']
+    assert threads_under(tmp_path, command) == "threads None None 1 1"
