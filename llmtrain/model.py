@@ -478,17 +478,39 @@ def add_lora(model, cfg: ModelConfig, report=None):
 
 def _linear_names(model, head: bool = False) -> list[str]:
     """The last names of the model's linear layers (nn.Linear, GPT-2's Conv1D and their
-    quantized forms), with its output layer or without."""
+    quantized forms), with its output layer or without, and never a mixture-of-experts
+    router's (`router_names`)."""
     from transformers.pytorch_utils import Conv1D
 
     head = None if head else model.get_output_embeddings()
+    routers = router_names(model)
     return sorted(
         {
             n.rsplit(".", 1)[-1]
             for n, m in model.named_modules()
             if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
         }
+        - routers
     )
+
+
+def router_names(model) -> set[str]:
+    """The last names of a mixture-of-experts model's routers: the modules transformers
+    records router logits from (`_can_record_outputs` of the model, or of the inner model
+    for some, such as Llama 4's). Some routers are nn.Linear subclasses that return a tuple
+    (PhiMoE's, Llama 4's), which a LoRA layer cannot wrap; and adapting any router shifts
+    which experts see which tokens."""
+    from transformers import PreTrainedModel
+
+    targets = {
+        getattr((getattr(m, "_can_record_outputs", None) or {}).get("router_logits"), "target_class", None)
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel)
+    }
+    targets = tuple(t for t in targets if isinstance(t, type))
+    if not targets:
+        return set()
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, targets)}
 
 
 # The sequence-classification heads transformers gives causal LMs (GPT-2's and Llama's

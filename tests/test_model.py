@@ -208,3 +208,29 @@ def test_a_sequence_classifier_is_refused_as_a_causal_lm_and_taken_as_a_reward_m
         check_model(ModelConfig(name_or_path=str(scorer)), 256)
     check_model(ModelConfig(name_or_path=str(scorer), head="score"), 256)
     check_model(ModelConfig(name_or_path=str(tiny_model), head="score"), 256)
+
+
+@pytest.mark.parametrize("kind", ["phimoe", "llama4_text"])
+def test_all_linear_leaves_a_linear_router_alone(kind):
+    """PhiMoE's and Llama 4's routers are nn.Linear subclasses that return a tuple:
+    all-linear (the default) must not adapt them (peft's LoRA layer would add its update to
+    the tuple; and the docs promise never the router). The adapted model runs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model import add_lora, lora_targets, router_names
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    small |= dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+    if kind == "llama4_text":
+        small |= dict(intermediate_size_mlp=64, head_dim=8)
+    config = AutoConfig.for_model(kind, **small)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    cfg = ModelConfig(name_or_path="m")
+    cfg.lora.enabled = True
+    routers = router_names(model)
+    assert routers and not routers & set(lora_targets(model, cfg.lora)[0])
+    adapted = add_lora(model, cfg)
+    assert not any("router" in n and "lora_" in n for n, _ in adapted.named_parameters())
+    adapted(input_ids=torch.arange(8)[None] % 64).logits.sum().backward()

@@ -147,6 +147,12 @@ def model_inputs(model, batch: dict) -> dict:
     within each sample, in the form of the backend the model was loaded with:
     attention.packed_mask)."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
+    if getattr(transformers_model(model).config, "output_router_logits", False):
+        # A mixture-of-experts config that asks for router logits makes the model take its
+        # own load-balancing loss over the batch, reading the attention mask as a 2-D
+        # padding mask: a packed mask fails there, and the loss is not used. The router
+        # term is RouterBalance's, from hooks, per sample.
+        kwargs["output_router_logits"] = False
     if "doc_ids" not in batch:
         if padding_needs_mask(model):
             kwargs["attention_mask"] = batch["attention_mask"]

@@ -26,11 +26,14 @@ def load(zoo, name, **kwargs):
     return AutoModelForCausalLM.from_pretrained(zoo(name), attn_implementation="eager", **kwargs).eval()
 
 
+@pytest.mark.parametrize("asked", [False, True])  # the config's output_router_logits
 @pytest.mark.parametrize("name", MOE)
-def test_each_sample_gets_the_models_own_loss_weighted_by_its_trained_tokens(zoo, tokenizer, examples, name):
+def test_each_sample_gets_the_models_own_loss_weighted_by_its_trained_tokens(zoo, tokenizer, examples, name, asked):
     """Padded rows, packed rows and one row at a time give the same sum, and it is
-    sum(trained tokens x the aux_loss the model itself returns for that row run alone)."""
-    model = load(zoo, name)
+    sum(trained tokens x the aux_loss the model itself returns for that row run alone),
+    also where the config asks for router logits (the model would then take its own loss
+    over the batch with the packed mask, and fail)."""
+    model = load(zoo, name, output_router_logits=asked)
     objective = TokenLoss.for_model(model, 0, "train")
     collate = Collator(tokenizer.pad_token_id)
     rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
