@@ -25,7 +25,7 @@ import yaml
 from . import demo
 from .cli import user_errors
 from .config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config, to_yaml
-from .config.load import MAX_CONFIG_BYTES, BoundedLoader, check
+from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
 from .config.schema import RECIPE_SECTIONS
 from .data.batches import EpochSampler
 from .data.build import ROWS, DataKind, data_kind
@@ -87,11 +87,20 @@ def read_launch(path: str | None, cfg) -> Launch:
         return Launch()
     if not Path(path).is_file():
         raise ConfigError([f"--accelerate-config: no such file: {path}"])
-    with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):  # Accelerate's reader reports those
-        if not isinstance(yaml.safe_load(Path(path).read_text(encoding="utf-8")), dict):
-            raise ConfigError(
-                [f"--accelerate-config: {path} is not a mapping of settings; write it with `accelerate config`"]
-            )
+    # Read here first with bounds (size, nesting, aliases), which Accelerate's reader lacks:
+    # a hostile or damaged file must be one line, not a RecursionError or a memory blow-up.
+    try:
+        settings = yaml.load(read_own(Path(path), MAX_CONFIG_BYTES), Loader=BoundedLoader)
+    except TooLarge as e:
+        raise ConfigError([f"--accelerate-config: {path} line {e.line}: {e}"]) from None
+    except ValueError as e:  # larger than any config, or not UTF-8
+        raise ConfigError([f"--accelerate-config: {path}: {describe(e)}; write it with `accelerate config`"]) from None
+    except (OSError, yaml.YAMLError):
+        settings = {}  # Accelerate's reader reports those
+    if not isinstance(settings, dict):
+        raise ConfigError(
+            [f"--accelerate-config: {path} is not a mapping of settings; write it with `accelerate config`"]
+        )
     try:
         ac = load_config_from_file(path)
         return _launch(ac, path, cfg)

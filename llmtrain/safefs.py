@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -58,31 +59,67 @@ def link_error(path: Path, what: str = "output_dir") -> LinkError:
     )
 
 
+# Of OUTPUT_NAMES, the directories; the others are files.
+OUTPUT_DIRS = {"checkpoints", "final", ".tmp-final", ".old-final", ".deleting-final", "profile", "logs"}
+
+
 def check_output_dir(output_dir: str | Path, names: tuple[str, ...] = OUTPUT_NAMES) -> None:
-    """Refuse a symbolic link in place of anything llmtrain writes under output_dir: the
-    files and directories in `names`, and the entries of checkpoints/ it creates, replaces
-    and deletes (step-N and their .tmp-, .old- and .deleting- forms)."""
+    """Refuse, in one line, a symbolic link in place of anything llmtrain writes under
+    output_dir (the files and directories in `names`, the entries of checkpoints/ it
+    creates, replaces and deletes, the trackers' directories under logs/ and the
+    profiler's), and anything else than a file where it writes a file or a directory where
+    it writes into one (a FIFO at metrics.jsonl would hang the run)."""
     out = Path(output_dir)
     for name in names:
-        if (out / name).is_symlink():
-            raise link_error(out / name)
-    for sub in ("checkpoints", "profile"):
+        check_entry(out / name, directory=name in OUTPUT_DIRS)
+    for sub in ("checkpoints", "profile", "logs"):
         if (out / sub).is_dir():
             for p in (out / sub).iterdir():
                 if p.is_symlink():
                     raise link_error(p)
 
 
+def check_entry(path: Path, directory: bool) -> None:
+    """A link at `path` is a LinkError; so is something other than a directory (or, with
+    directory=False, a regular file) there. Nothing there is fine."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise link_error(path)
+    if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
+        raise LinkError(
+            f"output_dir: {path} is {kind(mode)}, where llmtrain writes {'a directory' if directory else 'a file'}; "
+            "remove it or choose another output_dir"
+        )
+
+
+def kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else "a device or other special file"
+
+
 def open_write(path: str | Path, append: bool = False, what: str = "output_dir", binary: bool = False):
     """Open `path` for writing (truncating, or appending), creating it if absent, without
     following a symbolic link at its last component: a link there is a LinkError."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    # O_NONBLOCK: a named pipe planted after the start-up check fails to open (no reader)
+    # instead of blocking; anything but a regular file is then refused.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC)
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
         if Path(path).is_symlink():
             raise link_error(Path(path), what) from None
+        check_entry(Path(path), directory=False)  # a pipe without a reader, a directory: one line
         raise e
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise LinkError(f"{what}: {path} is {kind(mode)}, where llmtrain writes a file; remove it")
+    os.set_blocking(fd, True)
     mode = ("a" if append else "w") + ("b" if binary else "")
     return os.fdopen(fd, mode) if binary else os.fdopen(fd, mode, encoding="utf-8")
 

@@ -234,6 +234,35 @@ def test_an_accelerate_config_that_cannot_be_read_is_one_error(tmp_path, text, w
     assert e.value.problems[0].startswith(f"--accelerate-config: cannot read {path} ({why}")
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("num_processes: " + "[" * 100_000 + "\n", "line 1: is nested more than"),
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(
+                f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+                for p, c in zip("abcdefgh", "bcdefghi")
+            ),
+            "line ",
+        ),
+        ("x" * (2 << 20), "larger than"),
+    ],
+)
+def test_a_hostile_accelerate_config_is_one_error_before_accelerate_reads_it(tmp_path, text, why):
+    """Accelerate's reader has no bounds: a deeply nested file was a RecursionError
+    traceback, an alias bomb a memory blow-up. llmtrain reads it first, bounded."""
+    from llmtrain.errors import ConfigError
+    from llmtrain.plan import read_launch
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_launch(str(path), load_config(None, ["model.name_or_path=m", "data.train=d.jsonl"]))
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(f"--accelerate-config: {path}")
+    assert why in e.value.problems[0] and "\n" not in e.value.problems[0]
+
+
 def test_help_lists_the_commands_and_recipes_and_succeeds():
     for args in (["--help"], ["plan", "-h"]):
         proc = subprocess.run([LLMTRAIN, *args], capture_output=True, text=True, timeout=60)

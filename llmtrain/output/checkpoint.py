@@ -436,6 +436,17 @@ def deepspeed_state_classes() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
+def refused_pickle(e: BaseException) -> str | None:
+    """Why torch's weights_only unpickler refused a file, in llmtrain's words, or None for
+    another error. torch's own message advises loading again with weights_only=False, which
+    on a file someone else wrote would run whatever code it carries: never repeated."""
+    text = str(e)
+    if "weights_only" not in text and "Weights only load failed" not in text:
+        return None
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    return f"it holds {found[1]}, which is neither a tensor nor plain data" if found else "it is no plain tensor data"
+
+
 def check_pickles(path: Path) -> None:
     """DeepSpeed reads its checkpoint files (*.pt) with weights_only=False, which would run
     any code a tampered file carries. Each is read here first with weights_only=True
@@ -449,8 +460,7 @@ def check_pickles(path: Path) -> None:
             with torch.serialization.safe_globals(allowed):
                 torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # any unpickling failure: refuse the file
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-            why = f"it holds {found[1]}, which is neither a tensor nor plain data" if found else describe(e)
+            why = refused_pickle(e) or describe(e)
             raise CheckpointError(
                 f"checkpoint.resume: refusing to unpickle {f}: {why}. Resume only from checkpoints you wrote, "
                 "or from an earlier one"
@@ -520,6 +530,11 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | 
     try:
         accelerator.load_state(str(path), **kwargs)  # Accelerate's own files load with weights_only
     except Exception as e:  # files that passed the checks but do not fit this model or run
+        if why := refused_pickle(e):
+            raise CheckpointError(
+                f"checkpoint.resume: refusing to unpickle a file of {path}: {why}. Resume only from checkpoints you "
+                "wrote, or from an earlier one"
+            ) from None
         raise CheckpointError(
             f"checkpoint.resume: cannot load {path} ({describe(e)}); was it written by this run with the same "
             "model settings (model.*, LoRA)? Resume from a checkpoint of this run, or start a new output_dir"

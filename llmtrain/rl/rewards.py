@@ -228,9 +228,7 @@ def load_function(spec: str) -> Callable:
                 found.loader.exec_module(module)
                 sys.modules[module_name] = module
         else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))  # a module in the working directory, as python -m finds it
-            module = importlib.import_module(where)
+            module = import_from_working_directory(where)
     except RewardError:
         raise
     except Exception as e:
@@ -239,6 +237,22 @@ def load_function(spec: str) -> Callable:
     if not callable(fn):
         raise RewardError(f"grpo.rewards: {where} has no function {name!r}")
     return fn
+
+
+def import_from_working_directory(name: str):
+    """Import module `name`, found also in the working directory (as `python -m` would find
+    it; the recipe's own directory is what Python puts on sys.path). The directory is added
+    last and only for this import, so its other files never stand in for an installed
+    package (a matplotlib.py there, imported later by the loss plot)."""
+    cwd = str(Path.cwd())
+    added = "" not in sys.path and cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def load_rewards(names: list[str], columns: set[str] | None, format_pattern: str = "") -> list[Reward]:

@@ -645,3 +645,25 @@ def test_resume_with_another_quantization_is_refused(tmp_path, saved, now):
     refusal = f"model.quantization={saved}, now {now}.*Resume with model.quantization={saved}"
     with pytest.raises(CheckpointError, match=refusal):
         check_weight_format(tmp_path, cfg)
+
+
+def test_a_refused_pickle_is_named_without_torchs_advice_to_load_it_unsafely(tmp_path):
+    """torch's weights_only refusal says that loading with weights_only=False will likely
+    succeed: on a file someone else wrote that runs its code. The resume error names what
+    the file holds instead."""
+    import pickle
+
+    from llmtrain.output.checkpoint import refused_pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    path = tmp_path / "optimizer.bin"
+    path.write_bytes(pickle.dumps(Payload(), protocol=2))  # the protocol torch writes
+    with pytest.raises(Exception) as e:
+        torch.load(path, weights_only=True)
+    assert "weights_only" in str(e.value)  # torch's own message, with its advice
+    why = refused_pickle(e.value)
+    assert why.startswith("it holds ") and why.endswith("print, which is neither a tensor nor plain data")
+    assert refused_pickle(ValueError("size mismatch for lm_head.weight")) is None

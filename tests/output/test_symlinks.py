@@ -2,6 +2,7 @@
 shared with others, who can plant one), an unusable cache is one line at start-up, and
 `~` in a path-valued key is the home directory wherever the key was set."""
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,7 +48,13 @@ class OneProcess:
         pass
 
 
-NAMES = [*safefs.OUTPUT_NAMES, "checkpoints/step-3", "checkpoints/.tmp-step-4", "profile/steps-1-2"]
+NAMES = [
+    *safefs.OUTPUT_NAMES,
+    "checkpoints/step-3",
+    "checkpoints/.tmp-step-4",
+    "profile/steps-1-2",
+    "logs/llmtrain",  # a tracker's directory (log.project)
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -62,6 +69,34 @@ def test_a_link_in_place_of_anything_a_run_writes_is_refused_at_start_up(victim,
     assert message.startswith(f"output_dir: {link} is a symbolic link (to ")
     assert "llmtrain does not write through links it did not make" in message
     untouched(victim)
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".llmtrain.lock", "config.yaml", "checkpoints", "logs"])
+@pytest.mark.parametrize("planted", ["pipe", "the other kind"])
+def test_a_pipe_or_the_wrong_kind_of_entry_where_a_run_writes_is_refused_at_start_up(victim, name, planted):
+    """A named pipe at metrics.jsonl hung the run at its first write; a directory there (or
+    a file where llmtrain writes into a directory) was a traceback."""
+    path = victim.out / name
+    directory = name in safefs.OUTPUT_DIRS
+    if planted == "pipe":
+        os.mkfifo(path)
+    elif directory:
+        path.write_text("a file")
+    else:
+        path.mkdir()
+    with pytest.raises(LinkError) as e:
+        safefs.check_output_dir(victim.out)
+    what = "a named pipe" if planted == "pipe" else "a regular file" if directory else "a directory"
+    assert str(e.value) == (
+        f"output_dir: {path} is {what}, where llmtrain writes {'a directory' if directory else 'a file'}; remove it "
+        "or choose another output_dir"
+    )
+
+
+def test_a_pipe_planted_after_the_check_is_refused_not_waited_on(victim):
+    os.mkfifo(victim.out / "metrics.jsonl")
+    with pytest.raises(LinkError, match="is a named pipe"):
+        safefs.open_write(victim.out / "metrics.jsonl", append=True)
 
 
 def test_output_dir_itself_may_be_a_link(victim, tmp_path):

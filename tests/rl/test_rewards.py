@@ -52,6 +52,24 @@ def test_user_functions_load_from_a_file_or_a_module_with_trls_signature(tmp_pat
     assert table[1, 0] == 2.0 and math.isnan(table[1, 1]) and table[1, 2] == 4.0
 
 
+def test_a_module_reward_leaves_the_working_directorys_other_files_unimportable(tmp_path, monkeypatch):
+    """'shadow_rewards:fn' finds shadow_rewards.py in the working directory, but a json.py or an
+    uninstalled name there never shadows or joins what Python imports later."""
+    import sys
+
+    module = "import json\ndef fn(completions):\n    return [1.0] * len(completions)\n"
+    (tmp_path / "shadow_rewards.py").write_text(module)
+    (tmp_path / "json.py").write_text("raise SystemExit('planted json ran')\n")
+    (tmp_path / "planted_helper.py").write_text("raise SystemExit('planted helper ran')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "json")  # imported afresh by my_rewards: the installed one must win
+    rewards = load_rewards(["shadow_rewards:fn"], set())
+    assert rewards and sys.modules["json"].__file__ != str(tmp_path / "json.py")
+    assert str(tmp_path) not in sys.path and "" not in sys.path[:1]
+    with pytest.raises(ModuleNotFoundError):
+        __import__("planted_helper")
+
+
 def test_a_column_some_rows_lack_is_passed_as_none_whichever_rows_are_drawn_together():
     """The data's columns (any row's) reach every call, None where a row lacks one: a batch
     whose rows all lack `answer` leaves accuracy's completions unscored, not failing."""
