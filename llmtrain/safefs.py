@@ -21,6 +21,7 @@ or that `make_dir` made sure are no links (the profiler's, which every process s
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -106,19 +107,19 @@ def open_write(path: str | Path, append: bool = False, what: str = "output_dir",
     """Open `path` for writing (truncating, or appending), creating it if absent, without
     following a symbolic link at its last component: a link there is a LinkError."""
     # O_NONBLOCK: a named pipe planted after the start-up check fails to open (no reader)
-    # instead of blocking; anything but a regular file is then refused.
+    # instead of blocking; anything but a regular file is refused. Both are OSErrors, as a
+    # full disk is: the writers that go on without a file (metrics.jsonl) go on.
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC)
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
         if Path(path).is_symlink():
             raise link_error(Path(path), what) from None
-        check_entry(Path(path), directory=False)  # a pipe without a reader, a directory: one line
         raise e
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise LinkError(f"{what}: {path} is {kind(mode)}, where llmtrain writes a file; remove it")
+        raise OSError(errno.EINVAL, f"{kind(mode)}, not a regular file", str(path))
     os.set_blocking(fd, True)
     mode = ("a" if append else "w") + ("b" if binary else "")
     return os.fdopen(fd, mode) if binary else os.fdopen(fd, mode, encoding="utf-8")

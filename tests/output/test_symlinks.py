@@ -93,10 +93,12 @@ def test_a_pipe_or_the_wrong_kind_of_entry_where_a_run_writes_is_refused_at_star
     )
 
 
-def test_a_pipe_planted_after_the_check_is_refused_not_waited_on(victim):
+def test_a_pipe_planted_after_the_check_is_an_oserror_not_a_wait(victim):
+    """As a full disk is: metrics.jsonl's writer warns and training goes on."""
     os.mkfifo(victim.out / "metrics.jsonl")
-    with pytest.raises(LinkError, match="is a named pipe"):
+    with pytest.raises(OSError) as e:
         safefs.open_write(victim.out / "metrics.jsonl", append=True)
+    assert not isinstance(e.value, LinkError)
 
 
 def test_output_dir_itself_may_be_a_link(victim, tmp_path):
