@@ -39,10 +39,39 @@ REQUIRED = {
 }
 
 
+# Characters of text one row may hold, from any source (files bound a line's bytes as they
+# read it; a Parquet cell or a hub row is bounded only here). A tokenizer takes about 200
+# bytes of memory per character of its input: 8 Mi characters (a few million tokens, beyond
+# any context length) is 1-2 GB; a 57 MiB row took 11 GB and the process was killed.
+MAX_ROW_CHARS = 8 << 20
+
+
 def check_line(row: dict) -> None:
-    """A line of a JSON Lines file that is not a row (files.BadLine) is a malformed row."""
+    """What every row processor checks first: a line of a JSON Lines file that is not a row
+    (files.BadLine), or a row holding more than MAX_ROW_CHARS characters of text, is a
+    malformed row."""
     if BAD in row:
         raise RowError(row[BAD])
+    if text_chars(row, MAX_ROW_CHARS) > MAX_ROW_CHARS:
+        raise RowError(
+            f"the row holds more than {MAX_ROW_CHARS:,} characters of text, the most a row may have (tokenizing "
+            "it would take gigabytes of memory); split it into rows of its own"
+        )
+
+
+def text_chars(value, limit: int) -> int:
+    """The characters of the strings in `value` (a row: mappings, lists and strings), counted
+    until they pass `limit`."""
+    total, todo = 0, [value]
+    while todo and total <= limit:
+        item = todo.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return total
 
 
 def formats_filled(row: dict) -> list[str]:

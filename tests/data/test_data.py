@@ -367,3 +367,23 @@ def test_rows_that_fill_two_formats_are_read_as_the_first_and_said_so(tmp_path, 
     mixed = write(tmp_path / "m.jsonl", [{"text": "plain"}, CHAT])
     prepare_split("data.train", [mixed], tokenizer, DataConfig(train=mixed))
     assert "more than one row format" not in capsys.readouterr().err
+
+
+def test_a_row_with_more_text_than_a_row_may_hold_is_malformed_from_any_source(tmp_path, tokenizer):
+    """Files bound a line as they read it, but a Parquet cell (compressed to a few KiB) or a
+    hub row is bounded only by the row check: tokenizing a 57 MiB row took 11 GB."""
+    import pandas as pd
+
+    from llmtrain.data.rows import MAX_ROW_CHARS
+
+    huge = "a" * (MAX_ROW_CHARS + 1)
+    pd.DataFrame([{"text": "fine"}, {"text": huge}]).to_parquet(tmp_path / "big.parquet", compression="zstd")
+    path = str(tmp_path / "big.parquet")
+    assert (tmp_path / "big.parquet").stat().st_size < 1 << 20
+    with pytest.raises(DataError, match=rf"big.parquet row 1: the row holds more than {MAX_ROW_CHARS:,} characters"):
+        prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    chat = write(tmp_path / "c.jsonl", [CHAT, {"messages": [{"role": "user", "content": huge}, CHAT["messages"][1]]}])
+    ds, stats = prepare_split(
+        "data.train", [chat], tokenizer, DataConfig(train=chat, bad_rows="skip", max_bad_fraction=0.5)
+    )
+    assert len(ds) == 1 and stats.kept == 1
