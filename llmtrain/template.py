@@ -129,8 +129,11 @@ def sandbox_class() -> type:
             owner = getattr(target, "__self__", None)
             if isinstance(owner, (str, list, tuple)):  # a width to a method of a text: 'x'.ljust(10**10)
                 _check_numbers(args, kwargs)  # (a macro may well be given a large number from the data)
-                if getattr(target, "__name__", "") in ("format", "format_map") and isinstance(owner, str):
+                name = getattr(target, "__name__", "")
+                if name in ("format", "format_map") and isinstance(owner, str):
                     _check_format(owner, FORMAT_SPEC)
+                if isinstance(owner, str) and _grows_past(name, owner, args):
+                    raise _too_long(f"calling {name}")
             result = super().call(__context, __obj, *args, **kwargs)
             if _length(result) > MAX_RENDERED:
                 raise _too_long("calling a function")
@@ -156,6 +159,23 @@ def sandbox_class() -> type:
     return Bounded
 
 
+def _grows_past(name: str, text: str, args: tuple) -> bool:
+    """Whether str.join or str.replace on `text` would build more than MAX_RENDERED
+    characters, known before building it (the result is checked after the call, when it
+    has taken its memory already: [s] * 30 joined, s of 100 M, took 3 GB)."""
+    if name == "join" and args and isinstance(args[0], (list, tuple)):
+        return _joined_length(args[0], text) > MAX_RENDERED
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        old, new = args[0], args[1]
+        count = text.count(old) if old else len(text) + 1
+        return len(text) + count * (len(new) - len(old)) > MAX_RENDERED
+    return False
+
+
+def _joined_length(items, sep: str) -> int:
+    return sum(len(x) if isinstance(x, str) else 0 for x in items) + len(sep) * max(len(items) - 1, 0)
+
+
 def _checked(value):
     if _length(value) > MAX_RENDERED:
         raise _too_long("reading one")
@@ -179,6 +199,10 @@ class _BoundedFilters(dict):
         @functools.wraps(f)  # keeps Jinja's pass_context/pass_eval_context marks
         def bounded(*args, **kwargs):
             _check_numbers(args[at + 1 :], kwargs)
+            if name == "join" and len(args) > at and isinstance(args[at], (list, tuple)):
+                sep = args[at + 1] if len(args) > at + 1 and isinstance(args[at + 1], str) else kwargs.get("d", "")
+                if _joined_length(args[at], sep if isinstance(sep, str) else "") > MAX_RENDERED:
+                    raise _too_long("joining a list")  # before joining, not after
             if name == "format" and len(args) > at and isinstance(args[at], str):
                 _check_format(args[at], PERCENT_SPEC)
             result = f(*args, **kwargs)

@@ -150,6 +150,8 @@ def chat_template_problem(t: str) -> str | None:
         _compile_jinja_template(t)
     except jinja2.TemplateSyntaxError as e:
         return f"data.chat_template: {where} line {e.lineno}: Jinja syntax error ({e.message}); fix the template"
+    except (RecursionError, MemoryError):  # Jinja's lexer and parser recurse with the nesting
+        return f"data.chat_template: {where} is nested too deeply for Jinja to compile; simplify the template"
     return None
 
 

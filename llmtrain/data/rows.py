@@ -288,6 +288,10 @@ def render_chat(
             )
     except TemplateLimit:
         raise
+    except (RecursionError, MemoryError) as e:  # the template's fault, not the row's
+        raise TemplateLimit(
+            "is nested too deeply to compile" if isinstance(e, RecursionError) else "ran out of memory"
+        ) from None
     except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
         raise RowError(
             f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"

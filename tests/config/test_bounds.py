@@ -194,6 +194,11 @@ def chat_rows(tmp_path, n: int = 3) -> str:
         ("{% set ns = namespace(s='x') %}{% for i in range(24) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "joining"),
         ("{% set s = 'x' %}" + "{% set s = s ~ s %}" * 24, r"\(joining texts\)"),
         ("{% for i in range(2000) %}{{ 'y' * 1000 }}{% endfor %}", r"\(joining texts\)"),
+        # refused before the text is built (the size check after it came once 3 GB were taken)
+        ("{% set s = 'x' * 900000 %}{{ ([s] * 30) | join }}", r"\(joining a list\)"),
+        ("{% set s = 'x' * 900000 %}{{ ([s] * 30) | join(',') }}", r"\(joining a list\)"),
+        ("{% set s = 'x' * 900000 %}{{ ''.join([s] * 30) }}", r"\(calling join\)"),
+        ("{% set s = 'x' * 900000 %}{{ s.replace('x', 'yy') }}", r"\(calling replace\)"),
     ],
 )
 def test_a_template_building_a_huge_text_stops_the_run(tmp_path, monkeypatch, tokenizer, body, why):
@@ -207,6 +212,25 @@ def test_a_template_building_a_huge_text_stops_the_run(tmp_path, monkeypatch, to
     assert str(e.value).endswith(
         "on this row, past the bounds on rendering; fix the template, or set data.chat_template to another"
     )
+
+
+def test_a_template_nested_too_deeply_for_jinja_is_one_line(tmp_path, tokenizer):
+    """Jinja's lexer and parser recurse with the nesting: as data.chat_template it is a
+    config error, as the model's own template the run stops blaming the template, not the row."""
+    from llmtrain.config.validate import chat_template_problem
+
+    deep = "{{ " + "(" * 50_000 + "1" + ")" * 50_000 + " }}"
+    (tmp_path / "deep.jinja").write_text(deep)
+    assert chat_template_problem(str(tmp_path / "deep.jinja")) == (
+        f"data.chat_template: {tmp_path / 'deep.jinja'} is nested too deeply for Jinja to compile; simplify the "
+        "template"
+    )
+    path = chat_rows(tmp_path)
+    cfg = DataConfig(train=path, bad_rows="skip")
+    with pytest.raises(DataError) as e:
+        prepare_split("data.train", [path], templated(tokenizer, deep), cfg)
+    assert one_line(e).startswith(f"data.train: {path} line 1: ") and "is nested too deeply to compile" in one_line(e)
+    assert "fix the template" in one_line(e)
 
 
 def test_a_model_template_that_loops_long_is_stopped_in_time(tmp_path, monkeypatch, tokenizer):
