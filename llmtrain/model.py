@@ -502,15 +502,19 @@ def router_names(model) -> set[str]:
     which experts see which tokens."""
     from transformers import PreTrainedModel
 
-    targets = {
-        getattr((getattr(m, "_can_record_outputs", None) or {}).get("router_logits"), "target_class", None)
-        for m in model.modules()
-        if isinstance(m, PreTrainedModel)
-    }
-    targets = tuple(t for t in targets if isinstance(t, type))
+    recorders = [router_recorder(m) for m in model.modules() if isinstance(m, PreTrainedModel)]
+    targets = tuple({r.target_class for r in recorders if r is not None})
     if not targets:
         return set()
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, targets)}
+
+
+def router_recorder(model):
+    """Where transformers takes a model's router logits from (the OutputRecorder of its
+    `_can_record_outputs`, whose target_class is the router module's class), or None for a
+    model (a PreTrainedModel) that records none."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    return recorder if isinstance(getattr(recorder, "target_class", None), type) else None
 
 
 # The sequence-classification heads transformers gives causal LMs (GPT-2's and Llama's

@@ -21,6 +21,7 @@ import torch
 
 from ..attention import transformers_model
 from ..data.rows import IGNORE
+from ..model import router_recorder
 
 
 class RouterBalance:
@@ -58,12 +59,10 @@ class RouterBalance:
         loss_fn = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
         coef = getattr(base.config, "router_aux_loss_coef", None)
         experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
-        recorder = getattr(base, "_can_record_outputs", None) or {}
-        recorder = recorder.get("router_logits")
-        target = getattr(recorder, "target_class", None)
-        if loss_fn is None or coef is None or not experts or not top_k or target is None:
+        recorder = router_recorder(base)
+        if loss_fn is None or coef is None or not experts or not top_k or recorder is None:
             return None
-        routers = [m for m in model.modules() if isinstance(m, target)]
+        routers = [m for m in model.modules() if isinstance(m, recorder.target_class)]
         trained = setting == "train" or (
             setting == "model" and bool(getattr(base.config, "output_router_logits", False))
         )

@@ -423,7 +423,8 @@ def process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
     it fills more than one (it is read as the first; a row with `instruction`, `output` and a
     `text` of its own, say), else ''."""
     fits = formats_filled(row) if fmt == "auto" else []
-    return _process_row(row, fmt, tokenizer, cfg) | {"fits": ",".join(fits) if len(fits) > 1 else ""}
+    read_as = fits[0] if fits else fmt  # auto's choice, made once here (row_format raises for none)
+    return _process_row(row, read_as, tokenizer, cfg) | {"fits": ",".join(fits) if len(fits) > 1 else ""}
 
 
 def several_formats(fits: str) -> str:
