@@ -27,9 +27,9 @@ from .distributed.stop import StopRequest
 from .distributed.watchdog import Watchdog
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
 from .observe.metrics import describe_run, plot_losses
-from .output import rundir
+from .output import checkpoint, rundir
 from .output.export import model_for_sampling, sample, save_final
-from .train import setup, train
+from .train import keep_writing, setup, train
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Parts:
     collator: object | None = None  # makes the objective's micro-batches; None: batches.Collator
     # Runs once the model is prepared for the distributed backend and before a resumed
     # run's weights are loaded, so the model still holds its starting weights:
-    # after_prepare(model, accelerator, empty_batch, beat).
+    # after_prepare(model, accelerator, empty_batch, beat, stop).
     after_prepare: Callable | None = None
     # Makes the training micro-batches from the prepared model instead of a loader over the
     # training set (recipes/grpo.py: completions generated as training goes): source(model,
@@ -113,7 +113,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             parts.source,
         )
         run.state.run = identity  # recorded in every checkpoint and final/
-        if rundir.up_to_date(cfg, run.state.step, run.total_steps):
+        if rundir.up_to_date(cfg, run.state.step, run.total_steps, accelerator.num_processes):
             accelerator.print(
                 f"nothing left to train at step {run.state.step}; final/ is up to date, and changed settings apply "
                 "to no step: to train with them, choose another output_dir (to export again with other export.* "
@@ -125,10 +125,14 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
             outcome = train(run)
             if outcome is Outcome.FINISHED:
-                watchdog.beat("writing final/")
-                config, state = to_yaml(cfg), run.state.state_dict()
-                final = save_final(
-                    accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
+                settings = checkpoint.position_settings(cfg, accelerator.num_processes)  # what a rerun compares
+                config, state = to_yaml(cfg), run.state.state_dict() | {"settings": settings}
+                final = keep_writing(
+                    run,
+                    "final/",
+                    lambda: save_final(
+                        accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
+                    ),
                 )
     if outcome is Outcome.STOPPED:
         accelerator.end_training()

@@ -11,6 +11,7 @@ one `state.TrainState`, which checkpoints save and load whole.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def setup(
     """Loaders, optimizer and `accelerator.prepare`, then the state from `resume_from`
     (a checkpoint, or None for a fresh start), metrics and trackers. `collator` makes the
     objective's micro-batches (batches.Collator, for token sequences, by default).
-    `after_prepare(model, accelerator, empty, beat)` runs once the model is prepared and
+    `after_prepare(model, accelerator, empty, beat, stop)` runs once the model is prepared and
     before a checkpoint's weights are loaded (see recipe.Parts). `source(model, backend,
     beat)`, where given, makes the training micro-batches from the prepared model instead
     of a loader over `train_set` (rl/rollout.Rollouts: completions generated as the loop
@@ -145,7 +146,8 @@ def setup(
         data = TrainBatches(loader, sampler, accelerator)
         empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
     if after_prepare is not None:
-        after_prepare(model, accelerator, empty, watchdog.beat)
+        with stop.deferred(after=None):  # a long pass (the reference log-probs) stops at an agreed batch
+            after_prepare(model, accelerator, empty, watchdog.beat, stop)
 
     state = TrainState(spikes=SpikeGuard(t.spike_factor, t.spike_window))
     watchdog.beat("checking that the weights are finite")
@@ -347,12 +349,52 @@ def run_eval(run: Run) -> None:
 
 
 def save_checkpoint(run: Run) -> Path:
-    run.watchdog.beat(f"writing the checkpoint of step {run.state.step}")
     settings = checkpoint.position_settings(run.cfg, run.accelerator.num_processes)
     extra = run.data.saved(run.state.batches_in_epoch)  # a rollout in progress
-    return checkpoint.save(
-        run.accelerator, run.cfg.output_dir, run.state, settings, to_yaml(run.cfg), run.cfg.checkpoint.keep_last, extra
+    return keep_writing(
+        run,
+        f"the checkpoint of step {run.state.step}",
+        lambda: checkpoint.save(
+            run.accelerator,
+            run.cfg.output_dir,
+            run.state,
+            settings,
+            to_yaml(run.cfg),
+            run.cfg.checkpoint.keep_last,
+            extra,
+        ),
     )
+
+
+def keep_writing(run: Run, what: str, write):
+    """`write()` (a checkpoint, final/; a collective), with signals held back meanwhile
+    (stop.saving), tried again once a minute while it fails with checkpoint.WriteFailed,
+    until it succeeds, checkpoint.write_retry_s have passed or a stop signal comes while
+    waiting (on any process): then the WriteFailed propagates."""
+    waited, limit = 0, run.cfg.checkpoint.write_retry_s
+    with run.stop.saving(what):
+        while True:
+            run.watchdog.beat(f"writing {what}")
+            try:
+                return write()
+            except checkpoint.WriteFailed as e:
+                wait = min(60, limit - waited)
+                if wait <= 0:
+                    raise
+                run.accelerator.print(
+                    f"{what}: writing it failed ({e.reason}); the steps trained since the last complete checkpoint "
+                    f"are in memory only. Free space in {e.where} (or fix its permissions): trying again in {wait} s "
+                    f"({limit - waited} s left of checkpoint.write_retry_s); a stop signal (Ctrl-C) gives up",
+                    flush=True,
+                )
+                requests, note = run.stop.requests, run.stop.note
+                run.stop.note = f"giving up on {what}"
+                for _ in range(wait):
+                    run.watchdog.beat(f"waiting to write {what} again")
+                    time.sleep(1)
+                    if any(gather_object([run.stop.requests > requests])):  # the same decision on every process
+                        raise
+                run.stop.note, waited = note, waited + wait
 
 
 def last_step_checkpoint(run: Run) -> Path:

@@ -336,8 +336,15 @@ class CheckpointConfig:
     """Refuse to resume from a checkpoint whose per-rank RNG state is missing or unreadable
     (resume=auto falls back to an earlier checkpoint). false resumes from it anyway, with a
     warning: random draws such as dropout then differ from the uninterrupted run."""
+    write_retry_s: int = 1800
+    """How long to keep trying again, once a minute, a checkpoint or final/ that could not
+    be written (a full disk, no permission): the steps since the last complete checkpoint
+    are only in memory, and with every_steps=0 that is the whole run. A stop signal while
+    waiting gives up; 0 gives up at once."""
 
     def problems(self) -> list[str]:
+        if self.write_retry_s < 0:
+            return [f"checkpoint.write_retry_s: {self.write_retry_s} is negative; give seconds (0 gives up at once)"]
         if not self.resume.strip():
             return [
                 "checkpoint.resume: empty; give auto, none or a checkpoint directory (output_dir/checkpoints/step-N)"

@@ -9,8 +9,10 @@ is complete.
 SIGUSR1 is the preemption warning (Slurm's `--signal=USR1@<seconds>`): exit 0, so a
 launcher with --max_restarts does not restart the workers, and the batch script
 requeues the job. SIGTERM, SIGINT and SIGHUP (a closed terminal or SSH session, which the
-launcher passes on) exit 128+signal; a second Ctrl-C while training interrupts at once. A
-SIGHUP the process started with ignored (nohup) stays ignored.
+launcher passes on) exit 128+signal; a second Ctrl-C while training interrupts at once, but
+not while a checkpoint or final/ is written (`StopRequest.saving`): cut there, the steps
+since the last complete checkpoint would be lost. A SIGHUP the process started with
+ignored (nohup) stays ignored.
 
 A process started by a launcher (`accelerate launch`, torchrun, DeepSpeed's) also stops,
 as on SIGTERM, when that launcher dies (`stop_with_launcher`): otherwise a launcher that
@@ -38,6 +40,8 @@ class StopRequest:
         self.signum = 0  # the signal this process received (0: none)
         self.agreed = 0  # the signal all processes agreed to stop on (0: keep going)
         self.deferring = False
+        self.note = ""  # inside StopRequest.saving: what a signal is told (a checkpoint is written first)
+        self.requests = 0  # signals received so far
 
     def install(self) -> StopRequest:
         for sig in GRACEFUL:
@@ -53,19 +57,41 @@ class StopRequest:
         # The first request names the stop: Ctrl-C reaches the one-process launcher too,
         # whose exit then sends SIGTERM (stop_with_launcher) while this one is saving.
         self.signum = self.signum or signum
-        if signum == signal.SIGINT:
+        self.requests += 1
+        if self.note:  # os.write: print's buffered stream may be mid-write in this thread
+            os.write(2, f"{signal.Signals(signum).name}: {self.note}\n".encode())
+        elif signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     @contextmanager
-    def deferred(self, after: str = "final/ is saved"):
+    def saving(self, what: str):
+        """While `what` (a checkpoint, final/) is written, every signal only sets the flag,
+        a second Ctrl-C too: the write holds the steps since the last complete checkpoint,
+        and with checkpoint.every_steps=0 the whole run."""
+        handler = signal.getsignal(signal.SIGINT)
+        ours = handler == signal.default_int_handler and self.signum == signal.SIGINT  # a first Ctrl-C re-armed it
+        if ours:
+            signal.signal(signal.SIGINT, self._handle)
+        self.note = f"writing {what} first"
+        try:
+            yield
+        finally:
+            self.note = ""
+            if ours or (self.signum == signal.SIGINT and signal.getsignal(signal.SIGINT) == self._handle):
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # a further Ctrl-C interrupts again
+
+    @contextmanager
+    def deferred(self, after: str | None = "final/ is saved"):
         """Signals only set the flag inside; one that came is acted on when it ends (the
-        loop ends at the agreed step itself, before this)."""
+        loop ends at the agreed step itself, before this). With after=None it is left to
+        the training loop's first agreement (a pass before training: the reference
+        log-probs)."""
         self.deferring = True
         try:
             yield
         finally:
             self.deferring = False
-        if self.signum and not self.agreed:
+        if after is not None and self.signum and not self.agreed:
             self._exit(self.signum, after)
 
     def _exit(self, signum: int, after: str) -> None:

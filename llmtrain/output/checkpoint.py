@@ -313,6 +313,16 @@ def publish(tmp: Path, final: Path) -> None:
 ROLLOUT_FILE = "rollout.safetensors"
 
 
+class WriteFailed(CheckpointError):
+    """A checkpoint or final/ that could not be written (a full disk, permissions), raised
+    on every process alike. `reason` says what failed, `where` is the directory to free
+    space in; the trained state is still in memory (train.keep_writing tries again)."""
+
+    def __init__(self, message: str, reason: str, where: Path):
+        super().__init__(message)
+        self.reason, self.where = reason, where
+
+
 def save(
     accelerator, output_dir: str, state: TrainState, settings: dict, config_yaml: str, keep_last: int, extra=None
 ) -> Path:
@@ -320,51 +330,83 @@ def save(
     optimizer, every rank's RNG), the run's TrainState with the `settings` that fix what
     its data position means (`position_settings`), the config, and `extra` tensors (an RL
     run's generation round in progress) as rollout.safetensors. Returns its path. A
-    failed write (disk full, permissions) removes the partial directory and raises
-    CheckpointError; the previous checkpoint is untouched."""
+    failed write (disk full, permissions) on any process removes the partial directory
+    and raises WriteFailed on every process; the previous checkpoint is untouched."""
     root = checkpoint_root(output_dir)
     step = state.step
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
-    try:
-        if accelerator.is_main_process:
-            safefs.make_dir(root)
-            safefs.fresh_dir(tmp)  # made here, so save_state writes into a directory that is no link
-            (tmp / "config.yaml").write_text(config_yaml)
-        accelerator.wait_for_everyone()
+    main = accelerator.is_main_process
+
+    def begin():
+        safefs.make_dir(root)
+        safefs.fresh_dir(tmp)  # made here, so save_state writes into a directory that is no link
+        (tmp / "config.yaml").write_text(config_yaml)
+
+    def state_files():
         accelerator.save_state(str(tmp))
-        if extra is not None and accelerator.is_main_process:
+        if extra is not None and main:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / ROLLOUT_FILE))
-        accelerator.wait_for_everyone()
-        # Sizes and checksums let a resume detect a missing, cut or damaged file.
-        files = manifest(tmp, accelerator)
-        if accelerator.is_main_process:
-            saved = state.state_dict() | {"settings": settings, "files": files}
-            with open(tmp / STATE_FILE, "w") as f:  # written last inside the directory
-                json.dump(saved, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            publish(tmp, final)
-    except Exception as e:
-        if not write_failed(e):
-            raise
-        safefs.rmtree(tmp)
+
+    def finish(files):
+        saved = state.state_dict() | {"settings": settings, "files": files}
+        with open(tmp / STATE_FILE, "w") as f:  # written last inside the directory
+            json.dump(saved, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, final)
+
+    # Each phase's fault is agreed before the next (the agreement stands in for a barrier),
+    # so every process raises, or tries again, together.
+    error = agreed_error(accelerator, attempt(begin) if main else None)
+    if error is None:
+        error = agreed_error(accelerator, attempt(state_files))
+    if error is None:
+        files = manifest(tmp, accelerator)  # sizes and checksums let a resume detect a missing, cut or damaged file
+        error = agreed_error(accelerator, attempt(lambda: finish(files)) if main else None)
+    if error is not None:
+        if main:
+            safefs.rmtree(tmp)
         previous = complete_checkpoints(output_dir)
         kept = (
             f"the newest complete checkpoint, {previous[-1][1]}, is intact"
             if previous
             else "there is no earlier checkpoint"
         )
-        raise CheckpointError(
-            f"checkpoint: writing {tmp} failed ({write_failed(e)}); {kept}. Free space in "
-            f"{root} (or fix its permissions), then run again with checkpoint.resume=auto"
-        ) from None
-    if accelerator.is_main_process and keep_last:
+        raise WriteFailed(
+            f"checkpoint: writing {tmp} failed ({error}); {kept}. Free space in "
+            f"{root} (or fix its permissions), then run again with checkpoint.resume=auto",
+            error,
+            root,
+        )
+    if main and keep_last:
         for _, path in complete_checkpoints(output_dir)[:-keep_last]:
             remove(path)
     accelerator.wait_for_everyone()
     return final
+
+
+def attempt(write) -> str | None:
+    """Run `write()`; what failed if it failed to write a file (write_failed), else None.
+    Any other exception is a bug and propagates."""
+    try:
+        write()
+    except Exception as e:
+        if not write_failed(e):
+            raise
+        return write_failed(e)
+    return None
+
+
+def agreed_error(accelerator, error: str | None) -> str | None:
+    """The first process's `error` (what failed, or None) of any that has one, on every
+    process: a collective, which also waits for every process."""
+    if accelerator.num_processes == 1:
+        return error
+    from accelerate.utils import gather_object
+
+    return next((e for e in gather_object([error]) if e is not None), None)
 
 
 # What the writers raise when the disk is full or a file may not grow: OSError from Python,

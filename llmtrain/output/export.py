@@ -10,9 +10,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from .. import safefs
-from ..errors import CheckpointError
 from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
-from .checkpoint import STATE_FILE, complete_checkpoints, publish, write_failed
+from .checkpoint import STATE_FILE, WriteFailed, complete_checkpoints, publish, write_failed
 
 
 def save_final(
@@ -26,7 +25,7 @@ def save_final(
     LoRA runs write the adapter to final/, or with export.merge_lora the merged model to
     final/ and the adapter to final/adapter/; `base` (the run's ModelConfig) says how the
     base weights were loaded, for a merge that must load them again. Written beside and
-    renamed into place; a failed write (a full disk) is one CheckpointError on every
+    renamed into place; a failed write (a full disk) is one WriteFailed on every
     process."""
     final, tmp = Path(output_dir) / "final", Path(output_dir) / ".tmp-final"
     error = None
@@ -52,7 +51,7 @@ def save_final(
         kept = "no checkpoint was written (checkpoint.every_steps=0)"
         if found:
             kept = f"the newest checkpoint, {found[-1][1]}, is intact: free space and run the same command again"
-        raise CheckpointError(f"export: writing {tmp} failed ({error}); {kept}")
+        raise WriteFailed(f"export: writing {tmp} failed ({error}); {kept}", error, Path(output_dir))
     if accelerator.is_main_process:
         publish(tmp, final)
     accelerator.wait_for_everyone()

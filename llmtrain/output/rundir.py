@@ -55,7 +55,7 @@ def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
     lock(out, accelerator)  # one run per output_dir, until this process ends
     ident = identity(recipe, cfg)
     check_same_run(out, ident)
-    if (step := already_finished(cfg)) is not None:
+    if (step := already_finished(cfg, accelerator.num_processes)) is not None:
         return Start(ident, finished_at=step)
     check_free_space(out, need)
     if accelerator.is_main_process:
@@ -64,7 +64,7 @@ def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
     resume_from = checkpoint.find_resume(
         out, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
     )
-    check_rerun(cfg, resume_from)
+    check_rerun(cfg, resume_from, accelerator.num_processes)
     check_same_run(out, ident, resume_from)
     if resume_from is not None:
         warn_changes(resume_from, cfg)
@@ -224,16 +224,17 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
     ]
 
 
-def already_finished(cfg) -> int | None:
+def already_finished(cfg, world_size: int) -> int | None:
     """The step of final/ when output_dir holds this very run, finished (its export was
-    written with the same settings, but for how it reports and checkpoints); else None."""
+    written with the same settings, but for how it reports and checkpoints, and the same
+    global batch); else None."""
     done = finished_state(cfg.output_dir)
-    if done is None or done["step"] is None or final_changes(cfg):  # an unreadable config is a change
+    if done is None or done["step"] is None or final_changes(cfg, world_size):  # an unreadable config is a change
         return None
     return done["step"]
 
 
-def up_to_date(cfg, step: int, total_steps: int) -> bool:
+def up_to_date(cfg, step: int, total_steps: int, world_size: int) -> bool:
     """Whether a resumed run has no step left and final/ was exported at that step (the
     settings changed, say the rate, but not the length: exporting again would change
     nothing). When the only changes are export settings (export.merge_lora, the shard
@@ -242,20 +243,28 @@ def up_to_date(cfg, step: int, total_steps: int) -> bool:
     done = finished_state(cfg.output_dir)
     if not (step >= total_steps and done is not None and done["step"] == step):
         return False
-    changes = final_changes(cfg)
+    changes = final_changes(cfg, world_size)
     return not changes or not all(change.startswith("export.") for change in changes)
 
 
-def final_changes(cfg) -> list[str]:
+def final_changes(cfg, world_size: int) -> list[str]:
     """`changed_settings` of final/'s config against `cfg` (one line saying so when it
-    cannot be read)."""
+    cannot be read), and the process count when it changes the global batch (the config
+    does not hold it; with the same global batch the steps read the same rows)."""
     try:
-        return changed_settings(read_own(Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"), cfg)
+        changes = changed_settings(read_own(Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"), cfg)
     except (OSError, ValueError):
         return ["(the saved config cannot be read, so changes are not known)"]
+    was = (finished_state(cfg.output_dir) or {}).get("settings")
+    was = was if isinstance(was, dict) else {}  # exported before final/ recorded them: not known
+    batch, processes = was.get("global_batch"), was.get("world_size")
+    now = cfg.train.global_batch(world_size)
+    if isinstance(processes, int) and processes != world_size and batch != now:
+        changes.append(f"processes: {processes} -> {world_size} (global batch {batch} -> {now})")
+    return changes
 
 
-def check_rerun(cfg, resume_from: Path | None) -> None:
+def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
     """Refuse a run that would overwrite another's results: a fresh start over a finished
     run (it would train again from scratch and replace its metrics and final/), and a
     resume from another directory's checkpoint into one that holds a run (the two runs'
@@ -270,7 +279,7 @@ def check_rerun(cfg, resume_from: Path | None) -> None:
     done = finished_state(out)
     if done is not None and resume_from is None:
         at = f"exported at step {done['step']}" if done["step"] is not None else "whose train_state.json cannot be read"
-        changes = "; ".join(final_changes(cfg)) or "other settings"
+        changes = "; ".join(final_changes(cfg, world_size)) or "other settings"
         raise CheckpointError(
             f"output_dir: {out} holds a finished run (final/ {at}) with other settings ({changes}), and no "
             "checkpoint to continue or export it from; choose another output_dir, or delete its final/ to train "

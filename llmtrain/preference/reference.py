@@ -140,10 +140,21 @@ def save_cached(path: Path, key: str, table: torch.Tensor) -> None:
 
 @torch.no_grad()
 def compute(
-    model, objective, sets: list, collator, batch_size: int, accelerator, empty: dict, beat, index: str = "pair_index"
+    model,
+    objective,
+    sets: list,
+    collator,
+    batch_size: int,
+    accelerator,
+    empty: dict,
+    beat,
+    index: str = "pair_index",
+    stop=None,
 ) -> torch.Tensor:
     """The [pairs, 2] table (chosen, rejected log-probs) over `sets`, numbered in order by
-    the column `index`, from this process's share of the batches and every other process's."""
+    the column `index`, from this process's share of the batches and every other process's.
+    A stop signal to any process (`stop`, a StopRequest) ends the pass on all at the same
+    batch: they exit with its code (nothing is trained yet, nothing to save)."""
     from accelerate.utils import gather_object, send_to_device
 
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -162,7 +173,7 @@ def compute(
         generator = torch.Generator().manual_seed(0)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collator, generator=generator)
         mine = (send_to_device(b, accelerator.device) for b in loader)
-        while (window := draw_window(mine, 1, accelerator, objective.count, beat=beat)).outcome is Outcome.STEP:
+        while (window := draw_window(mine, 1, accelerator, objective.count, stop, beat)).outcome is Outcome.STEP:
             batch = window.micro_batches(empty)[0]
             with accelerator.autocast():
                 sums, _ = objective.logps(model, batch)
@@ -170,6 +181,10 @@ def compute(
                 k = objective.count(batch)
                 found_index.append(batch[index].cpu())
                 found_logps.append(torch.stack([sums[:k], sums[k:]], 1).float().cpu())
+        if window.outcome is Outcome.STOPPED:
+            stop.agreed = window.signal
+            accelerator.print(f"stopped on {stop.name} during the reference pass; nothing was trained yet")
+            raise SystemExit(stop.exit_code())
     model.train(was_training)
     pairs = sum(len(getattr(s, "pairs", s)) for s in sets)
     table, got = torch.zeros(pairs, 2), torch.zeros(pairs, dtype=torch.bool)
@@ -210,7 +225,7 @@ class ReferencePass:
         self.make_reference = make_reference  # () -> (model, objective for its log-probs), for dpo.reference
         self.index = index  # the column numbering the examples (pair_index, or row_index for KTO)
 
-    def __call__(self, model, accelerator, empty: dict, beat) -> None:
+    def __call__(self, model, accelerator, empty: dict, beat, stop=None) -> None:
         cfg = self.cfg
         path = Path(cfg.output_dir) / CACHE
         beat("fingerprinting the reference model's files")
@@ -234,9 +249,8 @@ class ReferencePass:
                 ref_model, ref_objective = self.make_reference()
                 ref_model.to(accelerator.device)
             batch_size = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
-            table = compute(
-                ref_model, ref_objective, self.sets, self.collator, batch_size, accelerator, empty, beat, self.index
-            )
+            args = (self.sets, self.collator, batch_size, accelerator, empty, beat, self.index, stop)
+            table = compute(ref_model, ref_objective, *args)
             del ref_model
             check_finite(table, cfg, str(accelerator.mixed_precision))  # every process holds the whole table
             if accelerator.is_main_process:

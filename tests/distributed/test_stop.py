@@ -60,6 +60,30 @@ def test_a_second_ctrl_c_while_training_interrupts_at_once(stop):
         os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_while_a_checkpoint_is_written_a_second_ctrl_c_waits_for_it(stop, capfd):
+    """Cut there, the steps since the last complete checkpoint would be lost (with
+    checkpoint.every_steps=0, the whole run). Once it is written, Ctrl-C interrupts again."""
+    written = []
+    with pytest.raises(KeyboardInterrupt), stop.deferred():
+        os.kill(os.getpid(), signal.SIGINT)  # the loop stops at an agreed step and checkpoints it
+        with stop.saving("the checkpoint of step 3"):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            written.append("step-3")
+        told = "SIGINT: writing the checkpoint of step 3 first\nSIGTERM: writing the checkpoint of step 3 first\n"
+        assert capfd.readouterr().err == told
+        os.kill(os.getpid(), signal.SIGINT)
+    assert written == ["step-3"] and stop.signum == signal.SIGINT
+
+
+def test_a_ctrl_c_that_comes_while_final_is_written_arms_the_next_one(stop):
+    with pytest.raises(KeyboardInterrupt), stop.deferred():
+        with stop.saving("final/"):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_a_hangup_ignored_at_start_stays_ignored():
     """nohup starts the process with SIGHUP ignored, so that the run outlives the terminal."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}

@@ -3,6 +3,7 @@ DDP processes on CPU), on a tiny model."""
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,47 @@ def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_
     assert f"stopped on SIGUSR1 after step {stopped}" in output
     assert (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
     assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_full_disk_at_the_export_waits_for_space_instead_of_losing_the_run(
+    common, chat_file, cache_env, tmp_path, nproc
+):
+    """checkpoint.every_steps=0: final/ is the only copy of the run. Files may not grow past
+    200 kB (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk) until the run says it
+    waits; then the limit is lifted and the same processes write final/."""
+    import resource
+
+    import psutil
+
+    from tests.conftest import ROOT, launch_command, launch_env
+
+    out = tmp_path / "full"
+    args = common(chat_file, out) + ["train.max_steps=3", "checkpoint.write_retry_s=5"]
+    topology = "one" if nproc == 1 else "cpu_ddp"
+    proc = subprocess.Popen(
+        launch_command(args, topology, nproc),
+        env=launch_env(cache_env, topology),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY)),
+    )
+    seen = []
+    while (line := proc.stdout.readline()) and "trying again" not in line:
+        seen.append(line)
+    assert "final/: writing it failed (File too large" in line, "".join(seen)
+    assert "trying again in 5 s" in line and not (out / "final").exists()
+    parent = psutil.Process(proc.pid)
+    for p in [parent, *parent.children(recursive=True)]:
+        p.rlimit(psutil.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(seen) + line + output
+    assert f"saved {out / 'final'}" in output
+    assert json.loads((out / "final" / "train_state.json").read_text())["step"] == 3
+    assert final_weights(out / "final")
 
 
 @pytest.mark.parametrize("topology", ["single_gpu", "cpu_ddp"])  # accelerate's one-process launcher; torchrun

@@ -210,6 +210,7 @@ class FakeAccelerator:
     """One process; save_state writes part of a checkpoint, then the disk is full."""
 
     is_main_process = True
+    num_processes = 1
 
     def wait_for_everyone(self):
         pass
@@ -239,8 +240,6 @@ def test_a_full_disk_mid_checkpoint_is_one_clear_error_and_keeps_the_previous_on
 
 class RecordingAccelerator(FakeAccelerator):
     """One process whose save_state writes a file and whose load_state does nothing."""
-
-    num_processes = 1
 
     def save_state(self, path):
         from pathlib import Path
@@ -513,6 +512,7 @@ def test_a_write_that_fails_in_torchs_writer_is_the_documented_error(
         "train.micro_batch_size=2",
         "train.max_steps=2",
         "checkpoint.every_steps=1",
+        "checkpoint.write_retry_s=0",  # give up at once, not wait for space
     )
     proc = subprocess.run(
         launch_command(args, "one"),

@@ -249,12 +249,40 @@ def test_a_final_dir_whose_state_cannot_be_read_still_holds_a_finished_run(tmp_p
     for text in ("oops", "[]", '{"step": "4"}', '{"step": true}'):
         (tmp_path / "final" / "train_state.json").write_text(text)
         assert finished_state(str(tmp_path)) == {"step": None}
-        assert already_finished(cfg) is None  # unknown: not called up to date
+        assert already_finished(cfg, 1) is None  # unknown: not called up to date
         with pytest.raises(CheckpointError) as e:
-            check_rerun(cfg, None)  # a fresh start would overwrite it
+            check_rerun(cfg, None, 1)  # a fresh start would overwrite it
         assert str(e.value).startswith(
             f"output_dir: {tmp_path} holds a finished run (final/ whose train_state.json cannot be read)"
         )
+
+
+def test_a_finished_run_on_another_process_count_is_another_run_when_its_global_batch_differs(tmp_path):
+    """The config does not hold the process count: final/ records it, with the global batch.
+    Without a checkpoint to resume from, a rerun that changes the global batch is refused as
+    a fresh start over a finished run would be, saying what changed."""
+    from llmtrain.config import load_config, to_yaml
+    from llmtrain.errors import CheckpointError
+    from llmtrain.output.checkpoint import STATE_FILE, position_settings
+    from llmtrain.output.rundir import already_finished, check_rerun, up_to_date
+
+    given = [f"output_dir={tmp_path}", "model.name_or_path=m", "data.train=d.jsonl", "train.micro_batch_size=4"]
+    cfg = load_config(None, [*given, "train.grad_accum_steps=2"])
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "llmtrain_config.yaml").write_text(to_yaml(cfg))
+    (tmp_path / "final" / STATE_FILE).write_text(json.dumps({"step": 9, "settings": position_settings(cfg, 1)}))
+    assert already_finished(cfg, 1) == 9 and up_to_date(cfg, 9, 9, 1)
+    assert already_finished(cfg, 2) is None
+    with pytest.raises(CheckpointError) as e:
+        check_rerun(cfg, None, 2)
+    assert str(e.value).startswith(
+        f"output_dir: {tmp_path} holds a finished run (final/ exported at step 9) with other settings "
+        "(processes: 1 -> 2 (global batch 8 -> 16)), and no checkpoint"
+    )
+    halved = load_config(None, [*given, "train.grad_accum_steps=1"])
+    assert already_finished(halved, 2) is None  # the same global batch, but a config change (a re-split)
+    (tmp_path / "final" / STATE_FILE).write_text(json.dumps({"step": 9}))  # exported before final/ recorded it
+    assert already_finished(cfg, 2) == 9
 
 
 def test_another_runs_checkpoint_is_resumed_only_into_a_directory_without_a_run(tmp_path):
@@ -267,14 +295,14 @@ def test_another_runs_checkpoint_is_resumed_only_into_a_directory_without_a_run(
     new.mkdir()
     (own / "checkpoints" / "step-4").mkdir(parents=True)
     (own / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    check_rerun(SimpleNamespace(output_dir=str(new)), other)  # an empty directory: fine
-    check_rerun(SimpleNamespace(output_dir=str(own)), own / "checkpoints" / "step-4")  # its own checkpoint
+    check_rerun(SimpleNamespace(output_dir=str(new)), other, 1)  # an empty directory: fine
+    check_rerun(SimpleNamespace(output_dir=str(own)), own / "checkpoints" / "step-4", 1)  # its own checkpoint
     for holds in ("metrics.jsonl", "final"):
         target = tmp_path / f"with-{holds}"
         target.mkdir()
         (target / holds).mkdir() if holds == "final" else (target / holds).write_text("{}\n")
         with pytest.raises(CheckpointError) as e:
-            check_rerun(SimpleNamespace(output_dir=str(target)), other)
+            check_rerun(SimpleNamespace(output_dir=str(target)), other, 1)
         assert str(e.value) == (
             f"output_dir: {target} holds another run, and resuming {other} into it would mix the two runs' "
             "metrics, checkpoints and final/; resume it into a new output_dir"

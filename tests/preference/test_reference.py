@@ -64,6 +64,37 @@ def test_every_pair_gets_the_log_probs_of_its_answers_alone(model, sets, acceler
     assert model.training
 
 
+def test_a_stop_signal_ends_the_pass_at_an_agreed_batch(model, sets, accelerator, capsys, monkeypatch):
+    """Every process leaves the pass at the same batch (the window agreement carries the
+    signal), so no process is left waiting in a collective for one that exited."""
+    import os
+    import signal
+
+    from llmtrain.distributed.stop import StopRequest
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    stop, objective = StopRequest().install(), PreferenceLoss("sigmoid", 0.1)
+    passes = []
+    logps = objective.logps
+
+    def counted(*args):
+        passes.append(1)
+        if len(passes) == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # one process's preemption warning, mid-pass
+        return logps(*args)
+
+    monkeypatch.setattr(objective, "logps", counted)
+    empty = PairCollator(0).empty_batch()
+    try:
+        with pytest.raises(SystemExit) as exited, stop.deferred(after=None):
+            compute(model, objective, sets, PairCollator(0), 1, accelerator, empty, None, stop=stop)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert exited.value.code == 0 and len(passes) == 2  # the batch under way ends, no other starts
+    assert capsys.readouterr().out == "stopped on SIGUSR1 during the reference pass; nothing was trained yet\n"
+
+
 def test_the_table_is_cached_and_computed_again_when_the_model_files_change(
     model, sets, accelerator, tiny_model, tmp_path, monkeypatch
 ):
