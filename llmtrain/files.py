@@ -86,6 +86,12 @@ def is_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
+def no_such_file(name: str) -> str:
+    """'no such file: NAME', saying where a relative name was looked for (a launch from
+    another directory is the usual cause)."""
+    return f"no such file: {name}" + ("" if Path(name).is_absolute() else f" (in the working directory {Path.cwd()})")
+
+
 def size_text(n: int) -> str:
     """A bound in words: '64 MiB', '1 GiB', '1000 bytes'."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

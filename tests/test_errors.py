@@ -125,7 +125,8 @@ CASES = {
     "data files separated by a comma": (
         "finetune",
         [*SFT, "data.train=a.jsonl,b.jsonl"],
-        "data.train: no such file: a.jsonl,b.jsonl; several files go in a list: data.train=[a.jsonl, b.jsonl]",
+        f"data.train: no such file: a.jsonl,b.jsonl (in the working directory {ROOT}); several files go in a list: "
+        "data.train=[a.jsonl, b.jsonl]",
     ),
     "a config file that is a list": (
         "finetune",

@@ -108,9 +108,10 @@ def _coerce(value: Any, tp: Any, key: str = "") -> Any:
     raise TypeError
 
 
-def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
+def _build(cls: type, raw: dict, prefix: str, problems: list[str], root: type | None = None) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    root = root or cls
     kwargs = {}
     for key, value in raw.items():
         full = f"{prefix}{key}"
@@ -121,9 +122,11 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
                     f"remove the {full} section"
                 )
                 continue
-            close = closest(str(key), names)
+            elsewhere, close = _in_other_section(str(key), root, prefix), closest(str(key), names)
             hint = (
-                f"; did you mean '{prefix}{close}'?"
+                f"; did you mean '{elsewhere}'? (each key goes in its section)"
+                if elsewhere
+                else f"; did you mean '{prefix}{close}'?"
                 if close
                 else f"; valid keys: {', '.join(prefix + n for n in names)}"
             )
@@ -134,7 +137,7 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
             if not isinstance(value, dict):
                 problems.append(_section_problem(full, value, tp))
                 continue
-            kwargs[key] = _build(tp, value, f"{full}.", problems)
+            kwargs[key] = _build(tp, value, f"{full}.", problems, root)
             continue
         try:
             kwargs[key] = _coerce(value, tp, full)
@@ -146,6 +149,20 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
         except _EntryProblems as e:
             problems += e.problems
     return cls(**kwargs)
+
+
+def _in_other_section(key: str, root: type, prefix: str) -> str | None:
+    """'section.key' when exactly one section of the config tree `root` other than `prefix`
+    has a key named `key` (a flat `lr=`, as other tools write it, is train.lr here)."""
+    hints = typing.get_type_hints(root)
+    found = [
+        f"{f.name}.{key}"
+        for f in dataclasses.fields(root)
+        if dataclasses.is_dataclass(hints[f.name])
+        and f"{f.name}." != prefix
+        and key in {g.name for g in dataclasses.fields(hints[f.name])}
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def _section_problem(dotted: str, value: Any, section: type | None) -> str:
@@ -365,10 +382,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     if path is not None and "output_dir" not in raw:  # a run of its own, not one in the default's directory
         raw["output_dir"] = f"runs/{path.stem}"
     cfg = _build(schema, raw, "", problems)
-    expand_home(cfg)
+    expand_paths(cfg, problems)
     # A key whose value was refused keeps its default; its check would call that missing too.
+    # A section given as a scalar (model: x) keeps its defaults: its keys are not missing too.
     refused = {re.split(r"[:\[]", q, maxsplit=1)[0] for q in problems}
-    problems += [q for q in tree_problems(cfg) if q.split(":", 1)[0] not in refused]
+    problems += [
+        q for q in tree_problems(cfg) if not any(q.split(":", 1)[0] == r or q.startswith(f"{r}.") for r in refused)
+    ]
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -391,31 +411,51 @@ def check(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-def _expand(value):
-    """`~` or `~user` at the start of a path, expanded; anything else (a hub name, inline
-    template text) as it is."""
-    if isinstance(value, str) and re.match(r"~[\w.-]*(/|$)", value):
+# $NAME or ${NAME} in a path: an environment variable, as a shell would read it.
+ENV_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def _expand(value, key: str, problems: list[str]):
+    """`~` or `~user` at the start of a path, and `$NAME` / `${NAME}` anywhere in it,
+    expanded; a variable that is not set is a problem naming the key (a path with a `$`
+    taken as written would be a directory named `$SCRATCH`). Anything else (a hub name,
+    inline template text) as it is."""
+    if not isinstance(value, str) or "{{" in value or "{%" in value:  # a Jinja template is text, not a path
+        return value
+    unset = sorted({a or b for a, b in ENV_VAR.findall(value)} - os.environ.keys())
+    if unset:
+        names = ", ".join(f"${n}" for n in unset)
+        problems.append(
+            f"{key}: {shown(value)} names the environment variable {names}, which is not set; export it before "
+            "launching, or write the path out"
+        )
+        return value
+    value = ENV_VAR.sub(lambda m: os.environ[m[1] or m[2]], value)
+    if re.match(r"~[\w.-]*(/|$)", value):
         return os.path.expanduser(value)
     return value
 
 
-def expand_home(cfg: Config) -> None:
-    """Expand `~` in every path-valued key alike, whether it came from the YAML file or a
-    dotted override (a shell expands it in neither: not inside YAML, not after `key=`).
-    Without this, output_dir: ~/runs/x would make a directory named `~`."""
-    cfg.output_dir = _expand(cfg.output_dir)
-    cfg.model.name_or_path = _expand(cfg.model.name_or_path)
-    cfg.checkpoint.resume = _expand(cfg.checkpoint.resume)
-    cfg.data.chat_template = _expand(cfg.data.chat_template)
+def expand_paths(cfg: Config, problems: list[str]) -> None:
+    """Expand `~` and environment variables in every path-valued key alike, whether it came
+    from the YAML file or a dotted override (a shell expands them in neither: not inside
+    YAML, not after `key=`). Without this, output_dir: ~/runs/x would make a directory
+    named `~`."""
+    cfg.output_dir = _expand(cfg.output_dir, "output_dir", problems)
+    cfg.model.name_or_path = _expand(cfg.model.name_or_path, "model.name_or_path", problems)
+    cfg.checkpoint.resume = _expand(cfg.checkpoint.resume, "checkpoint.resume", problems)
+    cfg.data.chat_template = _expand(cfg.data.chat_template, "data.chat_template", problems)
     for key in ("train", "eval"):
         value = getattr(cfg.data, key)
         entries = [
-            dataclasses.replace(e, path=_expand(e.path)) if isinstance(e, DataSource) else _expand(e)
+            dataclasses.replace(e, path=_expand(e.path, f"data.{key}", problems))
+            if isinstance(e, DataSource)
+            else _expand(e, f"data.{key}", problems)
             for e in (value if isinstance(value, list) else [value])
         ]
         setattr(cfg.data, key, entries if isinstance(value, list) else entries[0])
     if hasattr(cfg, "dpo"):
-        cfg.dpo.reference = _expand(cfg.dpo.reference)
+        cfg.dpo.reference = _expand(cfg.dpo.reference, "dpo.reference", problems)
 
 
 def as_dict(cfg: Config) -> dict:

@@ -19,6 +19,7 @@ from typing import Annotated
 
 from ..demo import DEMO_NAMES, named
 from ..errors import describe, shown
+from ..files import no_such_file
 from ..template import MAX_TEMPLATE_CHARS, install
 
 
@@ -128,7 +129,7 @@ def chat_template_problem(t: str) -> str | None:
     if "{" not in t:
         path = Path(t).expanduser()
         if not path.is_file():
-            what = f"{t} is not a file" if path.exists() else f"no such file: {t}"
+            what = f"{t} is not a file" if path.exists() else no_such_file(t)
             return f"data.chat_template: {what}; give a Jinja template file, or the template text itself"
         where = t
         try:

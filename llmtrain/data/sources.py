@@ -10,7 +10,7 @@ from itertools import islice
 from pathlib import Path
 
 from ..errors import DataError, describe
-from ..files import LINE, RAW, TEXT_FILES, content_hash, first_rows, is_path, row_dataset
+from ..files import LINE, RAW, TEXT_FILES, content_hash, first_rows, is_path, no_such_file, row_dataset
 from .rows import REQUIRED, TextRow
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -53,7 +53,7 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     if suffix in FILE_BUILDERS:
         if not path.exists():
             several = f"; several files go in a list: {key}=[{', '.join(n.strip() for n in name.split(','))}]"
-            raise DataError(f"{key}: no such file: {name}{several if ',' in name else ''}")
+            raise DataError(f"{key}: {no_such_file(name)}{several if ',' in name else ''}")
         if not path.is_file():
             raise DataError(f"{key}: {name} is not a regular file; give a data file")
         if suffix in TEXT_FILES:
@@ -90,7 +90,7 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     if path.exists():
         raise DataError(f"{key}: {name}: unsupported file type; use .jsonl, .json, .parquet or .csv")
     if is_path(name):
-        raise DataError(f"{key}: no such file: {name}; give a .jsonl, .json, .parquet or .csv file")
+        raise DataError(f"{key}: {no_such_file(name)}; give a .jsonl, .json, .parquet or .csv file")
     hub, _, split = name.partition(":")
     try:
         ds = datasets.load_dataset(hub, split=split or "train", streaming=streaming)

@@ -47,6 +47,22 @@ def test_unknown_key_names_the_closest_valid_one():
     assert "train.lrr: unknown key; did you mean 'train.lr'?" in str(e.value)
 
 
+def test_a_key_outside_its_section_names_the_section_it_belongs_to():
+    """Flat keys as other tools write them (lr, seed), or a key in the wrong section."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=x", "data.train=a.jsonl", "lr=1e-4", "train.max_seq_len=64"])
+    assert e.value.problems == [
+        "lr: unknown key; did you mean 'train.lr'? (each key goes in its section)",
+        "train.max_seq_len: unknown key; did you mean 'data.max_seq_len'? (each key goes in its section)",
+    ]
+
+
+def test_a_section_given_a_value_is_one_problem_not_its_keys_missing_too():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model=llama", "data.train=a.jsonl"])
+    assert e.value.problems == ["model: is a section; set its keys (e.g. model.<key>=value), got 'llama'"]
+
+
 def test_unknown_section_and_nested_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  name_or_path: x\n  lora:\n    rank: 8\ndata:\n  train: a.jsonl\ntrian:\n  lr: 1\n")

@@ -301,6 +301,40 @@ def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch
     assert cfg.model.name_or_path == "owner/name"  # a hub name is left alone
 
 
+def test_environment_variables_are_expanded_in_path_keys_and_an_unset_one_is_an_error(monkeypatch, tmp_path):
+    from llmtrain.config import DPOConfig, load_config
+    from llmtrain.errors import ConfigError
+
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setenv("RUN", "r1")
+    monkeypatch.delenv("NOPE", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "output_dir: $SCRATCH/runs/${RUN}-x\n"
+        "model: {name_or_path: $SCRATCH/m}\n"
+        "data:\n"
+        "  train:\n"
+        "    - $SCRATCH/a.jsonl\n"
+        "    - {path: '${SCRATCH}/b.jsonl', fraction: 0.5}\n"
+        "  chat_template: \"{{ '$RUN' }}\"\n"
+        "dpo: {reference: $SCRATCH/ref}\n"
+    )
+    cfg = load_config(config, [], DPOConfig)
+    assert cfg.output_dir == f"{tmp_path}/scratch/runs/r1-x" and cfg.model.name_or_path == f"{tmp_path}/scratch/m"
+    scratch = tmp_path / "scratch"
+    assert cfg.data.train[0] == f"{scratch}/a.jsonl" and cfg.data.train[1].path == f"{scratch}/b.jsonl"
+    assert cfg.dpo.reference == f"{tmp_path}/scratch/ref"
+    assert cfg.data.chat_template == "{{ '$RUN' }}"  # inline template text is not a path
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["output_dir=$NOPE/runs/x", "data.train=${NOPE}/c.jsonl", "model.name_or_path=m"])
+    assert str(e.value).splitlines() == [
+        "output_dir: '$NOPE/runs/x' names the environment variable $NOPE, which is not set; export it before "
+        "launching, or write the path out",
+        "data.train: '${NOPE}/c.jsonl' names the environment variable $NOPE, which is not set; export it before "
+        "launching, or write the path out",
+    ]
+
+
 def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
     """Under a group-writable umask a group member could plant links inside a checkpoint's
     or the export's directory while save_state or save_pretrained write into it: it is
