@@ -182,8 +182,7 @@ def meta_model(cfg: ModelConfig, mcfg):
     """The model as training will have it (dtype, LoRA adapters), built on the meta device
     from its config: no weights, so its parameter counts and sizes cost nothing to read
     (`llmtrain plan`, and the free-space check before anything loads)."""
-    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else _saved_dtype(mcfg) or torch.float32
-    model = _meta(cfg, mcfg, dtype)
+    model = _meta(cfg, mcfg, load_dtype(cfg, mcfg))
     return add_lora(model, cfg) if cfg.lora.enabled else model
 
 
@@ -233,6 +232,12 @@ def whole_models():
         yield
     finally:
         AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()
+
+
+def load_dtype(cfg: ModelConfig, mcfg) -> torch.dtype:
+    """The dtype the weights load in: model.dtype, or with auto the checkpoint's (float32
+    when its config does not say)."""
+    return DTYPES[cfg.dtype] if cfg.dtype != "auto" else _saved_dtype(mcfg) or torch.float32
 
 
 def _saved_dtype(mcfg) -> torch.dtype | None:

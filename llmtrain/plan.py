@@ -41,6 +41,7 @@ from .model import (
     check_vocab,
     chunkable_head,
     hub_kwargs,
+    load_dtype,
     load_tokenizer,
     meta_model,
 )
@@ -226,13 +227,16 @@ def quantized_params(model) -> int:
 def memory_estimate(
     cfg, launch: Launch, total: int, trainable: int, mcfg, chunkable: bool, quantized: int = 0
 ) -> dict[str, float]:
-    """Rough bytes per GPU. Weights in model.dtype (the `quantized` ones in half a byte,
-    nf4/fp4, or one, int8, each); gradients and two AdamW moments in the
-    trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations use
-    ~34 bytes x hidden per token per layer in 16-bit (only the layer inputs, 2 bytes, with
-    gradient checkpointing), plus fp32 logits and their gradient: for train.loss_chunk_logits
-    logits at most where the model allows the chunked loss, else for every token."""
-    width = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[cfg.model.dtype]
+    """Rough bytes per GPU. Weights in the dtype they load in (model.dtype; the `quantized`
+    ones in half a byte, nf4/fp4, or one, int8, each); gradients and two AdamW moments in
+    the trainable parameters' dtype; ZeRO/FSDP shard them over the processes. Activations
+    use ~34 bytes x hidden per token per layer in 16-bit, twice that in float32 (weights in
+    float32 without bf16/fp16 mixed precision); only the layer inputs with gradient
+    checkpointing; plus fp32 logits and their gradient: for train.loss_chunk_logits logits
+    at most where the model allows the chunked loss, else for every token."""
+    width = load_dtype(cfg.model, mcfg).itemsize
+    # Autocast computes in 16 bits; without it activations come in the weights' dtype.
+    scale = (2 if launch.mixed_precision in ("bf16", "fp16") else width) / 2
     world = max(1, launch.num_processes)
     stage = 3 if launch.fsdp else launch.zero_stage
     bits = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0}.get(cfg.model.quantization, width)
@@ -249,8 +253,8 @@ def memory_estimate(
     if isinstance(cfg, GRPOConfig):  # a prompt brings a group of completions
         tokens *= cfg.grpo.num_generations
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
-    per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34)
-    activations = layers * per_layer + (tokens * hidden * 34 if cfg.model.gradient_checkpointing else 0)
+    per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34) * scale
+    activations = layers * per_layer + (tokens * hidden * 34 * scale if cfg.model.gradient_checkpointing else 0)
     logits = cfg.train.loss_chunk_logits
     chunk = max(1, logits // mcfg.vocab_size) if chunkable and logits else 0
     if cfg.model.head != "score":  # logits over the vocabulary (a score head has one number per token)
@@ -425,6 +429,8 @@ def plan(argv: list[str]) -> None:
     for key, n in memory.items():
         print(f"  {key}: {human(n)}")
     print(f"  total: {human(sum(memory.values()))}")
+    if device != "cuda":
+        print("  (on CPU a run logs its process's peak resident memory: Python, the libraries and the data on top)")
     for line in recipe.describe(cfg, ds[0], tokenizer):
         print(line)
 

@@ -160,6 +160,31 @@ def test_plan_rejects_unknown_keys_like_the_recipe(cache_env):
     assert proc.stderr.strip().splitlines() == ["error: train.lrr: unknown key; did you mean 'train.lr'?"]
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_are_counted_in_the_width_they_are_computed_in(tmp_path, checkpointing):
+    """float32 weights without bf16/fp16 mixed precision compute float32 activations: twice
+    the 16-bit figure (it was 16-bit whatever the precision, half the real one on CPU)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    common = [f"model.name_or_path={tmp_path}", "data.train=x", "train.micro_batch_size=2", "data.max_seq_len=512"]
+    common.append(f"model.gradient_checkpointing={str(checkpointing).lower()}")
+    per_token_layer = 2 if checkpointing else 34  # bytes x hidden in 16 bits: a layer's input, or all it keeps
+    layers16 = 4 * 2 * 512 * 256 * per_token_layer + (2 * 512 * 256 * 34 if checkpointing else 0)
+    activations = {}
+    for dtype in ("float32", "bfloat16", "auto"):  # auto: this config names no dtype, so float32
+        cfg = load_config(None, [*common, f"model.dtype={dtype}"])
+        for precision in ("no", "bf16"):
+            activations[dtype, precision] = memory_estimate(cfg, Launch(mixed_precision=precision), *count_params(cfg))[
+                "activations"
+            ]
+    assert activations["float32", "no"] - activations["float32", "bf16"] == layers16
+    assert activations["auto", "no"] == activations["float32", "no"]
+    assert activations["bfloat16", "no"] == activations["bfloat16", "bf16"] == activations["float32", "bf16"]
+
+
 def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
     """Llama-3.2-1B's shape on the meta device: no weights are created."""
     from transformers import LlamaConfig
