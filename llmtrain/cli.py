@@ -68,6 +68,19 @@ def report_once(e: UserError, state=None) -> None:
     does not come (the error was this process's alone), it prints the error itself."""
     lines = "".join(f"error: {line}\n" for line in str(e).splitlines())
     multi = state is not None and state.num_processes > 1
+    if not multi and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
+        # Started as one of several processes that formed no group (no GPU and no
+        # ACCELERATE_USE_CPU=1): there is no store, and each met the same error, which
+        # rank 0 prints. Wait for the launcher to stop this one once rank 0 has exited, and
+        # let its signal end this process without a word.
+        import signal
+
+        from .distributed.stop import GRACEFUL
+
+        for sig in GRACEFUL:
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(REPORT_WAIT_S)
+        return
     store = default_store() if multi else None
     key = f"llmtrain/error-reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if not multi or state.is_main_process or store is None:

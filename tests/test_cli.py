@@ -111,3 +111,24 @@ def test_a_multi_process_run_ends_with_its_code_without_interpreter_teardown(tmp
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout
     made = sorted(p.name for p in tmp_path.iterdir() if p.name != "ending.py")
     assert made == ["atexit-0", "atexit-1"]
+
+
+def test_processes_that_formed_no_group_report_on_rank_0_alone(monkeypatch, capsys):
+    """Launched as 2 processes without a process group, each is a world of one: rank 0
+    reports; rank 1 waits, silent, for the launcher to stop it."""
+    import signal
+
+    from llmtrain.distributed.stop import GRACEFUL
+
+    monkeypatch.setattr(cli, "REPORT_WAIT_S", 0.2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    saved = {sig: signal.getsignal(sig) for sig in GRACEFUL}  # rank 1 hands them back to the default action
+    try:
+        for rank, printed in (("0", "error: launch: no group\n"), ("1", "")):
+            monkeypatch.setenv("RANK", rank)
+            with pytest.raises(SystemExit) as exited, cli.user_errors(state(0, world=1)):
+                raise DataError("launch: no group")
+            assert exited.value.code == 2 and capsys.readouterr().err == printed
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
