@@ -228,10 +228,18 @@ def train(run: Run) -> Outcome:
         run.model.train()
         batches = run.data.epoch(state.epoch, state.batches_in_epoch)
         drew_in_pass = state.batches_in_epoch > 0
+        every_s, saved_at = cfg.checkpoint.every_minutes * 60, time.monotonic()
         while state.step < run.total_steps:
             run.profiler.before(state.step + 1)
+            clock_due = bool(every_s) and time.monotonic() - saved_at >= every_s  # checkpoint.every_minutes
             window = draw_window(
-                batches, cfg.train.grad_accum_steps, run.accelerator, run.objective.count, run.stop, run.watchdog.beat
+                batches,
+                cfg.train.grad_accum_steps,
+                run.accelerator,
+                run.objective.count,
+                run.stop,
+                run.watchdog.beat,
+                clock_due,
             )
             if window.outcome is Outcome.EXHAUSTED:
                 if not drew_in_pass:
@@ -255,10 +263,12 @@ def train(run: Run) -> Outcome:
                 continue
             if run.evaluator is not None and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
                 run_eval(run)
-            if cfg.checkpoint.every_steps and (
-                state.step == run.total_steps or due(state.step, cfg.checkpoint.every_steps)
+            if window.checkpoint_due or (
+                cfg.checkpoint.every_steps
+                and (state.step == run.total_steps or due(state.step, cfg.checkpoint.every_steps))
             ):
                 save_checkpoint(run)
+                saved_at = time.monotonic()
         return Outcome.FINISHED
     except BaseException:
         run.profiler.abandon()  # the error is what the user must see, not a trace write's

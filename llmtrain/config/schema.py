@@ -324,7 +324,11 @@ class LogConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0
-    """Write a resumable checkpoint every N steps (0: only the final export)."""
+    """Write a resumable checkpoint every N steps (0: by time alone, every_minutes)."""
+    every_minutes: float = 30.0
+    """Also write one once this many minutes have passed since the last checkpoint (or the
+    start of training), so a crash or a killed job loses at most that much; 0: off. All
+    processes write it after the same step."""
     keep_last: int = 2
     """Complete checkpoints to keep (0 keeps all). The previous one is deleted only after
     the new one is complete."""
@@ -339,10 +343,12 @@ class CheckpointConfig:
     write_retry_s: int = 1800
     """How long to keep trying again, once a minute, a checkpoint or final/ that could not
     be written (a full disk, no permission): the steps since the last complete checkpoint
-    are only in memory, and with every_steps=0 that is the whole run. A stop signal while
+    are only in memory, and before the first checkpoint that is the whole run. A stop signal while
     waiting gives up; 0 gives up at once."""
 
     def problems(self) -> list[str]:
+        if not 0 <= self.every_minutes < math.inf:
+            return [f"checkpoint.every_minutes: {self.every_minutes} is not a number of minutes >= 0 (0: off)"]
         if self.write_retry_s < 0:
             return [f"checkpoint.write_retry_s: {self.write_retry_s} is negative; give seconds (0 gives up at once)"]
         if not self.resume.strip():

@@ -45,6 +45,7 @@ class Report:
     squared_lengths: int = 0  # sum of squared document lengths (attention FLOPs)
     signal: int = 0  # the stop signal this process received, 0 for none
     fault: int = 0  # 1 if drawing the batches met bad data
+    due: int = 0  # 1 if this process's clock says a checkpoint is due (checkpoint.every_minutes)
 
     def exchange(self, accelerator) -> tuple[Report, Report]:
         """(sum, max) of every field over all processes."""
@@ -68,6 +69,7 @@ class Window:
     data_wait: float = 0.0  # seconds this process waited for its batches
     signal: int = 0  # with STOPPED: the signal agreed on
     fault: str = ""  # with DATA_FAULT: this process's error, if it met the bad data
+    checkpoint_due: bool = False  # some process's clock says a checkpoint is due after this step
 
     def micro_batches(self, empty: dict) -> list[dict]:
         """This process's micro-batches, then `empty` up to micro_steps."""
@@ -81,14 +83,15 @@ def fault_message(e: DataError) -> str:
     return last.split("DataError: ", 1)[1] if "Original Traceback" in str(e) and "DataError: " in last else last
 
 
-def draw_window(batches, size: int, accelerator, count, stop=None, beat=None) -> Window:
+def draw_window(batches, size: int, accelerator, count, stop=None, beat=None, due: bool = False) -> Window:
     """Draw up to `size` micro-batches from the iterator `batches` and agree with the
     other processes on what happens next (the Window's outcome).
 
     `count(batch)` gives a micro-batch's loss units (the objective's count). With `stop`
     (a StopRequest), a signal to any process, or bad data met while drawing (a
     DataError, which is otherwise raised), ends the iteration on every process alike.
-    `beat(where)` marks progress for the watchdog."""
+    `beat(where)` marks progress for the watchdog. `due`: this process's clock says a
+    checkpoint is due; if any process's does, every Window says so (checkpoint_due)."""
     if beat is not None:
         beat("fetching batches and agreeing on the next step with the other processes")
     started = time.perf_counter()
@@ -108,9 +111,10 @@ def draw_window(batches, size: int, accelerator, count, stop=None, beat=None) ->
         squared_lengths=sum(q for _, q in sizes),
         signal=stop.signum if stop is not None else 0,
         fault=int(bool(fault)),
+        due=int(due),
     )
     total, most = report.exchange(accelerator)
-    window = Window(Outcome.STEP, started=started, data_wait=wait)
+    window = Window(Outcome.STEP, started=started, data_wait=wait, checkpoint_due=bool(most.due))
     if most.fault:
         window.outcome, window.fault = Outcome.DATA_FAULT, fault
     elif most.signal:

@@ -67,7 +67,7 @@ class StopRequest:
     def saving(self, what: str):
         """While `what` (a checkpoint, final/) is written, every signal only sets the flag,
         a second Ctrl-C too: the write holds the steps since the last complete checkpoint,
-        and with checkpoint.every_steps=0 the whole run."""
+        and before the first checkpoint the whole run."""
         handler = signal.getsignal(signal.SIGINT)
         ours = handler == signal.default_int_handler and self.signum == signal.SIGINT  # a first Ctrl-C re-armed it
         if ours:

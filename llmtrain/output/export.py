@@ -48,7 +48,7 @@ def save_final(
         if accelerator.is_main_process:
             safefs.rmtree(tmp)
         found = complete_checkpoints(output_dir)
-        kept = "no checkpoint was written (checkpoint.every_steps=0)"
+        kept = "no checkpoint holds the run (checkpoint.every_steps, checkpoint.every_minutes)"
         if found:
             kept = f"the newest checkpoint, {found[-1][1]}, is intact: free space and run the same command again"
         raise WriteFailed(f"export: writing {tmp} failed ({error}); {kept}", error, Path(output_dir))

@@ -70,7 +70,7 @@ def test_bad_data_ends_the_iteration_with_its_message(accelerator):
 def test_the_report_travels_as_one_tensor_read_back_by_name():
     """Two processes' reports through one gather: each field comes back as its own sum
     and maximum (a field read from the wrong column would mix counts and signals)."""
-    other = Report(batches=0, count=0, input_tokens=0, squared_lengths=0, signal=int(signal.SIGUSR1), fault=0)
+    other = Report(batches=0, count=0, input_tokens=0, squared_lengths=0, signal=int(signal.SIGUSR1), fault=0, due=1)
 
     class TwoProcesses:
         device = torch.device("cpu")
@@ -78,7 +78,15 @@ def test_the_report_travels_as_one_tensor_read_back_by_name():
         def gather(self, local):
             return torch.cat([local, torch.tensor([list(vars(other).values())])])
 
-    mine = Report(batches=2, count=7, input_tokens=9, squared_lengths=41, signal=0, fault=1)
+    mine = Report(batches=2, count=7, input_tokens=9, squared_lengths=41, signal=0, fault=1, due=0)
     total, most = mine.exchange(TwoProcesses())
-    assert total == Report(2, 7, 9, 41, int(signal.SIGUSR1), 1)
-    assert (most.batches, most.count, most.signal, most.fault) == (2, 7, int(signal.SIGUSR1), 1)
+    assert total == Report(2, 7, 9, 41, int(signal.SIGUSR1), 1, 1)
+    assert (most.batches, most.count, most.signal, most.fault, most.due) == (2, 7, int(signal.SIGUSR1), 1, 1)
+
+
+@pytest.mark.parametrize("due", [False, True])
+def test_a_checkpoint_due_by_the_clock_is_in_the_agreement(accelerator, due):
+    """checkpoint.every_minutes: each process's clock says whether one is due; the window
+    says so on every process if any says so (the max of the reports)."""
+    window = draw_window(iter([batch(3)]), 1, accelerator, count, due=due)
+    assert window.outcome is Outcome.STEP and window.checkpoint_due is due

@@ -220,11 +220,29 @@ def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_
     assert not (out / "final").exists()
 
 
+def test_checkpoints_are_written_by_the_clock_on_every_process_alike(common, chat_file, cache_env, tmp_path):
+    """checkpoint.every_minutes with every_steps=0: a checkpoint once the time has passed
+    (here 6 microseconds: after any step that began that long after the last one was
+    written), written by both processes after the same step."""
+    out = tmp_path / "clock"
+    args = common(chat_file, out) + ["train.max_steps=3", "checkpoint.every_minutes=1e-7", "checkpoint.keep_last=0"]
+    run_recipe(args, cache_env, nproc=2)
+    steps = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").iterdir())
+    assert steps and set(steps) <= {1, 2, 3} and (2 in steps or 3 in steps), steps  # a whole step since any save
+    for step in steps:
+        state = json.loads((out / "checkpoints" / f"step-{step}" / "train_state.json").read_text())
+        assert state["step"] == step and state["settings"]["world_size"] == 2
+        assert sorted(f for f in state["files"] if f.startswith("random_states")) == [
+            "random_states_0.pkl",
+            "random_states_1.pkl",
+        ]
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_full_disk_at_the_export_waits_for_space_instead_of_losing_the_run(
     common, chat_file, cache_env, tmp_path, nproc
 ):
-    """checkpoint.every_steps=0: final/ is the only copy of the run. Files may not grow past
+    """No checkpoint before the export: final/ is the only copy of the run. Files may not grow past
     200 kB (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk) until the run says it
     waits; then the limit is lifted and the same processes write final/."""
     import resource

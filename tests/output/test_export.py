@@ -196,7 +196,7 @@ def test_a_full_disk_while_exporting_is_one_error_saying_what_is_kept(
     if with_checkpoint:
         assert f"the newest checkpoint, {tmp_path}/checkpoints/step-8, is intact" in message
     else:
-        assert message.endswith("no checkpoint was written (checkpoint.every_steps=0)")
+        assert message.endswith("no checkpoint holds the run (checkpoint.every_steps, checkpoint.every_minutes)")
     assert not (tmp_path / ".tmp-final").exists() and not (tmp_path / "final").exists()
 
 
@@ -215,7 +215,7 @@ def test_a_full_disk_before_the_export_starts_is_the_same_one_error(model, token
         save_final(fake_accelerator(model), model, tokenizer, str(tmp_path), "", ExportConfig(), {"step": 8})
     assert str(e.value) == (
         f"export: writing {tmp_path}/.tmp-final failed (No space left on device); "
-        "no checkpoint was written (checkpoint.every_steps=0)"
+        "no checkpoint holds the run (checkpoint.every_steps, checkpoint.every_minutes)"
     )
 
 
