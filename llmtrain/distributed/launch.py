@@ -3,6 +3,7 @@ anything loads, and the recipe's batch settings made DeepSpeed's."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -114,12 +115,45 @@ def use_cpu_cores(device_type: str) -> int | None:
 def physical_cores() -> int:
     """The physical cores this process may run on: the CPUs of its affinity mask (a Slurm or
     taskset allotment) scaled by the machine's physical to logical ratio, so that two
-    hardware threads of one core count once. CPU quotas (a container's --cpus) are not seen."""
+    hardware threads of one core count once, and at most its cgroup's CPU quota (a
+    container's --cpus, a Kubernetes CPU limit), where threads past it only wait."""
     import psutil
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     logical, physical = psutil.cpu_count() or usable, psutil.cpu_count(logical=False) or usable
-    return max(1, usable * physical // logical)
+    cores = max(1, usable * physical // logical)
+    quota = cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float | None:
+    """CPUs this process's cgroup may use (quota / period), or None without a quota. cgroup
+    v2's cpu.max ("200000 100000", or "max ..."), else v1's cpu.cfs_quota_us and
+    cpu.cfs_period_us; its own cgroup's files first (a host), then the root's (a container
+    sees its own cgroup there). Written by hand: neither torch nor psutil reads quotas."""
+
+    def read(path: Path) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read(256)
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    base = Path(root)
+    places = [base / "cpu.max"]
+    for line in (read(Path(own)) or "").splitlines():
+        if line.startswith("0::"):  # cgroup v2: this process's own cgroup
+            places.insert(0, base / line[3:].strip().lstrip("/") / "cpu.max")
+    fields = next((t for t in map(read, places) if t is not None), "").split()
+    if len(fields) == 2 and fields[0] != "max":
+        quota, period = fields
+    else:
+        quota, period = (read(base / "cpu" / name) or "" for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    try:
+        quota, period = float(quota), float(period)
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def local_processes() -> int:

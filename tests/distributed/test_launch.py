@@ -194,3 +194,38 @@ def test_a_cpu_process_without_a_launcher_is_left_alone(tmp_path):
     that the shell exported after it started."""
     command = ["bash", "-c", f'export OMP_NUM_THREADS=1; "{sys.executable}" "$0"']
     assert threads_under(tmp_path, command) == "threads None None 1 1"
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2, a container's --cpus=1.5
+        ({"cpu.max": "max 100000\n"}, None),  # no quota
+        ({"job/cpu.max": "400000 100000\n", "cpu.max": "max 100000\n"}, 4.0),  # its own cgroup's, on a host
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no quota
+        ({}, None),  # no cgroup files at all
+    ],
+)
+def test_a_cgroup_cpu_quota_is_read(tmp_path, files, quota):
+    """A quota caps the threads (physical_cores): 16 threads in a 2-CPU container wait."""
+    from llmtrain.distributed.launch import cpu_quota
+
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/job\n" if "job/cpu.max" in files else "0::/\n")
+    assert cpu_quota(str(root), str(own)) == quota
+
+
+def test_the_thread_count_stays_within_the_quota(monkeypatch):
+    import llmtrain.distributed.launch as launch
+
+    monkeypatch.setattr(launch, "cpu_quota", lambda: 0.5)
+    assert launch.physical_cores() == 1
+    monkeypatch.setattr(launch, "cpu_quota", lambda: None)
+    unlimited = launch.physical_cores()
+    monkeypatch.setattr(launch, "cpu_quota", lambda: unlimited + 8.0)
+    assert launch.physical_cores() == unlimited  # a quota above the cores changes nothing
