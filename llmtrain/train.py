@@ -148,6 +148,7 @@ def setup(
     if after_prepare is not None:
         with stop.deferred(after=None):  # a long pass (the reference log-probs) stops at an agreed batch
             after_prepare(model, accelerator, empty, watchdog.beat, stop)
+            stop.agree(accelerator, "before training")  # a signal that came after its last batch
 
     state = TrainState(spikes=SpikeGuard(t.spike_factor, t.spike_window))
     watchdog.beat("checking that the weights are finite")
@@ -379,32 +380,35 @@ def save_checkpoint(run: Run) -> Path:
 def keep_writing(run: Run, what: str, write):
     """`write()` (a checkpoint, final/; a collective), with signals held back meanwhile
     (stop.saving), tried again once a minute while it fails with checkpoint.WriteFailed,
-    until it succeeds, checkpoint.write_retry_s have passed or a stop signal comes while
-    waiting (on any process): then the WriteFailed propagates."""
-    waited, limit = 0, run.cfg.checkpoint.write_retry_s
+    until it succeeds, checkpoint.write_retry_s have passed since the first try or a stop
+    signal comes while waiting (on any process): then the WriteFailed propagates. Signals
+    that come while writing do not give up: a Ctrl-C reaches a one-process launcher too,
+    whose exit then sends SIGTERM while the stop checkpoint is written."""
+    deadline = time.monotonic() + run.cfg.checkpoint.write_retry_s
     with run.stop.saving(what):
         while True:
             run.watchdog.beat(f"writing {what}")
             try:
                 return write()
             except checkpoint.WriteFailed as e:
-                wait = min(60, limit - waited)
+                requests = run.stop.requests
+                # Every process takes the least time left of any, so all decide alike.
+                wait = min(60, min(gather_object([int(deadline - time.monotonic())])))
                 if wait <= 0:
                     raise
                 run.accelerator.print(
                     f"{what}: writing it failed ({e.reason}); the steps trained since the last complete checkpoint "
                     f"are in memory only. Free space in {e.where} (or fix its permissions): trying again in {wait} s "
-                    f"({limit - waited} s left of checkpoint.write_retry_s); a stop signal (Ctrl-C) gives up",
+                    "(see checkpoint.write_retry_s); a stop signal (Ctrl-C) gives up",
                     flush=True,
                 )
-                requests, note = run.stop.requests, run.stop.note
                 run.stop.note = f"giving up on {what}"
                 for _ in range(wait):
                     run.watchdog.beat(f"waiting to write {what} again")
                     time.sleep(1)
                     if any(gather_object([run.stop.requests > requests])):  # the same decision on every process
                         raise
-                run.stop.note, waited = note, waited + wait
+                run.stop.note = f"writing {what} first"
 
 
 def last_step_checkpoint(run: Run) -> Path:
@@ -428,6 +432,9 @@ def stop_early(run: Run, window: Window) -> Outcome:
             "the row and run the same command again to continue from it"
         )
     run.stop.agreed = window.signal
+    if step == 0:  # a fresh start stopped before its first step (in the baseline evaluation, say)
+        run.accelerator.print(f"stopped on {run.stop.name} before step 1; nothing was trained yet")
+        return Outcome.STOPPED
     path = last_step_checkpoint(run)
     run.accelerator.print(
         f"stopped on {run.stop.name} after step {step}; checkpoint {path} is complete; run again "

@@ -129,8 +129,9 @@ def physical_cores() -> int:
 def cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float | None:
     """CPUs this process's cgroup may use (quota / period), or None without a quota. cgroup
     v2's cpu.max ("200000 100000", or "max ..."), else v1's cpu.cfs_quota_us and
-    cpu.cfs_period_us; its own cgroup's files first (a host), then the root's (a container
-    sees its own cgroup there). Written by hand: neither torch nor psutil reads quotas."""
+    cpu.cfs_period_us at the root. v2 reads the process's own cgroup (a host) and then the
+    root (a container sees its own cgroup there), not the ancestors between: a limit set on
+    a parent slice alone is not seen. Written by hand: neither torch nor psutil reads quotas."""
 
     def read(path: Path) -> str | None:
         try:

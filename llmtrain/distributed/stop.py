@@ -68,16 +68,14 @@ class StopRequest:
         """While `what` (a checkpoint, final/) is written, every signal only sets the flag,
         a second Ctrl-C too: the write holds the steps since the last complete checkpoint,
         and before the first checkpoint the whole run."""
-        handler = signal.getsignal(signal.SIGINT)
-        ours = handler == signal.default_int_handler and self.signum == signal.SIGINT  # a first Ctrl-C re-armed it
-        if ours:
-            signal.signal(signal.SIGINT, self._handle)
+        if signal.getsignal(signal.SIGINT) == signal.default_int_handler and self.signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, self._handle)  # a first Ctrl-C re-armed the default: ours again
         self.note = f"writing {what} first"
         try:
             yield
         finally:
             self.note = ""
-            if ours or (self.signum == signal.SIGINT and signal.getsignal(signal.SIGINT) == self._handle):
+            if self.signum == signal.SIGINT and signal.getsignal(signal.SIGINT) == self._handle:
                 signal.signal(signal.SIGINT, signal.default_int_handler)  # a further Ctrl-C interrupts again
 
     @contextmanager
@@ -93,6 +91,21 @@ class StopRequest:
             self.deferring = False
         if after is not None and self.signum and not self.agreed:
             self._exit(self.signum, after)
+
+    def agree(self, accelerator, when: str) -> None:
+        """A collective: if any process was signalled, every process stops alike (the
+        first signalled one's signal), saying `when`. For a pass before training."""
+        from accelerate.utils import gather_object
+
+        signals = [s for s in gather_object([self.signum]) if s]
+        if signals:
+            self.stop_all(signals[0], accelerator, when)
+
+    def stop_all(self, signum: int, accelerator, when: str) -> None:
+        """Every process agreed to stop on `signum` before anything was trained: exit."""
+        self.agreed = signum
+        accelerator.print(f"stopped on {self.name} {when}; nothing was trained yet")
+        raise SystemExit(self.exit_code())
 
     def _exit(self, signum: int, after: str) -> None:
         name = signal.Signals(signum).name

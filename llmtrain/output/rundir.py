@@ -57,7 +57,7 @@ def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
     check_same_run(out, ident)
     if (step := already_finished(cfg, accelerator.num_processes)) is not None:
         return Start(ident, finished_at=step)
-    check_free_space(out, need)
+    check_free_space(out, need, cfg.checkpoint.keep_last)
     if accelerator.is_main_process:
         checkpoint.clean_leftovers(out)  # what a killed run left half written or half deleted
     accelerator.wait_for_everyone()
@@ -105,15 +105,25 @@ def output_bytes(model) -> dict[str, int]:
     return {"checkpoint": weights + optimizer, "export": weights}
 
 
-def check_free_space(output_dir: str, need: dict[str, int]) -> None:
-    """Refuse to start when output_dir cannot hold one checkpoint and the final export."""
+def check_free_space(output_dir: str, need: dict[str, int], keep_last: int) -> None:
+    """Refuse to start when output_dir cannot hold one checkpoint and the final export;
+    warn when it cannot hold the keep_last + 1 checkpoints that exist while one is written
+    (the run may be short enough to write none: checkpoint.every_minutes)."""
     free, total = shutil.disk_usage(output_dir).free, need["checkpoint"] + need["export"]
+    gib = 2**30
     if free < total:
-        gib = 2**30
         raise CheckpointError(
             f"output_dir: {output_dir} has {free / gib:.2f} GiB free, but one checkpoint "
             f"({need['checkpoint'] / gib:.2f} GiB) and the final export ({need['export'] / gib:.2f} GiB) need "
             f"{total / gib:.2f} GiB; free space or choose an output_dir on a larger disk"
+        )
+    most = keep_last + 1
+    if keep_last and free < most * need["checkpoint"] + need["export"]:
+        warn(
+            f"output_dir: {output_dir} has {free / gib:.2f} GiB free, room for one checkpoint "
+            f"({need['checkpoint'] / gib:.2f} GiB) and the export but not the {most} checkpoints that exist while one "
+            f"is written with checkpoint.keep_last={keep_last} (checkpoint.every_steps, every_minutes); one that does "
+            "not fit waits for space (checkpoint.write_retry_s). Free space, or set checkpoint.keep_last=1"
         )
 
 
@@ -249,18 +259,18 @@ def up_to_date(cfg, step: int, total_steps: int, world_size: int) -> bool:
 
 def final_changes(cfg, world_size: int) -> list[str]:
     """`changed_settings` of final/'s config against `cfg` (one line saying so when it
-    cannot be read), and the process count when it changes the global batch (the config
-    does not hold it; with the same global batch the steps read the same rows)."""
+    cannot be read), and the process count (the config does not hold it): another count
+    gives another global batch, or with the same one another split of its config."""
     try:
         changes = changed_settings(read_own(Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"), cfg)
     except (OSError, ValueError):
         return ["(the saved config cannot be read, so changes are not known)"]
     was = (finished_state(cfg.output_dir) or {}).get("settings")
     was = was if isinstance(was, dict) else {}  # exported before final/ recorded them: not known
-    batch, processes = was.get("global_batch"), was.get("world_size")
-    now = cfg.train.global_batch(world_size)
-    if isinstance(processes, int) and processes != world_size and batch != now:
-        changes.append(f"processes: {processes} -> {world_size} (global batch {batch} -> {now})")
+    processes = was.get("world_size")
+    if isinstance(processes, int) and processes != world_size:
+        now = cfg.train.global_batch(world_size)
+        changes.append(f"processes: {processes} -> {world_size} (global batch {was.get('global_batch')} -> {now})")
     return changes
 
 

@@ -28,7 +28,7 @@ import torch
 from .. import safefs
 from ..attention import text_config
 from ..core.window import Outcome, draw_window
-from ..errors import ModelError, describe
+from ..errors import DataError, ModelError, describe
 from ..files import content_hash
 from ..model import hub_kwargs, ids_past, no_such_directory
 
@@ -182,9 +182,9 @@ def compute(
                 found_index.append(batch[index].cpu())
                 found_logps.append(torch.stack([sums[:k], sums[k:]], 1).float().cpu())
         if window.outcome is Outcome.STOPPED:
-            stop.agreed = window.signal
-            accelerator.print(f"stopped on {stop.name} during the reference pass; nothing was trained yet")
-            raise SystemExit(stop.exit_code())
+            stop.stop_all(window.signal, accelerator, "during the reference pass")
+        if window.outcome is Outcome.DATA_FAULT:  # a row that cannot be collated, met by some process
+            raise DataError(next(f for f in gather_object([window.fault]) if f))
     model.train(was_training)
     pairs = sum(len(getattr(s, "pairs", s)) for s in sets)
     table, got = torch.zeros(pairs, 2), torch.zeros(pairs, dtype=torch.bool)

@@ -84,6 +84,21 @@ def test_a_ctrl_c_that_comes_while_final_is_written_arms_the_next_one(stop):
         os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_a_signal_left_pending_by_a_pass_before_training_stops_every_process(stop, capsys):
+    """deferred(after=None) leaves a signal to an agreement; `agree` is that agreement for a
+    pass before training (one process here: its own signal)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    with stop.deferred(after=None):
+        stop.agree(accelerator, "before training")  # nothing came: goes on
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(SystemExit) as exited:
+            stop.agree(accelerator, "before training")
+    assert exited.value.code == 0 and stop.agreed == signal.SIGUSR1
+    assert capsys.readouterr().out == "stopped on SIGUSR1 before training; nothing was trained yet\n"
+
+
 def test_a_hangup_ignored_at_start_stays_ignored():
     """nohup starts the process with SIGHUP ignored, so that the run outlives the terminal."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}

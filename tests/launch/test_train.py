@@ -220,13 +220,47 @@ def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_
     assert not (out / "final").exists()
 
 
-def test_checkpoints_are_written_by_the_clock_on_every_process_alike(common, chat_file, cache_env, tmp_path):
-    """checkpoint.every_minutes with every_steps=0: a checkpoint once the time has passed
-    (here 6 microseconds: after any step that began that long after the last one was
-    written), written by both processes after the same step."""
+# Rank 1's training loop reads a clock that runs a million times fast (llmtrain.train's
+# `time` module is swapped once imported); nothing else in that process sees it.
+FAST_CLOCK = """
+import importlib.abc, importlib.util, os, sys, time
+
+class Fast:
+    def __init__(self):
+        self.t0 = time.monotonic()
+    def __getattr__(self, name):
+        return getattr(time, name)
+    def monotonic(self):
+        return self.t0 + (time.monotonic() - self.t0) * 1e6
+
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "llmtrain.train":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.time = Fast()
+        spec.loader.exec_module = exec_module
+        return spec
+
+if os.environ.get("RANK") == "1":
+    sys.meta_path.insert(0, Hook())
+"""
+
+
+def test_checkpoints_by_the_clock_are_agreed_when_one_process_clock_says_so(common, chat_file, cache_env, tmp_path):
+    """checkpoint.every_minutes=1 with every_steps=0: rank 1's clock (a million times fast)
+    says a checkpoint is due at every step, rank 0's never in this short run. Both must write
+    it after the same steps (a checkpoint is a collective: a process writing alone hangs)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAST_CLOCK)
     out = tmp_path / "clock"
-    args = common(chat_file, out) + ["train.max_steps=3", "checkpoint.every_minutes=1e-7", "checkpoint.keep_last=0"]
-    run_recipe(args, cache_env, nproc=2)
+    args = common(chat_file, out) + ["train.max_steps=3", "checkpoint.every_minutes=1", "checkpoint.keep_last=0"]
+    run_recipe(args, dict(cache_env, PYTHONPATH=str(site)), nproc=2, timeout=300)
     steps = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").iterdir())
     assert steps and set(steps) <= {1, 2, 3} and (2 in steps or 3 in steps), steps  # a whole step since any save
     for step in steps:

@@ -300,7 +300,7 @@ def test_an_output_dir_that_is_a_file_or_a_link_to_no_directory_says_so(tmp_path
     check_writable(str(tmp_path / "to_dir"))  # a link to a directory is taken, as the user made it
 
 
-def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
+def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch, capsys):
     import shutil
     from types import SimpleNamespace
 
@@ -311,10 +311,19 @@ def test_output_size_estimate_and_free_space_check(tmp_path, monkeypatch):
     need = output_bytes(model)
     assert need == {"export": 4 * (1010 + 100), "checkpoint": 4 * (1010 + 100) + 2 * 4 * 1010}
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=need["checkpoint"] + need["export"]))
-    check_free_space(str(tmp_path), need)
+    check_free_space(str(tmp_path), need, keep_last=0)  # keep all: no count to warn about
+    assert capsys.readouterr().err == ""
+    check_free_space(str(tmp_path), need, keep_last=2)  # starts, warned: 3 checkpoints exist while one is written
+    assert "but not the 3 checkpoints that exist while one is written with checkpoint.keep_last=2" in (
+        capsys.readouterr().err
+    )
+    room = 3 * need["checkpoint"] + need["export"]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=room))
+    check_free_space(str(tmp_path), need, keep_last=2)
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
     with pytest.raises(CheckpointError, match=r"output_dir: .* has 0.00 GiB free, but one checkpoint .* need"):
-        check_free_space(str(tmp_path), need)
+        check_free_space(str(tmp_path), need, keep_last=2)
 
 
 @pytest.mark.slow

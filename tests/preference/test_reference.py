@@ -95,6 +95,20 @@ def test_a_stop_signal_ends_the_pass_at_an_agreed_batch(model, sets, accelerator
     assert capsys.readouterr().out == "stopped on SIGUSR1 during the reference pass; nothing was trained yet\n"
 
 
+def test_bad_data_in_the_pass_is_its_one_error_line(model, sets, accelerator):
+    """Drawn with the stop protocol, a DataError becomes the window's fault: it is raised as
+    itself on every process, not as 'pairs got no log-probs' (a bug's error)."""
+    from llmtrain.distributed.stop import StopRequest
+    from llmtrain.errors import DataError
+
+    class Collate(PairCollator):
+        def __call__(self, rows):
+            raise DataError("data.train: prefs.jsonl line 4: an answer the template cannot render")
+
+    with pytest.raises(DataError, match="^data.train: prefs.jsonl line 4: an answer"):
+        compute(model, PreferenceLoss("sigmoid", 0.1), sets, Collate(0), 1, accelerator, {}, None, stop=StopRequest())
+
+
 def test_the_table_is_cached_and_computed_again_when_the_model_files_change(
     model, sets, accelerator, tiny_model, tmp_path, monkeypatch
 ):
