@@ -134,6 +134,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
                         accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
                     ),
                 )
+                stop.agree(accelerator, "; final/ is saved")  # a signal to one process stops all alike
     if outcome is Outcome.STOPPED:
         accelerator.end_training()
         sys.exit(stop.exit_code())

@@ -148,7 +148,7 @@ def setup(
     if after_prepare is not None:
         with stop.deferred(after=None):  # a long pass (the reference log-probs) stops at an agreed batch
             after_prepare(model, accelerator, empty, watchdog.beat, stop)
-            stop.agree(accelerator, "before training")  # a signal that came after its last batch
+            stop.agree(accelerator, " before training; nothing was trained yet")  # one after its last batch
 
     state = TrainState(spikes=SpikeGuard(t.spike_factor, t.spike_window))
     watchdog.beat("checking that the weights are finite")

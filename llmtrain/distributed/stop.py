@@ -92,19 +92,20 @@ class StopRequest:
         if after is not None and self.signum and not self.agreed:
             self._exit(self.signum, after)
 
-    def agree(self, accelerator, when: str) -> None:
-        """A collective: if any process was signalled, every process stops alike (the
-        first signalled one's signal), saying `when`. For a pass before training."""
+    def agree(self, accelerator, tail: str) -> None:
+        """A collective: if any process was signalled, every process stops alike (on the
+        first signalled one's signal), printing 'stopped on SIG...' + `tail`. Where no
+        training step agrees on it: before training, once final/ is saved."""
         from accelerate.utils import gather_object
 
         signals = [s for s in gather_object([self.signum]) if s]
         if signals:
-            self.stop_all(signals[0], accelerator, when)
+            self.stop_all(signals[0], accelerator, tail)
 
-    def stop_all(self, signum: int, accelerator, when: str) -> None:
-        """Every process agreed to stop on `signum` before anything was trained: exit."""
+    def stop_all(self, signum: int, accelerator, tail: str) -> None:
+        """Every process agreed to stop on `signum` where there is nothing to save: exit."""
         self.agreed = signum
-        accelerator.print(f"stopped on {self.name} {when}; nothing was trained yet")
+        accelerator.print(f"stopped on {self.name}{tail}")
         raise SystemExit(self.exit_code())
 
     def _exit(self, signum: int, after: str) -> None:

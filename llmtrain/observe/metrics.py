@@ -11,7 +11,7 @@ import platform
 from pathlib import Path
 
 from .. import safefs
-from ..errors import warn
+from ..errors import CheckpointError, warn
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -64,6 +64,7 @@ class MetricsLog:
         self.accelerator = accelerator
         self.path = Path(output_dir) / METRICS_FILE
         self.write_failed = False
+        error = None
         if accelerator.is_main_process:
             kept, unread = [], []
             if resume_step is not None and self.path.exists():
@@ -79,7 +80,20 @@ class MetricsLog:
                     f"{self.path}: {len(unread)} line(s) are not a metrics row (a JSON object with a numeric step; "
                     f"first at line {unread[0]}), dropped on resume"
                 )
-            safefs.write_text(self.path, "".join(line + "\n" for line in kept))
+            safefs.check_entry(self.path, directory=False)  # a link planted there is refused, not replaced
+            try:  # replaced whole: a failed write or a kill keeps the rows it held
+                safefs.replace_text(self.path, "".join(line + "\n" for line in kept))
+            except OSError as e:
+                error = e.strerror or str(e)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            error = broadcast_object_list([error])[0]  # every process stops alike
+        if error:
+            raise CheckpointError(
+                f"output_dir: cannot write {self.path} ({error}); the rows it held are kept. Free space in "
+                f"{output_dir} (or fix its permissions) and run the same command again"
+            )
 
     def log(self, row: dict) -> None:
         if self.accelerator.is_main_process:

@@ -28,9 +28,10 @@ import torch
 from .. import safefs
 from ..attention import text_config
 from ..core.window import Outcome, draw_window
-from ..errors import DataError, ModelError, describe
+from ..errors import DataError, ModelError, describe, warn
 from ..files import content_hash
 from ..model import hub_kwargs, ids_past, no_such_directory
+from ..output.checkpoint import write_failed
 
 CACHE = "reference_logps.pt"
 
@@ -182,7 +183,7 @@ def compute(
                 found_index.append(batch[index].cpu())
                 found_logps.append(torch.stack([sums[:k], sums[k:]], 1).float().cpu())
         if window.outcome is Outcome.STOPPED:
-            stop.stop_all(window.signal, accelerator, "during the reference pass")
+            stop.stop_all(window.signal, accelerator, " during the reference pass; nothing was trained yet")
         if window.outcome is Outcome.DATA_FAULT:  # a row that cannot be collated, met by some process
             raise DataError(next(f for f in gather_object([window.fault]) if f))
     model.train(was_training)
@@ -254,7 +255,15 @@ class ReferencePass:
             del ref_model
             check_finite(table, cfg, str(accelerator.mixed_precision))  # every process holds the whole table
             if accelerator.is_main_process:
-                save_cached(path, key, table)
+                try:
+                    save_cached(path, key, table)
+                except Exception as e:  # a cache: every process holds the table, so training goes on
+                    if not (why := write_failed(e)):
+                        raise
+                    warn(
+                        f"reference log-probs: cannot cache them in {path} ({why}); training goes on, and a "
+                        "resumed run or a rerun computes them again"
+                    )
             accelerator.wait_for_everyone()
             seconds = time.perf_counter() - started
             accelerator.print(

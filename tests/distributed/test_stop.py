@@ -91,10 +91,10 @@ def test_a_signal_left_pending_by_a_pass_before_training_stops_every_process(sto
 
     accelerator = Accelerator(cpu=True)
     with stop.deferred(after=None):
-        stop.agree(accelerator, "before training")  # nothing came: goes on
+        stop.agree(accelerator, " before training; nothing was trained yet")  # nothing came: goes on
         os.kill(os.getpid(), signal.SIGUSR1)
         with pytest.raises(SystemExit) as exited:
-            stop.agree(accelerator, "before training")
+            stop.agree(accelerator, " before training; nothing was trained yet")
     assert exited.value.code == 0 and stop.agreed == signal.SIGUSR1
     assert capsys.readouterr().out == "stopped on SIGUSR1 before training; nothing was trained yet\n"
 

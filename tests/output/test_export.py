@@ -222,7 +222,7 @@ def test_a_full_disk_before_the_export_starts_is_the_same_one_error(model, token
 def test_metrics_that_cannot_be_written_do_not_stop_training(tmp_path, capsys):
     from llmtrain.observe.metrics import MetricsLog
 
-    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, log=lambda *a, **k: None)
     log = MetricsLog(accelerator, str(tmp_path), None)
     log.path.unlink()
     log.path.mkdir()  # any write now fails with an OSError, as on a full disk

@@ -55,9 +55,36 @@ def test_changed_settings_name_what_alters_the_run():
 def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
     rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.2}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
-    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, log=lambda *a, **k: None)
     MetricsLog(accelerator, str(tmp_path), resume_step=3)
     assert metrics(tmp_path) == rows
+
+
+def test_a_resume_that_cannot_rewrite_the_metrics_keeps_them(tmp_path, monkeypatch):
+    """The kept rows are written into a new file renamed over the old: a write that fails (a
+    file size limit, a full disk) or a kill leaves every row, where the file was truncated
+    first and a resume then lost the rows it could not write back."""
+    import errno
+
+    from llmtrain.errors import CheckpointError
+
+    rows = [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    real = Path.write_text
+
+    def full(self, data, *args, **kwargs):
+        real(self, data[:10], *args, **kwargs)
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, log=lambda *a, **k: None)
+    with pytest.raises(CheckpointError) as e:
+        MetricsLog(accelerator, str(tmp_path), resume_step=3)
+    assert str(e.value).startswith(f"output_dir: cannot write {tmp_path / 'metrics.jsonl'} (File too large); the rows")
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
 
 
 def test_hand_edited_metrics_lines_do_not_stop_a_resume(tmp_path, capsys):
@@ -66,7 +93,7 @@ def test_hand_edited_metrics_lines_do_not_stop_a_resume(tmp_path, capsys):
     rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": "abc"}, {"step": 3, "loss": 1.2}]
     lines = [json.dumps(r) for r in rows] + ['{"step": "abc", "loss": 1.0}', "[1, 2]", json.dumps({"step": 4})]
     (tmp_path / "metrics.jsonl").write_bytes("\n".join(lines).encode() + b"\n\xff\xfe\n")
-    accelerator = SimpleNamespace(is_main_process=True, log=lambda *a, **k: None)
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, log=lambda *a, **k: None)
     MetricsLog(accelerator, str(tmp_path), resume_step=3)
     assert metrics(tmp_path) == rows
     assert capsys.readouterr().err == (

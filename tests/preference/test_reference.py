@@ -148,6 +148,26 @@ def test_the_table_is_cached_and_computed_again_when_the_model_files_change(
     assert len(calls) == 3 and torch.equal(objective.reference, first)
 
 
+def test_a_cache_that_cannot_be_written_is_a_warning_and_training_goes_on(
+    model, sets, accelerator, tiny_model, tmp_path, monkeypatch, capsys
+):
+    """A full disk at the cache (torch's writer: 'unexpected pos') crashed the main process,
+    and the other ranks with it; the table is in memory on every process."""
+    import llmtrain.preference.reference as reference
+
+    def full(path, key, table):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726")
+
+    monkeypatch.setattr(reference, "save_cached", full)
+    given = [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"output_dir={tmp_path}"]
+    cfg, objective = load_config(None, given, DPOConfig), PreferenceLoss("sigmoid", 0.1)
+    ReferencePass(cfg, objective, sets, PairCollator(0))(model, accelerator, PairCollator(0).empty_batch(), print)
+    assert objective.reference is not None and objective.reference.shape == (sum(len(s) for s in sets), 2)
+    assert f"warning: reference log-probs: cannot cache them in {tmp_path / CACHE} (unexpected pos" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_reference_with_non_finite_log_probs_is_one_error_naming_the_model(
     model, sets, accelerator, tiny_model, tmp_path
 ):
