@@ -112,8 +112,11 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     backend = process_group_backend()
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **({"backend": backend} if backend else {}))
     if state.num_processes == 1:
-        with user_errors(state):
-            main(argv)
+        try:
+            with user_errors(state):
+                main(argv)
+        finally:  # the run is over: a stop signal now would only interrupt the exit (atexit handlers)
+            ignore_stop_signals()
         return
     try:
         with user_errors(state):
@@ -138,12 +141,8 @@ def exit_now(code) -> None:
     run is over and this code is its outcome, where the stop handler would report a stop
     from inside an atexit handler."""
     import atexit
-    import signal
 
-    from .distributed.stop import GRACEFUL
-
-    for sig in GRACEFUL:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -155,3 +154,13 @@ def exit_now(code) -> None:
         sys.stderr.flush()
         code = 1
     os._exit(code)
+
+
+def ignore_stop_signals() -> None:
+    """Once a run is over, SIGUSR1/SIGTERM/SIGINT/SIGHUP are ignored while the process exits."""
+    import signal
+
+    from .distributed.stop import GRACEFUL
+
+    for sig in GRACEFUL:
+        signal.signal(sig, signal.SIG_IGN)

@@ -132,3 +132,23 @@ def test_processes_that_formed_no_group_report_on_rank_0_alone(monkeypatch, caps
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_a_signal_while_a_finished_one_process_run_exits_is_ignored(tmp_path):
+    """A second Ctrl-C just after final/ was saved interrupted the atexit handlers
+    ('Exception ignored in atexit callback ... KeyboardInterrupt'), exit 130."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, os, signal\n"
+        "from llmtrain.cli import run_cli\n"
+        "from llmtrain.distributed.stop import StopRequest\n"
+        "def main(argv):\n"
+        "    StopRequest().install()\n"
+        "    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), print('flushed', flush=True)))\n"
+        "run_cli(main, [])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "flushed\n", proc.stderr
+    assert "Exception ignored" not in proc.stderr and "stopped on" not in proc.stderr
