@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -73,12 +74,7 @@ def report_once(e: UserError, state=None) -> None:
         # ACCELERATE_USE_CPU=1): there is no store, and each met the same error, which
         # rank 0 prints. Wait for the launcher to stop this one once rank 0 has exited, and
         # let its signal end this process without a word.
-        import signal
-
-        from .distributed.stop import GRACEFUL
-
-        for sig in GRACEFUL:
-            signal.signal(sig, signal.SIG_DFL)
+        stop_signals(signal.SIG_DFL)
         time.sleep(REPORT_WAIT_S)
         return
     store = default_store() if multi else None
@@ -116,7 +112,7 @@ def run_cli(main, argv: list[str] | None = None) -> None:
             with user_errors(state):
                 main(argv)
         finally:  # the run is over: a stop signal now would only interrupt the exit (atexit handlers)
-            ignore_stop_signals()
+            stop_signals(signal.SIG_IGN)
         return
     try:
         with user_errors(state):
@@ -142,7 +138,7 @@ def exit_now(code) -> None:
     from inside an atexit handler."""
     import atexit
 
-    ignore_stop_signals()
+    stop_signals(signal.SIG_IGN)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -156,11 +152,10 @@ def exit_now(code) -> None:
     os._exit(code)
 
 
-def ignore_stop_signals() -> None:
-    """Once a run is over, SIGUSR1/SIGTERM/SIGINT/SIGHUP are ignored while the process exits."""
-    import signal
-
+def stop_signals(action) -> None:
+    """Give SIGUSR1/SIGTERM/SIGINT/SIGHUP (stop.GRACEFUL) `action`: SIG_IGN once a run is
+    over and exits, SIG_DFL for a process that waits to be stopped."""
     from .distributed.stop import GRACEFUL
 
     for sig in GRACEFUL:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, action)

@@ -261,9 +261,10 @@ def train_rows(output_dir: Path) -> list[dict]:
     return [r for r in metrics(output_dir) if "loss" in r]
 
 
-def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE, topology: str = "") -> subprocess.Popen:
+def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE, topology: str = "", **popen) -> subprocess.Popen:
     """Start a recipe in the background as a real process (its own session, output on
-    stdout), on one process or `nproc` under DDP, or under the given topology."""
+    stdout), on one process or `nproc` under DDP, or under the given topology; `popen`
+    goes to subprocess.Popen (a preexec_fn, say)."""
     topology = topology or ("one" if nproc == 1 else "cpu_ddp")
     return subprocess.Popen(
         launch_command(args, topology, nproc, recipe=recipe),
@@ -273,6 +274,7 @@ def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE, topology: str = "
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        **popen,
     )
 
 

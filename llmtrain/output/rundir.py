@@ -239,7 +239,7 @@ def already_finished(cfg, world_size: int) -> int | None:
     written with the same settings, but for how it reports and checkpoints, and the same
     global batch); else None."""
     done = finished_state(cfg.output_dir)
-    if done is None or done["step"] is None or final_changes(cfg, world_size):  # an unreadable config is a change
+    if done is None or done["step"] is None or final_changes(cfg, world_size, done):  # an unreadable config is a change
         return None
     return done["step"]
 
@@ -253,19 +253,20 @@ def up_to_date(cfg, step: int, total_steps: int, world_size: int) -> bool:
     done = finished_state(cfg.output_dir)
     if not (step >= total_steps and done is not None and done["step"] == step):
         return False
-    changes = final_changes(cfg, world_size)
+    changes = final_changes(cfg, world_size, done)
     return not changes or not all(change.startswith("export.") for change in changes)
 
 
-def final_changes(cfg, world_size: int) -> list[str]:
+def final_changes(cfg, world_size: int, done: dict) -> list[str]:
     """`changed_settings` of final/'s config against `cfg` (one line saying so when it
-    cannot be read), and the process count (the config does not hold it): another count
-    gives another global batch, or with the same one another split of its config."""
+    cannot be read), and the process count against `done` (final/'s state, finished_state:
+    the config does not hold it): another count gives another global batch, or with the
+    same one another split of its config."""
     try:
         changes = changed_settings(read_own(Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"), cfg)
     except (OSError, ValueError):
         return ["(the saved config cannot be read, so changes are not known)"]
-    was = (finished_state(cfg.output_dir) or {}).get("settings")
+    was = done.get("settings")
     was = was if isinstance(was, dict) else {}  # exported before final/ recorded them: not known
     processes = was.get("world_size")
     if isinstance(processes, int) and processes != world_size:
@@ -289,7 +290,7 @@ def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
     done = finished_state(out)
     if done is not None and resume_from is None:
         at = f"exported at step {done['step']}" if done["step"] is not None else "whose train_state.json cannot be read"
-        changes = "; ".join(final_changes(cfg, world_size)) or "other settings"
+        changes = "; ".join(final_changes(cfg, world_size, done)) or "other settings"
         raise CheckpointError(
             f"output_dir: {out} holds a finished run (final/ {at}) with other settings ({changes}), and no "
             "checkpoint to continue or export it from; choose another output_dir, or delete its final/ to train "

@@ -31,7 +31,7 @@ from ..core.window import Outcome, draw_window
 from ..errors import DataError, ModelError, describe, warn
 from ..files import content_hash
 from ..model import hub_kwargs, ids_past, no_such_directory
-from ..output.checkpoint import write_failed
+from ..output.checkpoint import attempt
 
 CACHE = "reference_logps.pt"
 
@@ -254,16 +254,12 @@ class ReferencePass:
             table = compute(ref_model, ref_objective, *args)
             del ref_model
             check_finite(table, cfg, str(accelerator.mixed_precision))  # every process holds the whole table
-            if accelerator.is_main_process:
-                try:
-                    save_cached(path, key, table)
-                except Exception as e:  # a cache: every process holds the table, so training goes on
-                    if not (why := write_failed(e)):
-                        raise
-                    warn(
-                        f"reference log-probs: cannot cache them in {path} ({why}); training goes on, and a "
-                        "resumed run or a rerun computes them again"
-                    )
+            # A cache: every process holds the table, so a write fault is a warning.
+            if accelerator.is_main_process and (why := attempt(lambda: save_cached(path, key, table))):
+                warn(
+                    f"reference log-probs: cannot cache them in {path} ({why}); training goes on, and a "
+                    "resumed run or a rerun computes them again"
+                )
             accelerator.wait_for_everyone()
             seconds = time.perf_counter() - started
             accelerator.print(

@@ -4,7 +4,6 @@ DDP processes on CPU), on a tiny model."""
 import json
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -282,21 +281,10 @@ def test_a_full_disk_at_the_export_waits_for_space_instead_of_losing_the_run(com
 
     import psutil
 
-    from tests.conftest import ROOT, launch_command, launch_env
-
     out = tmp_path / "full"
     args = common(chat_file, out) + ["train.max_steps=3", "checkpoint.write_retry_s=3"]  # a retry 2-3 s later
-    topology, nproc = "cpu_ddp", 2
-    proc = subprocess.Popen(
-        launch_command(args, topology, nproc),
-        env=launch_env(cache_env, topology),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY)),
-    )
+    limit = (200_000, resource.RLIM_INFINITY)
+    proc = start_run(args, cache_env, nproc=2, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, limit))
     seen = []
     while (line := proc.stdout.readline()) and "trying again" not in line:
         seen.append(line)
