@@ -13,15 +13,17 @@ from tests.conftest import FORKS, ROOT, free_port
 
 SCRIPT = """\
 import atexit, json, os, signal, sys
-atexit.register(lambda: print("atexit ran"))
-print(json.dumps({
+# Each line is one write: two workers share the launcher's pipe, and print's separate write
+# of the newline lets their lines interleave.
+atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
+sys.stdout.write(json.dumps({
     "name": __name__,
     "argv": sys.argv,
     "cwd": os.getcwd(),
     "path0": sys.path[0],
     "marker": os.environ.get("FORK_TEST_MARKER"),
     "handlers": {s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGUSR1")},
-}))
+}) + "\\n")
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
 if how == "code":
