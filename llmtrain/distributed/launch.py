@@ -128,10 +128,11 @@ def physical_cores() -> int:
 
 def cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float | None:
     """CPUs this process's cgroup may use (quota / period), or None without a quota. cgroup
-    v2's cpu.max ("200000 100000", or "max ..."), else v1's cpu.cfs_quota_us and
-    cpu.cfs_period_us at the root. v2 reads the process's own cgroup (a host) and then the
-    root (a container sees its own cgroup there), not the ancestors between: a limit set on
-    a parent slice alone is not seen. Written by hand: neither torch nor psutil reads quotas."""
+    v2's cpu.max ("200000 100000", or "max ..."), read at the process's own cgroup and every
+    ancestor up to the root (a container sees its own cgroup at the root), the smallest
+    counting: a limit on a parent slice (a Slurm job, a systemd slice) binds its children.
+    Else cgroup v1's cpu.cfs_quota_us and cpu.cfs_period_us, likewise. Written by hand:
+    neither torch nor psutil reads quotas."""
 
     def read(path: Path) -> str | None:
         try:
@@ -140,21 +141,31 @@ def cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> f
         except (OSError, UnicodeDecodeError):
             return None
 
-    base = Path(root)
-    places = [base / "cpu.max"]
+    def ratio(quota: str, period: str) -> float | None:
+        try:
+            q, p = float(quota), float(period)
+        except ValueError:
+            return None
+        return q / p if q > 0 and p > 0 else None
+
+    def chain(top: Path, path: str) -> list[Path]:
+        """`top` and the cgroups from it down to `path` (bounded: a path is a few levels)."""
+        parts = [p for p in path.strip().split("/") if p not in ("", ".", "..")][:64]
+        return [top.joinpath(*parts[:n]) for n in range(len(parts) + 1)]
+
+    base, v2, v1 = Path(root), [Path(root)], [Path(root) / "cpu"]
     for line in (read(Path(own)) or "").splitlines():
-        if line.startswith("0::"):  # cgroup v2: this process's own cgroup
-            places.insert(0, base / line[3:].strip().lstrip("/") / "cpu.max")
-    fields = next((t for t in map(read, places) if t is not None), "").split()
-    if len(fields) == 2 and fields[0] != "max":
-        quota, period = fields
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if number == "0" and not controllers:  # cgroup v2: this process's own cgroup
+            v2 = chain(base, path)
+        elif "cpu" in controllers.split(","):  # cgroup v1's cpu controller
+            v1 = chain(base / "cpu", path)
+    texts = [t.split() for t in (read(level / "cpu.max") for level in v2) if t is not None]
+    if texts:
+        quotas = [ratio(*fields) for fields in texts if len(fields) == 2]
     else:
-        quota, period = (read(base / "cpu" / name) or "" for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
-    try:
-        quota, period = float(quota), float(period)
-    except ValueError:
-        return None
-    return quota / period if quota > 0 and period > 0 else None
+        quotas = [ratio(*(read(at / name) or "" for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))) for at in v1]
+    return min((q for q in quotas if q), default=None)
 
 
 def local_processes() -> int:

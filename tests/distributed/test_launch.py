@@ -202,8 +202,11 @@ def test_a_cpu_process_without_a_launcher_is_left_alone(tmp_path):
         ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2, a container's --cpus=1.5
         ({"cpu.max": "max 100000\n"}, None),  # no quota
         ({"job/cpu.max": "400000 100000\n", "cpu.max": "max 100000\n"}, 4.0),  # its own cgroup's, on a host
+        ({"job/step/cpu.max": "max 100000\n", "job/cpu.max": "300000 100000\n"}, 3.0),  # set on a parent
+        ({"job/step/cpu.max": "800000 100000\n", "job/cpu.max": "200000 50000\n"}, 4.0),  # the smallest binds
         ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
         ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no quota
+        ({"cpu/job/cpu.cfs_quota_us": "50000\n", "cpu/job/cpu.cfs_period_us": "100000\n"}, 0.5),  # v1, a parent's
         ({}, None),  # no cgroup files at all
     ],
 )
@@ -216,7 +219,8 @@ def test_a_cgroup_cpu_quota_is_read(tmp_path, files, quota):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     own = tmp_path / "self-cgroup"
-    own.write_text("0::/job\n" if "job/cpu.max" in files else "0::/\n")
+    host = any(name.startswith(("job/", "cpu/job/")) for name in files)
+    own.write_text("4:cpu,cpuacct:/job/step\n0::/job/step\n" if host else "4:cpu,cpuacct:/\n0::/\n")
     assert cpu_quota(str(root), str(own)) == quota
 
 
