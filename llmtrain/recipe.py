@@ -127,6 +127,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             if outcome is Outcome.FINISHED:
                 settings = checkpoint.position_settings(cfg, accelerator.num_processes)  # what a rerun compares
                 config, state = to_yaml(cfg), run.state.state_dict() | {"settings": settings}
+                rundir.keep_finished(cfg, accelerator)  # an earlier final/ trained otherwise is kept
                 final = keep_writing(
                     run,
                     "final/",

@@ -10,7 +10,8 @@ lock file says who holds it, so a second run stops at once naming the first.
 A finished run leaves final/train_state.json, the state it was exported at. A rerun of a
 finished run says so and exits instead of exporting again; a fresh start in a directory
 that holds a finished run (and no checkpoint to continue it) is refused rather than
-overwriting it.
+overwriting it, and a resume with other settings keeps the finished final/ aside
+(`keep_finished`).
 """
 
 from __future__ import annotations
@@ -273,6 +274,32 @@ def final_changes(cfg, world_size: int, done: dict) -> list[str]:
         now = cfg.train.global_batch(world_size)
         changes.append(f"processes: {processes} -> {world_size} (global batch {was.get('global_batch')} -> {now})")
     return changes
+
+
+def keep_finished(cfg, accelerator) -> Path | None:
+    """Before this run exports: a finished run's final/ that it would replace with a model
+    trained otherwise (it resumed from an earlier checkpoint with other settings: the rate,
+    the length, the process count) is renamed final-step-N/ and kept, so a rerun never
+    loses what a run trained. A re-export of the same training (only export.* changed)
+    replaces final/. Every process calls it; returns where the old final/ went, or None."""
+    kept = None
+    if accelerator.is_main_process and (done := finished_state(cfg.output_dir)) is not None:
+        changes = [c for c in final_changes(cfg, accelerator.num_processes, done) if not c.startswith("export.")]
+        if changes or done["step"] is None:
+            final = Path(cfg.output_dir) / "final"
+            name = f"final-step-{done['step']}" if done["step"] is not None else "final-earlier"
+            kept = next(
+                final.with_name(f"{name}-{n}" if n > 1 else name)
+                for n in range(1, 10_000)
+                if not os.path.lexists(final.with_name(f"{name}-{n}" if n > 1 else name))
+            )
+            os.rename(final, kept)
+            warn(
+                f"output_dir: final/ held a finished run trained with other settings ({'; '.join(changes)}); it is "
+                f"kept as {kept.name}/ and this run's model becomes final/"
+            )
+    accelerator.wait_for_everyone()
+    return kept
 
 
 def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:

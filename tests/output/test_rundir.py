@@ -189,6 +189,32 @@ def test_a_resume_with_other_settings_names_them(finished_run, cache_env, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_resume_that_trains_otherwise_keeps_the_finished_runs_final(finished_run, cache_env, tmp_path):
+    """The newest checkpoint is step 2 and the rate changed: steps 3 and 4 are trained again
+    with the new rate. The finished run's final/ is kept, byte for byte, beside the new one."""
+    out, args = finished_run
+    copy = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    subprocess.run(["rm", "-r", str(copy / "checkpoints" / "step-4")], check=True)
+    args = [a if not a.startswith("output_dir=") else f"output_dir={copy}" for a in args]
+    old_final = {k: v for k, v in snapshot(copy).items() if k.startswith("final/")}
+    proc = run_recipe(args + ["train.lr=5e-4"], cache_env)
+    assert (
+        "warning: output_dir: final/ held a finished run trained with other settings (train.lr: 0.001 -> 0.0005); "
+        "it is kept as final-step-4/ and this run's model becomes final/" in proc.stderr
+    )
+    now = snapshot(copy)
+    assert {k.replace("final-step-4/", "final/", 1): v for k, v in now.items() if k.startswith("final-step-4/")} == (
+        old_final
+    )
+    assert now["final/model.safetensors"] != old_final["final/model.safetensors"]
+    assert "lr: 0.0005" in (copy / "final" / "llmtrain_config.yaml").read_text()
+    proc = run_recipe(args + ["train.lr=5e-4"], cache_env)  # the new final/ is this run's: nothing to do
+    assert f"{copy} already finished at step 4 with these settings; final/ is up to date" in proc.stdout
+    assert snapshot(copy) == now
+
+
+@pytest.mark.slow
 def test_a_fresh_start_over_a_finished_run_is_refused(finished_run, cache_env, tmp_path):
     """No checkpoint to continue from (say checkpoints were removed): training again from
     scratch would replace the finished run."""
@@ -385,6 +411,7 @@ def test_other_export_settings_export_a_finished_run_again(base_config, tiny_mod
         out / "final" / "adapter" / "adapter_config.json"
     ).is_file()
     assert [r["loss"] for r in train_rows(out)] == steps  # nothing trained again
+    assert sorted(p.name for p in out.glob("final*")) == ["final"]  # the same training: replaced, not kept
     proc = run_recipe([*args, "export.merge_lora=true"], cache_env)
     assert "already finished at step 2 with these settings; final/ is up to date" in proc.stdout
     # With a setting that changes training too, nothing is exported: final/ would record a
