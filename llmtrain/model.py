@@ -178,12 +178,18 @@ def _check_readable(path: Path) -> None:
             raise ModelError(f"model.name_or_path: cannot read {f} ({e.strerror}); check its permissions") from None
 
 
-def meta_model(cfg: ModelConfig, mcfg):
+def meta_model(cfg: ModelConfig, mcfg, zero3: bool = False):
     """The model as training will have it (dtype, LoRA adapters), built on the meta device
     from its config: no weights, so its parameter counts and sizes cost nothing to read
     (`llmtrain plan`, and the free-space check before anything loads)."""
     model = _meta(cfg, mcfg, load_dtype(cfg, mcfg))
-    return add_lora(model, cfg) if cfg.lora.enabled else model
+    if not cfg.lora.enabled:
+        return model
+    # peft builds each adapter's layers on the CPU before moving them to the meta device,
+    # drawing their initial weights from torch's generator: without a generator of their
+    # own, a sizing pass would change the run's random draws (its adapters' initial weights).
+    with torch.random.fork_rng(devices=[]):
+        return add_lora(model, cfg, zero3=zero3)
 
 
 def auto_class(cfg: ModelConfig):
@@ -407,7 +413,9 @@ def reference_config(cfg: ModelConfig, name: str = "") -> ModelConfig:
     )
 
 
-def load_model(cfg: ModelConfig):
+def load_model(cfg: ModelConfig, zero3: bool = False):
+    """The model from cfg.name_or_path as training takes it (dtype, attention, quantized,
+    checkpointed, LoRA adapters); `zero3`: the run is under DeepSpeed ZeRO-3 (`add_lora`)."""
     quantized = quantization_kwargs(cfg)
     try:
         model = auto_class(cfg).from_pretrained(
@@ -428,22 +436,27 @@ def load_model(cfg: ModelConfig):
         keep_4bit_trainable_on_cpu(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return add_lora(model, cfg, warn) if cfg.lora.enabled else model
+    return add_lora(model, cfg, warn, zero3) if cfg.lora.enabled else model
 
 
-def add_lora(model, cfg: ModelConfig, report=None):
+def add_lora(model, cfg: ModelConfig, report=None, zero3: bool = False):
     """The model with peft LoRA adapters per model.lora (also on the meta-device model of
     `llmtrain plan`, which counts what they train). `report` gets a line when the
-    experts of a mixture-of-experts model are left without adapters (`lora_targets`)."""
+    experts of a mixture-of-experts model are left without adapters (`lora_targets`;
+    `zero3`: the run is under DeepSpeed ZeRO-3)."""
     from peft import LoraConfig, get_peft_model
 
     lora = cfg.lora
-    modules, parameters, skipped = lora_targets(model, lora, exclude=SCORE_HEADS if cfg.head == "score" else ())
+    exclude = SCORE_HEADS if cfg.head == "score" else ()
+    modules, parameters, skipped = lora_targets(model, lora, exclude=exclude, zero3=zero3)
     if skipped and report is not None:
-        report(
-            f"model.lora: the experts' weights ({', '.join(skipped)}) get no adapters: peft adapts fused expert "
-            "weights only without dropout; set model.lora.dropout=0 to adapt them too"
+        why = (
+            "under DeepSpeed ZeRO-3 peft's adapters on fused expert weights neither train as on one process nor "
+            "save; use ZeRO-2 or FSDP2 to adapt them too"
+            if zero3
+            else "peft adapts fused expert weights only without dropout; set model.lora.dropout=0 to adapt them too"
         )
+        report(f"model.lora: the experts' weights ({', '.join(skipped)}) get no adapters: {why}")
     adapters = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -527,7 +540,7 @@ def router_recorder(model):
 SCORE_HEADS = ("score",)
 
 
-def lora_targets(model, lora, exclude=()) -> tuple[str | list[str], list[str], list[str]]:
+def lora_targets(model, lora, exclude=(), zero3: bool = False) -> tuple[str | list[str], list[str], list[str]]:
     """(target_modules, target_parameters, expert weights left out) for peft. A list of
     names is used as given. 'all-linear' is resolved here rather than by peft: peft turns
     it, on Mixtral- and Qwen-MoE-shaped models, into the router and the fused expert
@@ -535,7 +548,9 @@ def lora_targets(model, lora, exclude=()) -> tuple[str | list[str], list[str], l
     router is better left alone: adapting it shifts which experts see which tokens). So
     'all-linear' is every linear layer but the output layer (attention, dense MLPs, shared
     experts), plus the fused expert weights (3-D parameters such as experts.gate_up_proj)
-    when model.lora.dropout is 0; with dropout they are left out, and named."""
+    when model.lora.dropout is 0; with dropout, or under DeepSpeed ZeRO-3 (`zero3`: there
+    peft's parameter adapters trained otherwise than on one process and were not saved,
+    checked with peft 0.21 on a tiny Mixtral), they are left out, and named."""
     if lora.target_modules != "all-linear":
         return lora.target_modules, [], []
     experts = sorted(
@@ -543,11 +558,12 @@ def lora_targets(model, lora, exclude=()) -> tuple[str | list[str], list[str], l
             f"{name.rsplit('.', 1)[-1]}.{p}"
             for name, module in model.named_modules()
             for p, weight in module.named_parameters(recurse=False)
-            if weight.ndim == 3
+            if len(getattr(weight, "ds_shape", weight.shape)) == 3  # ZeRO-3 partitions it flat
         }
     )
     linear = [n for n in _linear_names(model) if n not in exclude]
-    return linear, (experts if lora.dropout == 0 else []), (experts if lora.dropout else [])
+    left_out = bool(lora.dropout) or zero3
+    return linear, ([] if left_out else experts), (experts if left_out else [])
 
 
 def compile_blocks(model) -> int:

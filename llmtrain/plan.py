@@ -195,16 +195,17 @@ def cpu_group_unset(launch: Launch) -> bool:
     )
 
 
-def count_params(cfg, mcfg=None) -> tuple[int, int, object, bool, int]:
+def count_params(cfg, mcfg=None, zero3: bool = False) -> tuple[int, int, object, bool, int]:
     """(total, trainable, model config, whether the chunked loss can stand in for its
     output layer, how many weights model.quantization stores in 4 or 8 bits) from the model
     built on the meta device (no weights), LoRA adapters added as the recipe adds them:
-    memory_estimate's arguments after the launch. `mcfg`: the model's config if already read."""
+    memory_estimate's arguments after the launch. `mcfg`: the model's config if already read;
+    `zero3`: the launch is DeepSpeed ZeRO-3 (model.add_lora)."""
     from transformers import AutoConfig
 
     if mcfg is None:
         mcfg = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
-    model = meta_model(cfg.model, mcfg)
+    model = meta_model(cfg.model, mcfg, zero3)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     quantized = quantized_params(model) if cfg.model.quantization != "none" else 0
@@ -371,7 +372,7 @@ def plan(argv: list[str]) -> None:
         steps_per_epoch = t.steps_per_epoch(len(sampler), world)
         if isinstance(cfg, GRPOConfig):  # whole generation rounds, each trained grpo.num_iterations times
             steps_per_epoch = len(sampler) // t.global_batch(world) * cfg.grpo.num_iterations
-    counts = count_params(cfg, mcfg)
+    counts = count_params(cfg, mcfg, launch.zero_stage == 3)
     total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)

@@ -22,7 +22,7 @@ from .config.load import check
 from .core.objective import Objective
 from .core.window import Outcome
 from .data.build import DataKind, build_datasets, data_kind
-from .distributed.launch import main_first, setup_accelerator
+from .distributed.launch import main_first, setup_accelerator, zero3
 from .distributed.stop import StopRequest
 from .distributed.watchdog import Watchdog
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
@@ -75,7 +75,9 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     cfg.model.attn_implementation = attention.name
     check(cfg)  # the config that runs is a checked one
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
-    start = rundir.prepare(cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg)))
+    start = rundir.prepare(
+        cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg, zero3(accelerator)))
+    )
     if start.finished_at is not None:
         if accelerator.is_main_process and not (Path(cfg.output_dir) / "loss.png").exists():
             plot_losses(Path(cfg.output_dir) / "metrics.jsonl", Path(cfg.output_dir) / "loss.png")  # stopped before it
@@ -92,7 +94,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, data_kind(recipe.data, cfg))
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
-    model = load_model(cfg.model)
+    model = load_model(cfg.model, zero3(accelerator))
     parts = recipe.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.

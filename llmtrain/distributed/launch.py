@@ -234,6 +234,12 @@ def fsdp_on_cpu(accelerator) -> None:
         raise RuntimeError("Accelerate no longer keeps its state where distributed.launch.fsdp_on_cpu sets FSDP")
 
 
+def zero3(accelerator) -> bool:
+    """Whether the run is under DeepSpeed ZeRO-3."""
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    return plugin is not None and plugin.zero_stage == 3
+
+
 def configure_deepspeed(accelerator, cfg: Config) -> None:
     """Make the recipe's batch settings DeepSpeed's: "auto" (or absent) values are filled
     in from train.*; an explicit value that differs is an error naming both settings."""
