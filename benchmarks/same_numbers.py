@@ -28,10 +28,21 @@ RUNS = {
         2,
         "finetune.py",
         "demo.yaml",
-        ["train.max_steps=4", "data.packing=false", "model.lora.enabled=true", "train.grad_accum_steps=2"],
+        [
+            "train.max_steps=4",
+            "data.packing=false",
+            "model.lora.enabled=true",
+            "model.lora.dropout=0.05",
+            "train.grad_accum_steps=2",
+        ],
     ),
     "dpo-packed-1proc": (1, "dpo.py", "dpo_demo.yaml", ["train.max_steps=4"]),
-    "dpo-lora-2proc": (2, "dpo.py", "dpo_demo.yaml", ["train.max_steps=3", "model.lora.enabled=true"]),
+    "dpo-lora-2proc": (
+        2,
+        "dpo.py",
+        "dpo_demo.yaml",
+        ["train.max_steps=3", "model.lora.enabled=true", "model.lora.dropout=0.05"],
+    ),
 }
 
 

@@ -38,8 +38,10 @@ class LoraConfig:
     """Rank of the LoRA update matrices."""
     alpha: Annotated[int, AT_LEAST_1] = 32
     """LoRA scaling numerator; the update is scaled by alpha / r."""
-    dropout: Annotated[float, BELOW_1] = 0.05
-    """Dropout on the LoRA input."""
+    dropout: Annotated[float, BELOW_1] = 0.0
+    """Dropout on the LoRA input. 0 (peft's default too) keeps a step's update the same for
+    every batch layout and lets 'all-linear' adapt fused expert weights; dropout draws its
+    masks per micro-batch, so 8 x 1 and 2 x 4 then differ by the draw."""
     target_modules: str | list[str] = "all-linear"
     """Modules to adapt: 'all-linear' (every linear layer but the output layer and MoE
     routers, plus fused expert weights when dropout is 0) or names such as [q_proj, v_proj]."""

@@ -116,9 +116,9 @@ def test_flex_block_mask_keeps_the_window_on_a_gpu(zoo, tokenizer, examples, nam
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
 MODES = {
     "full": [],
-    "lora": LORA,  # with dropout: the experts of MoE models get no adapters
-    "lora_experts": [*LORA, "model.lora.dropout=0"],  # MoE models only: the fused expert weights too
-    "qlora": [*LORA, "model.quantization=nf4"],  # where bitsandbytes is installed
+    "lora": [*LORA, "model.lora.dropout=0.05"],  # with dropout: the experts of MoE models get no adapters
+    "lora_experts": LORA,  # MoE models only: without dropout (the default) the fused expert weights too
+    "qlora": [*LORA, "model.quantization=nf4"],  # where bitsandbytes is installed; MoE experts too
 }
 RUNS = [
     (name, mode)
@@ -183,7 +183,8 @@ def test_a_packed_run_trains_and_exports_a_model_transformers_generates_from(tra
     if lora:  # the adapters sit where all-linear puts them: never the router, the experts only without dropout
         adapted = json.loads((out / "final" / "adapter_config.json").read_text())
         assert "gate" not in adapted["target_modules"] and "router" not in adapted["target_modules"]
-        assert bool(adapted["target_parameters"]) == (mode == "lora_experts"), adapted["target_parameters"]
+        experts = mode == "lora_experts" or (mode == "qlora" and name in MOE)
+        assert bool(adapted["target_parameters"]) == experts, adapted["target_parameters"]
     model = AutoModelForCausalLM.from_pretrained(out / "final").eval()  # a LoRA final/ loads through peft
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_tensors="pt"

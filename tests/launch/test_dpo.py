@@ -104,7 +104,7 @@ def test_lora_uses_the_model_with_adapters_off_as_reference(args, cache_env, tmp
     """No reference pass, no second model; two processes with gradient checkpointing
     train like one; final/ holds the adapter."""
     one, two = tmp_path / "one", tmp_path / "two"
-    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "model.gradient_checkpointing=true"]
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.gradient_checkpointing=true"]  # dropout 0, the default
     proc = dpo(args(one, *lora, "train.micro_batch_size=8"), cache_env)
     assert "reference log-probs" not in proc.stdout
     dpo(args(two, *lora, "train.micro_batch_size=2", "train.grad_accum_steps=2"), cache_env, nproc=2)

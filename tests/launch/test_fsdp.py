@@ -106,7 +106,7 @@ def test_lora_under_fsdp2_trains_like_one_process_and_exports_the_merged_model(r
     """LoRA adapters (no dropout, so both runs draw no random masks) with gradient
     checkpointing: FSDP2 shards the frozen base weights with the adapters; final/ gathers
     them, merged, and the adapter beside them."""
-    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "model.gradient_checkpointing=true"]
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.gradient_checkpointing=true"]  # dropout 0, the default
     lora += ["export.merge_lora=true", "train.lr=1e-2"]
     one, fsdp = tmp_path / "one", tmp_path / "fsdp"
     run_recipe(run_args(one, *lora, "train.micro_batch_size=8"), cache_env)

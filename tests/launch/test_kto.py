@@ -111,7 +111,7 @@ def test_kto_with_lora_takes_the_reference_with_adapters_off_alike_on_one_proces
     last window), with gradient checkpointing, under DDP."""
     one, two = tmp_path / "one", tmp_path / "two"
     train, _ = row_files
-    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "model.gradient_checkpointing=true"]
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.gradient_checkpointing=true"]  # dropout 0, the default
     args = recipe_args(base_config, tiny_model, train, one, "dpo.loss=kto", "data.eval=[]", *lora)
     proc = run_recipe([*args, "train.micro_batch_size=8"], cache_env, recipe=DPO_RECIPE)
     assert "reference log-probs" not in proc.stdout
