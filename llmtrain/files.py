@@ -165,7 +165,7 @@ def _jsonl(path: Path, key: str):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # a column past the end says where the line stopped
             except json.JSONDecodeError as e:
                 row = BadLine(f"invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON object")
             except RecursionError:

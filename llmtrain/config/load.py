@@ -171,6 +171,11 @@ def _section_problem(dotted: str, value: Any, section: type | None) -> str:
     if isinstance(value, bool) and section is not None and "enabled" in {f.name for f in dataclasses.fields(section)}:
         on = str(value).lower()
         return f"{dotted}: is a section; to turn it {'on' if value else 'off'} set {dotted}.enabled={on}"
+    if isinstance(value, str) and value.lstrip().startswith("{"):  # a mapping YAML could not read, kept as text
+        return (
+            f"{dotted}: {shown(value)} is not a YAML mapping (check its braces and quotes: "
+            f"{dotted}={{key: value, ...}}); or set its keys one by one (e.g. {dotted}.<key>=value)"
+        )
     return f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=value), got {shown(value)}"
 
 

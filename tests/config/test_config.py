@@ -279,6 +279,11 @@ def assert_problems(path, problems, overrides=()):
     [
         ("train=5", "train: is a section; set its keys (e.g. train.<key>=value), got 5"),
         ("train=null", "train: is a section; set its keys (e.g. train.<key>=value), got None"),
+        (
+            "train={lr: 1e-4, epochs: 2",
+            "train: '{lr: 1e-4, epochs: 2' is not a YAML mapping (check its braces and quotes: "
+            "train={key: value, ...}); or set its keys one by one (e.g. train.<key>=value)",
+        ),
         ("train.lr.x=1", "train.lr.x: train.lr is set to 2e-05, not a section; set train.lr as a section"),
         ("=5", "(empty)=5: the key has an empty part; write key.sub=value"),
         ("train..lr=1", "train..lr=1: the key has an empty part; write key.sub=value"),

@@ -75,6 +75,11 @@ def test_an_unreadable_file_is_one_error_naming_its_line(tmp_path, name, content
             b'{"text": "a"}\n{"text": oops}\n',
             r"bad.jsonl line 2: invalid JSON \(Expecting value at column 10\)",
         ),
+        (  # cut short: the column is the line's end, not its newline's column 1
+            "cut.jsonl",
+            b'{"text": "a"}\n{"text": "b"\n',
+            r"cut.jsonl line 2: invalid JSON \(Expecting ',' delimiter at column 13\)",
+        ),
         ("list.jsonl", b'{"text": "a"}\n\n[1, 2]\n', r"list.jsonl line 3: expected a JSON object, got list"),
         ("latin1.jsonl", '{"text": "a"}\n{"text": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl line 2: not UTF-8 "),
         (
