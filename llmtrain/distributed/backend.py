@@ -125,3 +125,25 @@ def _local(p):
     if hasattr(p, "ds_tensor"):
         return p.ds_tensor
     return p.to_local() if hasattr(p, "to_local") else p
+
+
+@contextmanager
+def root_unsharded(model):
+    """`model` (the prepared root module) with FSDP2's root set up and its own weights
+    gathered, for calls that do not pass through its forward. FSDP2 does both in the root's
+    forward: it decides there which module is the root, and all-gathers the weights held by
+    no sharded block (embeddings, output layer, final norm). peft's generate calls the inner
+    model's generate, whose forwards start below the root (the PeftModel), so without this
+    the first generation fails ("FSDP requires a single root module") or mixes sharded and
+    whole tensors. Elsewhere, nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule) or not hasattr(model, "peft_config"):
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # no public call; a no-op once a forward has run
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

@@ -123,10 +123,12 @@ class HFGenerator:
         processors = [] if seeds is None else [SeededSampling(seeds, self.temperature, self.top_k, self.top_p)]
         from transformers import LogitsProcessorList
 
+        from ..distributed.backend import root_unsharded
+
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), root_unsharded(model):
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,

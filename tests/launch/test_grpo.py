@@ -217,3 +217,19 @@ def test_rewards_see_every_column_and_the_training_state_in_evaluation_too(args,
     proc = grpo(args(tmp_path / "none", *run, f"data.train={tmp_path / 'none.jsonl'}"), cache_env, check=False)
     assert proc.returncode == 2 and "Loading weights" not in proc.stdout + proc.stderr
     assert "error: grpo.rewards: accuracy: no prompt of data.train has a usable 'answer'" in proc.stderr
+
+
+def test_lora_under_fsdp2_generates_and_updates_as_one_process(args, cache_env, tmp_path):
+    """peft's generate calls the inner model's, so FSDP2's root module (the PeftModel) never
+    ran its forward: its lazy set-up and the all-gather of its own weights (embeddings, the
+    output layer) were skipped, and the first generation failed."""
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    grpo(args(one, *RUN, *lora, "train.micro_batch_size=4"), cache_env)
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2"]
+    proc = launch(args(fsdp, *RUN, *lora, *layout), cache_env, "fsdp2", recipe=GRPO_RECIPE, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert_same_steps(fsdp, one, "fsdp2 lora", weights=False)
+    mine = load_file(fsdp / "final" / "adapter_model.safetensors")
+    for key, value in load_file(one / "final" / "adapter_model.safetensors").items():
+        torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-5, msg=key)
