@@ -62,29 +62,31 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
     """Everything final/ holds, into `tmp`; the main process writes. Returns what failed
     when writing a weight shard failed. Past the gathers, nothing here is a collective, so
     a write that raises on the main process cannot leave the others waiting in one."""
-    main, sharded = accelerator.is_main_process, is_sharded(accelerator)
+    main, sharded, half = accelerator.is_main_process, is_sharded(accelerator), half_engine(accelerator)
+    whole = sharded or half  # written weight by weight, gathered (and from float32 masters)
     merge = export.merge_lora is True  # "auto" is resolved by the recipe's Config; alone it is the adapter
     if hasattr(model, "peft_config"):
         # The adapter is small: when the model is sharded only its trainable weights are
         # gathered (peft's save keeps the adapter's names from them), not the base's.
-        adapter = gathered_trainable(model, main) if sharded else None
+        adapter = gathered_trainable(model, main) if whole else None
         if main:
             model.save_pretrained(tmp / "adapter" if merge else tmp, state_dict=adapter)
         if main and merge:
-            # A sharded or quantized training copy cannot be merged in place: the base weights
-            # are loaded again, whole and in their own dtype, with the adapter folded in.
+            # A sharded, half-precision (DeepSpeed's) or quantized training copy cannot be
+            # merged in place: the base weights are loaded again, whole and in their own
+            # dtype, with the adapter folded in.
             merged = (
                 _merged_from_adapter(model, tmp / "adapter", base)
-                if sharded or is_quantized(model)
+                if whole or is_quantized(model)
                 else _merged_copy(model)
             )
             merged.save_pretrained(tmp, max_shard_size=export.shard_bytes())
-    elif sharded:
+    elif whole:
         error = write_weights(accelerator, model, tmp, export.shard_bytes())
         if error:
             return error
         if main:
-            write_model_config(model, tmp)
+            write_model_config(model, tmp, torch.float32 if half else model.dtype)
     elif main:
         model.save_pretrained(tmp, max_shard_size=export.shard_bytes())
     if main:
@@ -203,9 +205,18 @@ def full_shape(tensor) -> tuple:
 
 def gathered(tensor, main: bool):
     """The whole of `tensor` on CPU on the main process, None on the others. A collective
-    for a shard (FSDP2's DTensor, a ZeRO-3 parameter): every process calls it."""
+    for a shard (FSDP2's DTensor, a ZeRO-3 parameter) and for a DeepSpeed weight with a
+    float32 master: every process calls it. DeepSpeed trains in bf16/fp16 on half-precision
+    weights, and its optimizer keeps the float32 masters that were trained: those are
+    written (as one process's, DDP's or FSDP2's float32 weights are)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):  # a DeepSpeed-managed weight
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        master = safe_get_full_fp32_param(tensor)  # None for a frozen weight, which has none
+        if master is not None:
+            return master.detach().to("cpu", copy=True) if main else None
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
     elif hasattr(tensor, "ds_id"):
@@ -223,12 +234,13 @@ def gathered_trainable(model, main: bool) -> dict | None:
     return weights if main else None
 
 
-def write_model_config(model, directory: Path) -> None:
+def write_model_config(model, directory: Path, dtype: torch.dtype) -> None:
     """config.json and generation_config.json as save_pretrained writes them beside the
-    weights (called without it, since it would gather the whole state dict)."""
+    weights (called without it, since it would gather the whole state dict); `dtype`: the
+    weights' as written."""
     config = model.config
     config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 subclasses the model
-    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(directory)
     if model.can_generate():
         model.generation_config.save_pretrained(directory)
@@ -244,6 +256,12 @@ def drop_tied_copies(model, state_dict: dict) -> None:
             state_dict.pop(name, None)
         else:
             first[id(param)] = name
+
+
+def half_engine(accelerator) -> bool:
+    """Whether DeepSpeed trains half-precision copies of the weights (bf16 or fp16 mixed
+    precision), keeping the float32 masters in its optimizer."""
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision in ("bf16", "fp16")
 
 
 def is_sharded(accelerator) -> bool:

@@ -136,3 +136,25 @@ def test_zero3_samples_from_the_trained_model(runs, reference_run):
     (_, stdout), (_, ref_stdout) = runs.outputs["zero3"], reference_run
     assert len(sample_lines(stdout)) == 1
     assert sample_lines(stdout) == sample_lines(ref_stdout)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_bf16_run_exports_the_float32_weights_it_trained(stage, run_args, cache_env, tmp_path):
+    """Under bf16 DeepSpeed trains half-precision copies and keeps the float32 masters in its
+    optimizer: final/ holds the masters (those of its last checkpoint, the same step), in
+    float32 as one process, DDP and FSDP2 export, not their bf16 copies."""
+    import json
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out = tmp_path / "run"
+    proc = launch(run_args(out) + ["train.max_steps=2"], cache_env, f"ds_{stage}", precision="bf16", check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "float32"
+    weights = final_weights(out / "final")
+    step = out / "checkpoints" / "step-2"
+    engine = next(p for p in step.rglob("latest")).parent  # DeepSpeed's own folder in the checkpoint
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(engine))
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    for key, value in weights.items():
+        torch.testing.assert_close(value, masters[key].float(), rtol=0, atol=0, msg=key)
