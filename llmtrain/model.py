@@ -557,6 +557,7 @@ def lora_targets(model, lora, exclude=(), zero3: bool = False) -> tuple[str | li
         {
             f"{name.rsplit('.', 1)[-1]}.{p}"
             for name, module in model.named_modules()
+            if not isinstance(module, torch.nn.modules.conv._ConvNd)  # a convolution's (C, 1, K) is no expert bank
             for p, weight in module.named_parameters(recurse=False)
             if len(getattr(weight, "ds_shape", weight.shape)) == 3  # ZeRO-3 partitions it flat
         }

@@ -287,3 +287,21 @@ def test_sizing_a_model_draws_nothing_from_the_runs_generator():
     model = meta_model(cfg, config)
     assert any("lora_A" in name for name, _ in model.named_parameters())
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_convolutions_3d_weight_is_not_taken_for_experts():
+    """Qwen3-Next's linear-attention layers hold a depthwise nn.Conv1d, whose weight is 3-D
+    like a bank of experts; all-linear adapts the experts and leaves the convolution alone."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model import lora_targets
+
+    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=16)
+    small |= dict(num_key_value_heads=2, vocab_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    small |= dict(shared_expert_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2)
+    small |= dict(linear_key_head_dim=16, linear_value_head_dim=16)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **small))
+    assert any(isinstance(m, torch.nn.Conv1d) for m in model.modules())
+    cfg = ModelConfig(name_or_path="m")
+    assert lora_targets(model, cfg.lora)[1] == ["experts.down_proj", "experts.gate_up_proj"]
