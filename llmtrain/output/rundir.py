@@ -288,14 +288,12 @@ def keep_finished(cfg, accelerator) -> Path | None:
         if changes or done["step"] is None:
             final = Path(cfg.output_dir) / "final"
             name = f"final-step-{done['step']}" if done["step"] is not None else "final-earlier"
-            kept = next(
-                final.with_name(f"{name}-{n}" if n > 1 else name)
-                for n in range(1, 10_000)
-                if not os.path.lexists(final.with_name(f"{name}-{n}" if n > 1 else name))
-            )
+            names = (f"{name}-{n}" if n > 1 else name for n in range(1, 10_000))
+            kept = next(final.with_name(n) for n in names if not os.path.lexists(final.with_name(n)))
             os.rename(final, kept)
+            why = "; ".join(changes) or "its train_state.json cannot be read"
             warn(
-                f"output_dir: final/ held a finished run trained with other settings ({'; '.join(changes)}); it is "
+                f"output_dir: final/ held a finished run trained with other settings ({why}); it is "
                 f"kept as {kept.name}/ and this run's model becomes final/"
             )
     accelerator.wait_for_everyone()

@@ -427,3 +427,29 @@ def test_other_export_settings_export_a_finished_run_again(base_config, tiny_mod
     proc = run_recipe([*args, "export.merge_lora=true"], cache_env, check=False)
     assert proc.returncode == 2
     assert "with other settings (export.merge_lora: False -> True), and no checkpoint" in proc.stderr
+
+
+def test_keep_finished_takes_a_free_name_and_leaves_a_re_export_alone(tmp_path, capsys):
+    from llmtrain.config import to_yaml
+    from llmtrain.output.checkpoint import STATE_FILE, position_settings
+    from llmtrain.output.rundir import keep_finished
+
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
+    given = [f"output_dir={tmp_path}", "model.name_or_path=m", "data.train=d.jsonl"]
+    cfg = load_config(None, given)
+    final = tmp_path / "final"
+
+    def finish(config, state: str) -> None:
+        final.mkdir()
+        (final / "llmtrain_config.yaml").write_text(to_yaml(config))
+        (final / STATE_FILE).write_text(state)
+
+    finish(cfg, json.dumps({"step": 9, "settings": position_settings(cfg, 1)}))
+    assert keep_finished(load_config(None, [*given, "export.max_shard_size=1GB"]), accelerator) is None  # a re-export
+    assert keep_finished(load_config(None, [*given, "train.lr=1e-6"]), accelerator) == tmp_path / "final-step-9"
+    assert "(train.lr: 2e-05 -> 1e-06); it is kept as final-step-9/" in capsys.readouterr().err
+    finish(cfg, "oops")
+    (tmp_path / "final-earlier").mkdir()
+    assert keep_finished(cfg, accelerator) == tmp_path / "final-earlier-2"
+    assert "(its train_state.json cannot be read); it is kept as final-earlier-2/" in capsys.readouterr().err
+    assert not final.exists()
