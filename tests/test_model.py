@@ -210,23 +210,28 @@ def test_a_sequence_classifier_is_refused_as_a_causal_lm_and_taken_as_a_reward_m
     check_model(ModelConfig(name_or_path=str(tiny_model), head="score"), 256)
 
 
+def tiny_moe(kind: str, **extra):
+    """(config, model) of a 2-layer mixture-of-experts model of `kind`, 4 experts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    small |= dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+    config = AutoConfig.for_model(kind, **small | extra)
+    torch.manual_seed(0)
+    return config, AutoModelForCausalLM.from_config(config)
+
+
 @pytest.mark.parametrize("kind", ["phimoe", "llama4_text"])
 def test_all_linear_leaves_a_linear_router_alone(kind):
     """PhiMoE's and Llama 4's routers are nn.Linear subclasses that return a tuple:
     all-linear (the default) must not adapt them (peft's LoRA layer would add its update to
     the tuple; and the docs promise never the router). The adapted model runs."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmtrain.model import add_lora, lora_targets, router_names
 
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    small |= dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
-    if kind == "llama4_text":
-        small |= dict(intermediate_size_mlp=64, head_dim=8)
-    config = AutoConfig.for_model(kind, **small)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    _, model = tiny_moe(kind, **(dict(intermediate_size_mlp=64, head_dim=8) if kind == "llama4_text" else {}))
     cfg = ModelConfig(name_or_path="m")
     cfg.lora.enabled = True
     routers = router_names(model)
@@ -236,32 +241,13 @@ def test_all_linear_leaves_a_linear_router_alone(kind):
     adapted(input_ids=torch.arange(8)[None] % 64).logits.sum().backward()
 
 
-def tiny_mixtral():
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "mixtral",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=64,
-    )
-    torch.manual_seed(0)
-    return config, AutoModelForCausalLM.from_config(config)
-
-
 def test_all_linear_adapts_the_experts_without_dropout_and_never_under_zero3():
     """Under DeepSpeed ZeRO-3 peft's adapters on fused expert weights trained otherwise than
     on one process (a tiny Mixtral's step-2 loss differed) and were missing from the saved
     adapter: the experts are left out there, and named."""
     from llmtrain.model import lora_targets
 
-    _, model = tiny_mixtral()
+    _, model = tiny_moe("mixtral")
     cfg = ModelConfig(name_or_path="m")
     cfg.lora.dropout = 0.0
     experts = ["experts.down_proj", "experts.gate_up_proj"]
@@ -279,7 +265,7 @@ def test_sizing_a_model_draws_nothing_from_the_runs_generator():
 
     from llmtrain.model import meta_model
 
-    config, _ = tiny_mixtral()
+    config, _ = tiny_moe("mixtral")
     cfg = ModelConfig(name_or_path="m")
     cfg.lora.enabled = True
     torch.manual_seed(7)

@@ -16,6 +16,8 @@ from contextlib import contextmanager, nullcontext
 
 from accelerate.utils import DistributedType
 
+from .launch import zero3
+
 
 class Backend:
     def __init__(self, accelerator, grad_accum_steps: int):
@@ -25,8 +27,7 @@ class Backend:
         # DeepSpeed and FSDP place the weights themselves (and with offload keep them off the GPU).
         self.places_weights = kind in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.fp16 = accelerator.mixed_precision == "fp16"
-        zero3 = self.deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
-        self.sharded = zero3 or kind == DistributedType.FSDP  # each process holds a shard of the weights
+        self.sharded = zero3(accelerator) or kind == DistributedType.FSDP  # each process holds a shard of the weights
         self.accum_divisor = grad_accum_steps if self.deepspeed else 1
         self.overflowed = False  # the last optimizer_step's update was skipped by the fp16 scaler
 

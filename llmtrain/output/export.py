@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from .. import safefs
+from ..distributed.launch import zero3
 from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
 from .checkpoint import STATE_FILE, WriteFailed, complete_checkpoints, publish, write_failed
 
@@ -266,10 +267,7 @@ def half_engine(accelerator) -> bool:
 
 def is_sharded(accelerator) -> bool:
     """Whether each process holds only a shard of the weights (ZeRO-3 or FSDP)."""
-    kind = accelerator.distributed_type
-    return kind == DistributedType.FSDP or (
-        kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
-    )
+    return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
 
 
 def model_for_sampling(accelerator, model, final: Path, base):
