@@ -18,11 +18,14 @@ from llmtrain.cli import run_cli
 from llmtrain.config import Config
 from llmtrain.core.objective import TokenLoss
 from llmtrain.data.build import ROWS
+from llmtrain.model import disable_dropout
 from llmtrain.recipe import Parts, Recipe, run
 
 
 def sft_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
     """The summed cross-entropy of the trained tokens, over padded or packed rows."""
+    if cfg.model.dropout == "none":
+        disable_dropout(model)
     return Parts(TokenLoss.for_model(model, cfg.train.loss_chunk_logits, cfg.model.router_aux_loss))
 
 

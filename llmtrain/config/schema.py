@@ -62,6 +62,11 @@ class ModelConfig:
     flash_attention_2, ... 'auto' takes flex_attention for packed data on a GPU (block-sparse
     masks), else sdpa where the model supports it, else flex_attention on a GPU and eager
     on CPU (Gemma 2's soft-capping, gpt-oss's sinks); llmtrain plan says which and why."""
+    dropout: Literal["model", "none"] = "model"
+    """The model's own dropout (the rates its config sets, such as GPT-2's 0.1; LoRA's is
+    model.lora.dropout) in finetune.py: 'model' keeps it, as TRL's SFTTrainer does; 'none'
+    sets every rate to 0, so any batch layout gives the same update. dpo.py, reward.py and
+    grpo.py always turn it off."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False

@@ -96,6 +96,21 @@ def test_loss_and_update_do_not_depend_on_how_the_global_batch_is_split(common, 
     assert stdout["2proc_2x2"].count("profile of steps 2-2 written to") == 1  # printed by the main process
 
 
+def test_dropout_off_gives_every_layout_the_same_update(base_config, zoo, rows18, cache_env, tmp_path):
+    """GPT-2's config sets dropout (0.1), whose masks are drawn per micro-batch: 8 x 1 and
+    2 x 4 differ with the model's dropout kept, and train alike with model.dropout=none."""
+    got = {}
+    for dropout in ("model", "none"):
+        for micro, accum in ((8, 1), (2, 4)):
+            out = tmp_path / f"{dropout}-{micro}x{accum}"
+            extra = [f"model.dropout={dropout}", f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"]
+            run_recipe(recipe_args(base_config, zoo("gpt2"), rows18, out, "train.max_steps=1", *extra), cache_env)
+            (row,) = train_rows(out)
+            got[dropout, micro] = row["loss"], row["grad_norm"]
+    assert got["none", 8] == pytest.approx(got["none", 2], rel=1e-5)
+    assert got["model", 8][1] != pytest.approx(got["model", 2][1], rel=1e-3)  # the masks differ
+
+
 def test_compiled_and_eager_runs_give_the_same_losses(common, rows18, cache_env, tmp_path):
     """train.compile on two DDP processes, with rows of many lengths (so shapes change from
     batch to batch and the compiled blocks are recompiled for dynamic shapes)."""
