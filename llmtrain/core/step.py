@@ -78,10 +78,10 @@ def train_step(
         or backend.engine_skipped()
     )
     if nonfinite:
-        optimizer.zero_grad(set_to_none=True)
+        backend.skip_update(optimizer)
         return result(Skip.NONFINITE, f"the loss or gradient norm was not finite (loss {loss}, grad_norm {grad_norm})")
     if state.spikes.is_spike(loss):
-        optimizer.zero_grad(set_to_none=True)
+        backend.skip_update(optimizer)
         spikes = state.spikes
         return result(
             Skip.SPIKE,

@@ -95,6 +95,16 @@ class Backend:
         optimizer.step()
         self.overflowed = scaler is not None and scaler.get_scale() < before
 
+    def skip_update(self, optimizer) -> None:
+        """Leave weights and optimizer as they were (our own skip: a non-finite loss, a
+        spike). `clip_grad_norm` has already unscaled the gradients for the fp16 loss
+        scaler, which then refuses every later unscale until its update(): without one the
+        next step fails ("unscale_() has already been called"). The update closes the step
+        as the scaler's own skip would, lowering the scale where the gradients overflowed."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.accelerator.scaler is not None:
+            self.accelerator.scaler.update()
+
     def scaler_skipped(self) -> bool:
         """After `optimizer_step`: the fp16 loss scaler (or DeepSpeed's) found an overflow,
         skipped the update and lowered its scale."""

@@ -184,6 +184,15 @@ def local_processes() -> int:
 def check_topology(accelerator) -> None:
     """Refuse launches that would silently not be what was asked for."""
     kind = accelerator.distributed_type
+    if accelerator.mixed_precision == "fp16" and accelerator.scaler is None and kind != DistributedType.DEEPSPEED:
+        # Accelerate makes fp16's autocast and loss scaler for GPUs only (DeepSpeed scales
+        # its own): on CPU the run would train in float32, or under FSDP2 in fp16 unscaled.
+        raise ConfigError(
+            [
+                "launch: --mixed_precision fp16 has no loss scaler on CPU (Accelerate makes fp16 autocast and "
+                "its scaler on a GPU only), so the run would not train in fp16; use bf16 or no on CPU"
+            ]
+        )
     if kind == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         raise ConfigError(
             [

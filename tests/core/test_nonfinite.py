@@ -212,6 +212,68 @@ def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule
     assert_overflows_took_no_step(rows)
 
 
+@pytest.mark.parametrize("skip", ["nonfinite", "spike"])
+def test_our_own_skip_under_the_fp16_scaler_leaves_the_next_step_able_to_run(
+    poisoned_model, tokenizer, monkeypatch, skip
+):
+    """A skip the step decides itself comes after the gradients were unscaled for clipping;
+    the scaler must be closed for that step, or the next one fails ("unscale_() has already
+    been called"). The first window holds the poisoned character (a NaN loss), or is taken
+    for a spike; the next two must train. A real GradScaler as in the test above."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.config import DataConfig, TrainConfig
+    from llmtrain.core.objective import TokenLoss
+    from llmtrain.core.optim import build_optimizer
+    from llmtrain.core.spike import SpikeGuard
+    from llmtrain.core.state import Skip, TrainState
+    from llmtrain.core.step import train_step
+    from llmtrain.core.window import draw_window
+    from llmtrain.data.batches import Collator
+    from llmtrain.data.rows import process_row
+    from llmtrain.distributed.backend import Backend
+
+    rows = make_rows(6, seed=3)
+    if skip == "nonfinite":
+        rows[0]["messages"][-1]["content"] += POISON
+    else:
+        calls = iter([True])
+        monkeypatch.setattr(SpikeGuard, "is_spike", lambda self, loss: next(calls, False))
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu", init_scale=1.0)
+    t = TrainConfig(micro_batch_size=2, lr=1e-3, max_steps=3)
+    model = AutoModelForCausalLM.from_pretrained(poisoned_model)
+    objective = TokenLoss.for_model(model, t.loss_chunk_logits)
+    model, optimizer = accelerator.prepare(model, build_optimizer(model, t, accelerator.device))
+    examples = [process_row(r, "chat", tokenizer, DataConfig()) for r in rows]
+    collate = Collator(tokenizer.pad_token_id)
+    batches = iter([collate(examples[i : i + 2]) for i in range(0, 6, 2)])
+    backend, state, skips = Backend(accelerator, 1), TrainState(), []
+    state.nonfinite_weights = backend.nonfinite_weights(model)  # the poisoned row, as the loop counts at its start
+    try:
+        for _ in range(3):
+            result = train_step(
+                model,
+                optimizer,
+                draw_window(batches, 1, accelerator, objective.count),
+                objective,
+                backend,
+                state,
+                lr=1e-3,
+                max_grad_norm=t.max_grad_norm,
+                empty=collate.empty_batch(packed=False),
+            )
+            skips.append(result.skip)
+            state.record(result)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert skips == [Skip.NONFINITE if skip == "nonfinite" else Skip.SPIKE, None, None]
+    assert state.step == 2
+
+
 def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     base_config, overflowing_model, chat_file, tmp_path
 ):

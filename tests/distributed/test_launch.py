@@ -14,9 +14,12 @@ from llmtrain.distributed.launch import check_topology, configure_deepspeed, pro
 from llmtrain.errors import ConfigError
 
 
-def fake(kind, fsdp_version=2):
+def fake(kind, fsdp_version=2, precision="no", scaler=None):
     return SimpleNamespace(
-        distributed_type=kind, state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))
+        distributed_type=kind,
+        state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version)),
+        mixed_precision=precision,
+        scaler=scaler,
     )
 
 
@@ -52,6 +55,25 @@ def test_fsdp_asked_for_without_a_process_group_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError, match="no process group to shard over"):
         check_topology(fake(DistributedType.NO))
+
+
+def test_fp16_without_a_loss_scaler_is_refused(monkeypatch):
+    """Accelerate gives fp16 on CPU neither autocast nor a loss scaler: the run would train
+    in float32 while its run.json said fp16. A real Accelerator, so a change of that gate
+    in Accelerate shows here; where a scaler exists, or DeepSpeed scales, fp16 runs."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    AcceleratorState._reset_state(True)
+    try:
+        with pytest.raises(ConfigError, match="fp16 has no loss scaler on CPU"):
+            check_topology(Accelerator(cpu=True, mixed_precision="fp16"))
+    finally:
+        AcceleratorState._reset_state(True)
+    check_topology(fake(DistributedType.MULTI_GPU, precision="fp16", scaler=object()))
+    check_topology(fake(DistributedType.DEEPSPEED, precision="fp16"))
 
 
 def test_deepspeed_with_use_cpu_is_refused(monkeypatch):
