@@ -8,8 +8,9 @@ on the ranks that are done until all are (see `window.draw_window`). Sources are
 a row from each (or, when data.train entries have fractions, each next row from a source
 drawn with probability proportional to its fraction among those not yet run out), and
 shuffled through a buffer of data.shuffle_buffer rows, reseeded every pass. The order depends
-only on (seed, pass, process count), so a resumed run reads the stream again up to its saved
-position and continues with exactly the rows it would have had.
+only on (seed, pass, process count, shuffle buffer, loader workers), which a checkpoint
+records (`checkpoint.position_settings`), so a resumed run reads the stream again up to its
+saved position and continues with exactly the rows it would have had.
 
 Bad rows stop the run as they do for prepared data, but mid-run: the error names the
 file and line and rides the per-step agreement, so every process stops after the same
@@ -113,7 +114,8 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.per_source = [[0, 0, 0] for _ in self.streams]  # rows read, kept, trained tokens
         for i, src, row in self._turns():
             try:
-                out = process_row(src.parse(row), src.format, self.tokenizer, cfg)
+                fields = row if src.raw else {k: v for k, v in row.items() if k != "__row"}  # ours, not the user's
+                out = process_row(src.parse(fields), src.format, self.tokenizer, cfg)
             except TemplateLimit as e:
                 raise template_error(self.key, self._where(src, row), e, cfg, self.tokenizer) from None
             if out["fits"] and (src.name, out["fits"]) not in self.several_warned:  # once per source and kind

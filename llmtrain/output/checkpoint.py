@@ -285,7 +285,17 @@ def position_settings(cfg, world_size: int) -> dict:
         "data.packing": cfg.data.packing,
         "data.shuffle": cfg.data.shuffle,
         "world_size": world_size,
-        **({"data.streaming": True, "data.shuffle_buffer": cfg.data.shuffle_buffer} if cfg.data.streaming else {}),
+        # A stream's order also depends on its loader workers: each reads its own shards, and
+        # datasets' buffer shuffle draws otherwise inside a worker than in the process.
+        **(
+            {
+                "data.streaming": True,
+                "data.shuffle_buffer": cfg.data.shuffle_buffer,
+                "data.num_workers": cfg.data.num_workers,
+            }
+            if cfg.data.streaming
+            else {}
+        ),
         # An RL run's position counts generation rounds of this many prompts and steps.
         **(
             {"grpo.num_generations": cfg.grpo.num_generations, "grpo.num_iterations": cfg.grpo.num_iterations}
@@ -543,6 +553,8 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | 
     saved = load_json(Path(path) / STATE_FILE)
     was = dict(saved["settings"])
     was.setdefault("global_batch", math.prod(was.get(k, 1) for k in LAYOUT_KEYS))  # written before it was saved
+    if was.get("data.streaming"):
+        was.setdefault("data.num_workers", cfg.data.num_workers)  # likewise: not known, taken as unchanged
     now = position_settings(cfg, accelerator.num_processes)
     flexible = () if cfg.data.streaming else LAYOUT_KEYS
     changed = [f"{k} was {was.get(k)!r}, now {v!r}" for k, v in now.items() if k not in flexible and was.get(k) != v]

@@ -96,6 +96,18 @@ def test_a_bad_row_is_met_as_an_error_naming_file_and_line(tmp_path, tokenizer, 
         shares(path, tokenizer, cfg(shuffle=False), world=world)
 
 
+def test_a_bad_parquet_row_is_named_by_its_index_and_its_own_fields(tmp_path, tokenizer):
+    """A Parquet (or hub) stream numbers its rows in a column of llmtrain's own, which the
+    error must not show as one of the row's fields."""
+    import pandas as pd
+
+    path = tmp_path / "bad.parquet"
+    pd.DataFrame([{"text": "fine"}] * 3 + [{"text": None}]).to_parquet(path)
+    with pytest.raises(DataError) as e:
+        shares(path, tokenizer, cfg(shuffle=False), world=1)
+    assert str(e.value).startswith(f"data.train: {path} row 3: no known format fits this row's fields [] (text: null)")
+
+
 def test_streamed_rows_that_fill_two_formats_are_said_once(tmp_path, tokenizer, capsys):
     """As prepared data (tests/data/test_data.py): rows read as the first of two formats they
     fill are named once per source, with the setting that reads the other."""

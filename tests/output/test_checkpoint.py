@@ -179,9 +179,24 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     cfg.train.micro_batch_size, cfg.train.seed, cfg.data.streaming = 8, 42, True  # the same, but a stream
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
         load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    cfg.train.micro_batch_size, cfg.data.num_workers = 4, 0
+    stream = position_settings(cfg, 1)
+    (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": stream, "files": manifest(path)}))
+    cfg.data.num_workers = 2  # a stream's order depends on its loader workers
+    with pytest.raises(CheckpointError, match=r"other data settings \(data.num_workers was 0, now 2\)"):
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    del stream["data.num_workers"]  # written before it was recorded: taken as unchanged
+    (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": stream, "files": manifest(path)}))
+    with pytest.raises(CheckpointError) as e:  # past the settings, to the fake checkpoint's files
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+    assert "data settings" not in str(e.value)
+    (path / STATE_FILE).write_text(
+        json.dumps({"step": 4, "settings": position_settings(Config(), 2), "files": manifest(path)})
+    )
     from accelerate.utils import DistributedType
 
-    cfg.data.streaming = False  # the same global batch on 1 process: DeepSpeed's partitions cannot follow
+    # The same global batch on 1 process: DeepSpeed's partitions cannot follow.
+    cfg.data.streaming, cfg.train.micro_batch_size, cfg.data.num_workers = False, 8, 0
     deepspeed = SimpleNamespace(num_processes=1, distributed_type=DistributedType.DEEPSPEED)
     with pytest.raises(CheckpointError, match=r"written by 2 DeepSpeed processes.*cannot be resharded to 1"):
         load(deepspeed, path, cfg, TrainState())
