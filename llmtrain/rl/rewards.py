@@ -34,6 +34,7 @@ import torch
 from ..errors import RewardError, describe, shown
 
 STANDARD = ("prompts", "completions", "completion_ids")
+FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are held and combined in float32
 
 
 def completion_text(completion) -> str:
@@ -196,12 +197,12 @@ class Reward:
         for i, v in enumerate(out):
             if v is None:
                 values.append(math.nan)
-            elif isinstance(v, numbers.Real) and not math.isinf(v):
+            elif isinstance(v, numbers.Real) and (math.isnan(v) or abs(v) <= FLOAT32_MAX):  # NaN: unscored
                 values.append(float(v))
             else:
                 raise RewardError(
                     f"grpo.rewards: {self.name} returned {shown(v)} for completion {i}; return a finite number "
-                    "or None per completion"
+                    "(within float32's range) or None per completion"
                 )
         return values
 

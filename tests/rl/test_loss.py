@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmtrain.data.rows import IGNORE
+from llmtrain.errors import RewardError
 from llmtrain.rl.loss import GRPOLoss, advantages, nanstd
 
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo"]
@@ -157,6 +158,16 @@ def test_unscored_completions_get_no_advantage_and_stay_out_of_their_group():
     assert not zero.any()
     lone, _, zero = advantages(torch.tensor([[nan], [nan], [1.0], [nan]]), torch.ones(1), 2, "group")
     assert lone.tolist() == [0.0, 0.0, 0.0, 0.0] and zero.tolist() == [True, True]  # one score: no spread
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_rewards_that_overflow_the_advantages_are_one_error_not_a_step_that_learns_nothing(scale):
+    """Rewards of 1e20 sum fine in float32 but their spread squares past its range: every
+    advantage would come out NaN, then 0 (a step with no gradient, its metrics inf)."""
+    rewards = torch.tensor([[1e20], [0.0], [1.0], [0.0]])
+    with pytest.raises(RewardError, match=r"^grpo.rewards: rewards as large as 1e\+20 overflow the float32"):
+        advantages(rewards, torch.ones(1), group=2, scale=scale)
+    advantages(rewards / 1e10, torch.ones(1), group=2, scale=scale)  # 1e10 is fine
 
 
 def test_nanstd_is_the_sample_standard_deviation_without_nans():

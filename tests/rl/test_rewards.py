@@ -107,6 +107,7 @@ def test_a_function_that_cannot_load_or_fit_the_data_is_one_line(tmp_path, sourc
         ("return 'ok'", "returned 'ok' for 2 completions"),
         ("return [1.0, 'high']", "returned 'high' for completion 1"),
         ("return [1.0, float('inf')]", "returned inf for completion 1"),
+        ("return [1.0, 1e39]", "returned 1e+39 for completion 1; return a finite number (within float32's range)"),
         ("return completions[7]", "f raised IndexError"),
     ],
 )
