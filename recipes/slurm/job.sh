@@ -19,6 +19,20 @@ if [ ! -f "$recipe" ]; then
     "(or none, for recipes/finetune.py) and submit from the repository root" >&2
   exit 2
 fi
+# Every start continues from the newest complete checkpoint in output_dir (a requeue, a
+# restart): checkpoint.resume=auto, added last. A checkpoint.resume given here is used at
+# the job's first start only (with worker restarts it is refused: they would go back to it).
+resume=(checkpoint.resume=auto)
+for arg in "$@"; do
+  if [[ "$arg" == checkpoint.resume=* && "${SLURM_RESTART_COUNT:-0}" == 0 && "$arg" != checkpoint.resume=auto ]]; then
+    if [ "${LLMTRAIN_MAX_RESTARTS:-0}" != 0 ]; then
+      echo "llmtrain: error: $arg with LLMTRAIN_MAX_RESTARTS: a restarted worker would resume from that" \
+        "checkpoint again, not from the newest; submit this first start without LLMTRAIN_MAX_RESTARTS" >&2
+      exit 2
+    fi
+    resume=()
+  fi
+done
 # A preemption warning before training starts has nothing to checkpoint, but must not kill
 # this shell (bash's default for USR1): the job is requeued once the step running ends.
 preempted=0
@@ -63,7 +77,7 @@ srun --kill-on-bad-exit=1 bash -c '
     --main_process_ip "$0" --main_process_port "$1" --rdzv_backend c10d \
     --max_restarts "${LLMTRAIN_MAX_RESTARTS:-0}" --mixed_precision "${LLMTRAIN_MIXED_PRECISION:-bf16}" \
     --dynamo_backend no "${@:2}"
-' "$head_addr" "$port" "$recipe" "$@" checkpoint.resume=auto &
+' "$head_addr" "$port" "$recipe" "$@" ${resume[@]+"${resume[@]}"} &
 train=$!
 wait "$train"; status=$?
 while kill -0 "$train" 2>/dev/null; do wait "$train"; status=$?; done  # the trap cut the wait short

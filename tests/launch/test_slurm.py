@@ -176,6 +176,24 @@ def test_a_first_argument_naming_a_recipe_runs_that_recipe(tmp_path):
     assert len(proc.stderr.splitlines()) == 1
 
 
+def test_a_resume_given_to_the_job_is_used_at_its_first_start_only(tmp_path):
+    """checkpoint.resume=auto is added last so that a requeued start continues from the
+    newest checkpoint; a checkpoint.resume the user gives must not be overridden at the first
+    start, and with worker restarts (which would go back to it) is refused in one line."""
+    env, log = stand_in_slurm(tmp_path, 'echo "srun ${*//$\'\\n\'/ }" >> "$LOG"')
+    given = "checkpoint.resume=runs/a/checkpoints/step-100"
+    for restart, tail in (("0", given), ("1", f"{given} checkpoint.resume=auto")):
+        log.unlink(missing_ok=True)
+        proc = run_job(env | {"SLURM_RESTART_COUNT": restart}, "--config", "c.yaml", given)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert log.read_text().splitlines()[1].endswith(f"recipes/finetune.py --config c.yaml {tail}")
+    log.unlink()
+    proc = run_job(env | {"LLMTRAIN_MAX_RESTARTS": "2"}, "--config", "c.yaml", given)
+    assert proc.returncode == 2 and not log.exists()
+    assert proc.stderr.startswith(f"llmtrain: error: {given} with LLMTRAIN_MAX_RESTARTS:")
+    assert len(proc.stderr.splitlines()) == 1
+
+
 def test_multi_node_job_matches_a_single_process_run(cluster, args, reference, cache_env, tmp_path):
     out = tmp_path / "out"
     job = submit(cluster, "multi_node.sbatch", args(out), cache_env, tmp_path / "job.log")
