@@ -182,8 +182,9 @@ def grpo_prompts(cfg) -> DataKind:
             columns |= row.keys()
             usable += usable_answer(row.get("answer"))
             rows += 1
+        conversations = any(p.startswith("[") for p in prompts["prompt"])  # each a JSON string or message list
         try:
-            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern)
+            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern, conversations)
         except RewardError as e:
             raise RewardError(f"{e} ({key})") from None
         if "accuracy" not in cfg.reward_names():

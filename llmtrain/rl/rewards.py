@@ -129,11 +129,29 @@ class RewardModelScore:
             )
         self.max_len = getattr(config, "max_position_embeddings", None)
 
+    def load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+
+    def check_prompts(self, conversations: bool) -> None:
+        """Conversation prompts are rendered with the reward model's chat template, which
+        it must have (checked once the data is read, before any weights load)."""
+        if conversations:
+            self.load_tokenizer()
+            if not self.tokenizer.chat_template:
+                raise RewardError(
+                    f"grpo.rewards: {REWARD_MODEL}{self.path}: its tokenizer has no chat template to render the "
+                    "prompts' conversations with; give it the template it was trained with (tokenizer_config.json), "
+                    "or use text prompts"
+                )
+
     def load(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.load_tokenizer()
         self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype="auto").to(device).eval()
 
     def ids(self, prompt, completion) -> list[int]:
@@ -256,10 +274,13 @@ def import_from_working_directory(name: str):
             sys.path.remove(cwd)
 
 
-def load_rewards(names: list[str], columns: set[str] | None, format_pattern: str = "") -> list[Reward]:
+def load_rewards(
+    names: list[str], columns: set[str] | None, format_pattern: str = "", conversations: bool = False
+) -> list[Reward]:
     """The reward functions of grpo.rewards, checked against the data's columns (None: not
     known yet): a parameter without a default that is neither a standard argument nor a
-    column is an error now, not at the first call."""
+    column is an error now, not at the first call; so is a reward model without a chat
+    template for prompts that are `conversations`."""
     rewards = []
     for name in names:
         if name == "accuracy":
@@ -273,6 +294,7 @@ def load_rewards(names: list[str], columns: set[str] | None, format_pattern: str
             fn = format_reward(format_pattern)
         elif name.startswith(REWARD_MODEL):
             fn = RewardModelScore(name)
+            fn.check_prompts(conversations)
         else:
             fn = load_function(name)
         try:

@@ -180,6 +180,27 @@ def test_a_reward_model_that_is_not_one_is_one_line(tiny_model, reward_model_dir
         load_rewards([f"reward_model:{adapter}"], None)
 
 
+def test_a_reward_model_without_a_chat_template_is_refused_for_conversation_prompts(reward_model_dir, tmp_path):
+    """Checked when the data is read (grpo_prompts), not at the first scoring after a round
+    of generation; text prompts need no template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    plain = tmp_path / "plain"
+    shutil.copytree(reward_model_dir, plain)
+    tokenizer = AutoTokenizer.from_pretrained(plain)
+    tokenizer.chat_template = None
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer.save_pretrained(plain)
+    assert not AutoTokenizer.from_pretrained(plain).chat_template
+    with pytest.raises(RewardError, match=rf"^grpo.rewards: reward_model:{plain}: its tokenizer has no chat template"):
+        load_rewards([f"reward_model:{plain}"], {"answer"}, conversations=True)
+    (reward,) = load_rewards([f"reward_model:{plain}"], {"answer"})
+    assert math.isfinite(reward(["What is 2 + 2?"], ["4"], [[1]], {"answer": ["4"]}, None)[0])
+    load_rewards([f"reward_model:{reward_model_dir}"], {"answer"}, conversations=True)
+
+
 def test_each_reward_gets_a_metric_name_of_its_own():
     from llmtrain.rl.rollout import reward_labels
 
