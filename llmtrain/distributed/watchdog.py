@@ -83,7 +83,12 @@ class Watchdog:
             self._post(idle)
             if idle > self.timeout_s:
                 others = self._others(idle)
-                blame = "; ".join(others) if others else "another process has probably died or hung (its log names it)"
+                if self.world == 1:  # nothing else to wait for: the work itself (a reward function, a read) hangs
+                    blame = "the only process, so what runs there did not return"
+                elif others:
+                    blame = "; ".join(others)
+                else:
+                    blame = "another process has probably died or hung (its log names it)"
                 print(
                     f"error: rank {self.rank}: no progress for {self.timeout_s:g} s, stuck at {self.where}; "
                     f"{blame}. The newest complete checkpoint is intact: resume with checkpoint.resume=auto. "
