@@ -63,7 +63,7 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             ds = row_dataset(path, key, streaming)
             columns = sorted({k for row in first for k in row})
             return Source(key, name, ds, columns, raw=True, text=suffix == ".csv")
-        if suffix == ".parquet" and parquet_rows(path) == 0:  # datasets fails on it with "BatchSize must be > 0"
+        if suffix == ".parquet" and parquet_rows(path, key, name) == 0:  # datasets: "BatchSize must be > 0"
             raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
         try:
             # datasets keys a local file's cache on its modification time only; the config
@@ -81,6 +81,11 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
     if path.is_dir():
+        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            raise DataError(
+                f"{key}: {name} is a data set saved with datasets' save_to_disk, which is not read here; write it "
+                "out as a file (Dataset.to_parquet('train.parquet'), or to_json('train.jsonl')) and give that"
+            )
         found = sorted(f.name for f in islice(path.iterdir(), 10_000) if f.suffix.lower() in FILE_BUILDERS)
         files = ", ".join(str(path / f) for f in found[:3])
         raise DataError(
@@ -103,15 +108,15 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
     return Source(key, name, ds, list(ds.column_names or []))
 
 
-def parquet_rows(path: Path) -> int | None:
-    """The row count a Parquet file's footer gives, or None if it is no readable Parquet
-    (datasets then says why)."""
+def parquet_rows(path: Path, key: str, name: str) -> int:
+    """The row count a Parquet file's footer gives. One that is no readable Parquet is an
+    error here: datasets would log its own line about it before failing."""
     import pyarrow.parquet as pq
 
     try:
         return pq.ParquetFile(path).metadata.num_rows
-    except Exception:
-        return None
+    except Exception as e:
+        raise DataError(f"{key}: could not read {name} ({describe(e)}); give a Parquet file") from None
 
 
 def no_rows(e: Exception) -> str | None:

@@ -251,6 +251,27 @@ def test_a_streamed_file_names_the_line_of_a_row_it_cannot_read(tmp_path, tokeni
         list(stream)
 
 
+def test_a_save_to_disk_directory_and_a_file_that_is_no_parquet_are_one_line(tmp_path, capfd):
+    """datasets' save_to_disk writes dataset_info.json and state.json beside its Arrow
+    files: named as data files, those are not the data. An unreadable Parquet file gets one
+    line, without datasets' own log line before it."""
+    import datasets
+
+    from llmtrain.data.sources import load_source
+    from llmtrain.errors import DataError
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": "a"}]).save_to_disk(str(saved))
+    with pytest.raises(DataError, match=rf"^data.train: {saved} is a data set saved with datasets' save_to_disk"):
+        load_source(str(saved), "data.train")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"12345")
+    capfd.readouterr()
+    with pytest.raises(DataError, match=rf"^data.train: could not read {bad} \(.*\); give a Parquet file$"):
+        load_source(str(bad), "data.train")
+    assert capfd.readouterr() == ("", "")
+
+
 def test_a_directory_given_as_data_names_the_data_files_in_it(tmp_path):
     from llmtrain.data.sources import load_source
     from llmtrain.errors import DataError
