@@ -226,6 +226,12 @@ CASES = {
         "train.lrr: unknown key; did you mean 'train.lr'?",
     ),
 }
+CASES["a system prompt the chat template refuses"] = (
+    "finetune",
+    [*SFT, "data.chat_template={T}/no-system.jinja", "data.system_prompt=Be brief."],
+    "data.system_prompt: the chat template refuses a system message (TemplateError: System role not supported); "
+    "unset data.system_prompt, or set data.chat_template to a template that takes one",
+)
 ELSEWHERE = {"llmtrain plan without --config, outside the checkout"}
 if not torch.cuda.is_available():
     CASES["flash attention on CPU"] = (
@@ -250,6 +256,8 @@ FILES = {
     "two.yaml": "distributed_type: MULTI_GPU\nnum_processes: two\n",
     "ds.yaml": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config: {gradient_accumulation_steps: four}\n",
     "list.yaml": "- distributed_type: NO\n",
+    "no-system.jinja": "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
 }
 
 

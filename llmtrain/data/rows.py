@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Mapping
 
 from ..config import DataConfig
-from ..errors import describe, shown
+from ..errors import DataError, describe, shown
 from ..files import BAD
 from ..template import MAX_RENDERED, TemplateLimit, install, time_limit
 
@@ -99,6 +99,16 @@ def row_format(row: dict) -> str:
 class RowError(ValueError):
     """A malformed row: it stops the run, naming its file and line (or, with
     data.bad_rows=skip, is dropped and counted)."""
+
+
+class TemplateRefused(RowError):
+    """The chat template refused or failed on a row's conversation; `cause` says how."""
+
+    def __init__(self, cause: str):
+        super().__init__(
+            f"the chat template failed on this conversation ({cause}); fix the row or set data.chat_template"
+        )
+        self.cause = cause
 
 
 class TextRow(dict):
@@ -293,12 +303,30 @@ def render_chat(
             "is nested too deeply to compile" if isinstance(e, RecursionError) else "ran out of memory"
         ) from None
     except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
-        raise RowError(
-            f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
-        ) from None
+        raise TemplateRefused(describe(e)) from None
     if isinstance(text, str) and len(text) > MAX_RENDERED:
         raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
     return text
+
+
+def check_system_prompt(tokenizer, cfg: DataConfig) -> None:
+    """data.system_prompt puts a system message first; a chat template that refuses system
+    messages (Gemma's, say) would fail on every row, each blamed on the row. Checked once,
+    before any row, on a probe conversation that renders without the system message."""
+    if not cfg.system_prompt or not tokenizer.chat_template:
+        return
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        render_chat(tokenizer, [{"role": "system", "content": cfg.system_prompt}, *turns])
+    except TemplateRefused as e:
+        try:
+            render_chat(tokenizer, turns)
+        except TemplateRefused:
+            return  # the probe itself does not render: the rows will say why
+        raise DataError(
+            f"data.system_prompt: the chat template refuses a system message ({e.cause}); unset "
+            "data.system_prompt, or set data.chat_template to a template that takes one"
+        ) from None
 
 
 _CONTROL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, control_tokens)
