@@ -128,27 +128,42 @@ def _read_whole(path: Path, key: str) -> bytes:
     return data
 
 
+def _not_utf8(data: bytes, error: UnicodeDecodeError | None = None) -> str | None:
+    """What is wrong with a line's (or a file's) bytes as UTF-8 text, with the fix; None if
+    nothing. UTF-16 is named: its byte-order mark, or the NUL byte each ASCII character
+    carries there (which decodes as UTF-8, into text no JSON or CSV reader takes)."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data:
+        return "looks like UTF-16 text (a UTF-16 byte-order mark, or NUL bytes); save the file as UTF-8"
+    if error is not None:
+        return f"not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8"
+    return None
+
+
 def _lines(path: Path, key: str) -> Iterator[str]:
     """The file's lines as text (line ends kept), each checked to be UTF-8."""
     with open(path, "rb") as f:
         for number, data in enumerate(_read_lines(f, path, key, "check the quoting, or split it into several rows"), 1):
             try:
                 text = data.decode("utf-8")
+                problem = _not_utf8(data)
             except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{key}: {path} line {number}: not UTF-8 text (byte {data[e.start]:#04x}); save the file as UTF-8"
-                ) from None
+                problem = _not_utf8(data, e)
+            if problem:
+                raise DataError(f"{key}: {path} line {number}: {problem}")
             yield text.removeprefix("\ufeff") if number == 1 else text  # a byte-order mark is not data
 
 
 def _decode(data: bytes, path: Path, key: str) -> str:
     try:
-        return data.decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
+        at = data.find(b"\x00")
+        problem = _not_utf8(data)
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise DataError(
-            f"{key}: {path} line {line}: not UTF-8 text (byte {data[e.start]:#04x}); save the file as UTF-8"
-        ) from None
+        at, problem = e.start, _not_utf8(data, e)
+    if problem:
+        line = data[: max(at, 0)].count(b"\n") + 1
+        raise DataError(f"{key}: {path} line {line}: {problem}")
+    return text
 
 
 def _jsonl(path: Path, key: str):
@@ -157,8 +172,11 @@ def _jsonl(path: Path, key: str):
         for number, data in enumerate(_read_lines(f, path, key, "each line must be one row: split it into several"), 1):
             try:
                 line = data.decode("utf-8")
+                problem = _not_utf8(data)
             except UnicodeDecodeError as e:
-                yield number, BadLine(f"not UTF-8 text (byte {data[e.start]:#04x}); save the file as UTF-8")
+                problem = _not_utf8(data, e)
+            if problem:
+                yield number, BadLine(problem)
                 continue
             if number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark is not data

@@ -48,6 +48,10 @@ def test_csv_rows_start_where_they_start_even_when_a_field_spans_lines(tmp_path)
     "name, content, message",
     [
         ("latin1.csv", "prompt,completion\na,b\nx,caf\xe9\n".encode("latin-1"), r"latin1.csv line 3: not UTF-8 text"),
+        ("utf16.csv", "prompt,completion\na,b\n".encode("utf-16-le"), r"utf16.csv line 1: looks like UTF-16 text"),
+        ("utf16.json", '[{"text": "a"}]'.encode("utf-16"), r"utf16.json line 1: looks like UTF-16 text \(a UTF-16"),
+        # Without a byte-order mark UTF-16 decodes as UTF-8 (ASCII and NUL bytes), which JSON then refuses.
+        ("utf16.jsonl", '{"text": "a"}\n'.encode("utf-16-le"), r"utf16.jsonl line 1: looks like UTF-16 text"),
         ("wide.csv", b"prompt,completion\na,b\nx,y,z\n", r"wide.csv line 3: 3 fields but the header has 2"),
         ("twice.csv", b"text,text\na,b\n", r"twice.csv line 1: the header names \['text'\] more than once"),
         ("bad.json", b'[\n {"text": "a"},\n {"text": }\n]', r"bad.json line 3: invalid JSON \(Expecting value\)"),
