@@ -119,7 +119,23 @@ def run_cli(main, argv: list[str] | None = None) -> None:
             main(argv)
     except SystemExit as e:  # a user error (2) or a stop signal (128 + signal)
         exit_now(e.code)
+    except RuntimeError as e:
+        said = [words for words in PEER_LEFT if words in str(e)]
+        if not said:
+            raise
+        # Another process ended (a crash, a signal, the OOM killer) while this one waited on
+        # it in a collective: its own output says why, which this process's traceback of the
+        # collective would bury.
+        sys.stderr.write(
+            f"error: rank {state.process_index}: another process left the job (gloo: {said[0]}); its own output "
+            "says why\n"
+        )
+        exit_now(1)
     exit_now(0)
+
+
+# gloo's words when the process at the other end of a collective has exited.
+PEER_LEFT = ("Connection closed by peer", "Connection reset by peer")
 
 
 def exit_now(code) -> None:

@@ -113,6 +113,46 @@ def test_a_multi_process_run_ends_with_its_code_without_interpreter_teardown(tmp
     assert made == ["atexit-0", "atexit-1"]
 
 
+LEAVING = """
+import os, sys, time
+from llmtrain.cli import run_cli
+
+
+def main(argv):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        print("rank 1 ends", flush=True)
+        os._exit(5)  # as a crash or a kill would end it
+    dist.broadcast_object_list([None], src=1)
+
+
+run_cli(main, sys.argv[1:])
+"""
+
+
+def test_a_process_whose_peer_left_says_so_in_one_line(tmp_path):
+    """Rank 0 waits in a collective on rank 1, which dies: gloo's error is no fault of rank
+    0's, and its traceback would bury what rank 1 printed. One line points there."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port
+
+    script = tmp_path / "leaving.py"
+    script.write_text(LEAVING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    env = dict(os.environ, ACCELERATE_USE_CPU="1")
+    proc = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode != 0 and "rank 1 ends" in proc.stdout
+    assert "error: rank 0: another process left the job (gloo: Connection closed by peer); its own output says why" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr
+
+
 def test_processes_that_formed_no_group_report_on_rank_0_alone(monkeypatch, capsys):
     """Launched as 2 processes without a process group, each is a world of one: rank 0
     reports; rank 1 waits, silent, for the launcher to stop it."""
