@@ -131,8 +131,9 @@ def _read_whole(path: Path, key: str) -> bytes:
 def _not_utf8(data: bytes, error: UnicodeDecodeError | None = None) -> str | None:
     """What is wrong with a line's (or a file's) bytes as UTF-8 text, with the fix; None if
     nothing. UTF-16 is named: its byte-order mark, or the NUL byte each ASCII character
-    carries there (which decodes as UTF-8, into text no JSON or CSV reader takes)."""
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data:
+    carries there (half the bytes; it decodes as UTF-8, into text no JSON reader takes). A
+    stray NUL is left to the reader (CSV keeps it in its field)."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or 3 * data.count(b"\x00") >= len(data) > 0:
         return "looks like UTF-16 text (a UTF-16 byte-order mark, or NUL bytes); save the file as UTF-8"
     if error is not None:
         return f"not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8"
@@ -161,7 +162,7 @@ def _decode(data: bytes, path: Path, key: str) -> str:
     except UnicodeDecodeError as e:
         at, problem = e.start, _not_utf8(data, e)
     if problem:
-        line = data[: max(at, 0)].count(b"\n") + 1
+        line = data[:at].count(b"\n") + 1
         raise DataError(f"{key}: {path} line {line}: {problem}")
     return text
 

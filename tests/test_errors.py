@@ -228,9 +228,10 @@ CASES = {
 }
 CASES["a system prompt the chat template refuses"] = (
     "finetune",
-    [*SFT, "data.chat_template={T}/no-system.jinja", "data.system_prompt=Be brief."],
-    "data.system_prompt: the chat template refuses a system message (TemplateError: System role not supported); "
-    "unset data.system_prompt, or set data.chat_template to a template that takes one",
+    [*SFT, "data.train={T}/no-system.jsonl", "data.chat_template={T}/no-system.jinja", "data.system_prompt=Be brief."],
+    "data.train: {T}/no-system.jsonl line 1: the chat template refuses the system message data.system_prompt puts "
+    "first (TemplateError: System role not supported); unset data.system_prompt, or set data.chat_template to a "
+    "template that takes one",
 )
 ELSEWHERE = {"llmtrain plan without --config, outside the checkout"}
 if not torch.cuda.is_available():
@@ -256,6 +257,7 @@ FILES = {
     "two.yaml": "distributed_type: MULTI_GPU\nnum_processes: two\n",
     "ds.yaml": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config: {gradient_accumulation_steps: four}\n",
     "list.yaml": "- distributed_type: NO\n",
+    "no-system.jsonl": '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n',
     "no-system.jinja": "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
 }

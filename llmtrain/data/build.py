@@ -17,7 +17,6 @@ from ..distributed.launch import main_first
 from .mixture import names, packer, sources, split_and_mix, training_set
 from .packing import PackedDataset
 from .prepare import prepare_split
-from .rows import check_system_prompt
 from .stream import StreamedRows
 
 
@@ -51,7 +50,6 @@ def data_kind(kind: DataKind | Callable, cfg) -> DataKind:
 def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
     """Returns (training set, evaluation set or None)."""
     data = cfg.data
-    check_system_prompt(tokenizer, data)
 
     def pack(key: str):
         return packer(kind.packed, kind.width * data.max_seq_len, key, kind.unit, accelerator.print)

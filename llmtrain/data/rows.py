@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Mapping
 
 from ..config import DataConfig
-from ..errors import DataError, describe, shown
+from ..errors import describe, shown
 from ..files import BAD
 from ..template import MAX_RENDERED, TemplateLimit, install, time_limit
 
@@ -101,14 +101,13 @@ class RowError(ValueError):
     data.bad_rows=skip, is dropped and counted)."""
 
 
-class TemplateRefused(RowError):
-    """The chat template refused or failed on a row's conversation; `cause` says how."""
+SYSTEM_REFUSED = "the chat template refuses the system message data.system_prompt puts first"
 
-    def __init__(self, cause: str):
-        super().__init__(
-            f"the chat template failed on this conversation ({cause}); fix the row or set data.chat_template"
-        )
-        self.cause = cause
+
+class SystemPrompt(dict):
+    """data.system_prompt's message, put first by llmtrain in a conversation that has no
+    system message of its own: a template that refuses it is the setting's fault, not the
+    row's (`render_chat`)."""
 
 
 class TextRow(dict):
@@ -224,7 +223,7 @@ def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
     if not out:
         raise NothingToTrain("empty conversation")
     if system_prompt and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": system_prompt})
+        out.insert(0, SystemPrompt(role="system", content=system_prompt))
     return out
 
 
@@ -303,30 +302,27 @@ def render_chat(
             "is nested too deeply to compile" if isinstance(e, RecursionError) else "ran out of memory"
         ) from None
     except Exception as e:  # the template refused this conversation (raise_exception) or failed on it
-        raise TemplateRefused(describe(e)) from None
+        if messages and isinstance(messages[0], SystemPrompt) and renders(tokenizer, messages[1:], tools):
+            raise RowError(
+                f"{SYSTEM_REFUSED} ({describe(e)}); unset data.system_prompt, or set data.chat_template to a "
+                "template that takes one"
+            ) from None
+        raise RowError(
+            f"the chat template failed on this conversation ({describe(e)}); fix the row or set data.chat_template"
+        ) from None
     if isinstance(text, str) and len(text) > MAX_RENDERED:
         raise TemplateLimit(f"builds a text of more than {MAX_RENDERED} characters")
     return text
 
 
-def check_system_prompt(tokenizer, cfg: DataConfig) -> None:
-    """data.system_prompt puts a system message first; a chat template that refuses system
-    messages (Gemma's, say) would fail on every row, each blamed on the row. Checked once,
-    before any row, on a probe conversation that renders without the system message."""
-    if not cfg.system_prompt or not tokenizer.chat_template:
-        return
-    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+def renders(tokenizer, messages: list[dict], tools=None) -> bool:
+    """Whether the chat template renders `messages` (within the same bounds)."""
     try:
-        render_chat(tokenizer, [{"role": "system", "content": cfg.system_prompt}, *turns])
-    except TemplateRefused as e:
-        try:
-            render_chat(tokenizer, turns)
-        except TemplateRefused:
-            return  # the probe itself does not render: the rows will say why
-        raise DataError(
-            f"data.system_prompt: the chat template refuses a system message ({e.cause}); unset "
-            "data.system_prompt, or set data.chat_template to a template that takes one"
-        ) from None
+        with time_limit():
+            tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:
+        return False
+    return True
 
 
 _CONTROL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, control_tokens)
@@ -495,7 +491,8 @@ def row_problem(status: str, cfg: DataConfig) -> str | None:
     location; None for rows that are kept or dropped (a malformed one too, under
     data.bad_rows=skip)."""
     if status.startswith("error") and cfg.bad_rows == "error":
-        return f"{status[len('error: ') :]}; data.bad_rows=skip would drop malformed rows instead"
+        skip = "" if SYSTEM_REFUSED in status else "; data.bad_rows=skip would drop malformed rows instead"
+        return f"{status[len('error: ') :]}{skip}"  # a setting's fault is not the row's
     if status.startswith("too long") and cfg.overlong == "error":
         return (
             f"row is {status[len('too long (') : -1]}, above data.max_seq_len={cfg.max_seq_len}; "

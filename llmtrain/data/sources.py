@@ -81,7 +81,8 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
         return Source(key, name, ds, list(ds.column_names or []))
     if path.is_dir():
-        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        saved = (path / "state.json").is_file() and (path / "dataset_info.json").is_file()  # a Dataset
+        if saved or (path / "dataset_dict.json").is_file():  # or a DatasetDict, a folder per split
             raise DataError(
                 f"{key}: {name} is a data set saved with datasets' save_to_disk, which is not read here; write it "
                 "out as a file (Dataset.to_parquet('train.parquet'), or to_json('train.jsonl')) and give that"

@@ -28,7 +28,18 @@ from ..config import DataConfig
 from ..data.batches import Collator
 from ..data.build import DataKind
 from ..data.packing import join_rows, pack_sources
-from ..data.rows import IGNORE, NothingToTrain, RowError, _with_eos, chat_ids, check_line, message, number, shift
+from ..data.rows import (
+    IGNORE,
+    NothingToTrain,
+    RowError,
+    SystemPrompt,
+    _with_eos,
+    chat_ids,
+    check_line,
+    message,
+    number,
+    shift,
+)
 from ..errors import shown
 
 
@@ -102,7 +113,7 @@ def conversation(row: dict, prompt, answers: tuple, tokenizer, cfg: DataConfig) 
         prompt = [{"role": "user", "content": prompt}]
         answers = tuple([{"role": "assistant", "content": a}] for a in answers)
     if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
-        prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+        prompt = [SystemPrompt(role="system", content=cfg.system_prompt), *prompt]
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RowError("'tools' must be a list of tool definitions")

@@ -18,7 +18,16 @@ import json
 from ..config import DataConfig
 from ..data.build import DataKind
 from ..data.packing import PackedDataset
-from ..data.rows import NothingToTrain, RowError, check_control_tokens, check_line, check_rendered, message, render_chat
+from ..data.rows import (
+    NothingToTrain,
+    RowError,
+    SystemPrompt,
+    check_control_tokens,
+    check_line,
+    check_rendered,
+    message,
+    render_chat,
+)
 from ..errors import RewardError
 
 PROMPT_COLUMNS = ("prompt_ids", "prompt", "columns")
@@ -43,7 +52,7 @@ def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
         raise RowError("'prompt' must be a string or a non-empty list of {role, content} messages")
     messages = [{k: v for k, v in message(m, i, "prompt").items() if k != "train"} for i, m in enumerate(prompt)]
     if cfg.system_prompt and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+        messages.insert(0, SystemPrompt(role="system", content=cfg.system_prompt))
     return messages
 
 

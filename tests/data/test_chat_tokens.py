@@ -110,3 +110,29 @@ def test_rows_without_control_tokens_keep_their_ids(tokenizer):
         assert ex["input_ids"] == tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)
     for pair in make_pairs(30, seed=1):
         assert process_pair(pair, tokenizer, CFG)["status"] == "ok", json.dumps(pair)
+
+
+NO_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_a_template_that_refuses_data_system_prompt_names_the_setting_not_the_row(tokenizer):
+    """Gemma-style templates refuse system messages. The one data.system_prompt puts first
+    is the setting's fault, in every recipe's rows; a row's own is the row's; text rows get
+    no system message, so the setting does not stop them."""
+    from llmtrain.rl.prompts import process_prompt
+
+    tok, cfg = templated(tokenizer, NO_SYSTEM), DataConfig(system_prompt="Be brief.")
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    setting = "error: the chat template refuses the system message data.system_prompt puts first"
+    assert process_row({"messages": [user, answer]}, "chat", tok, cfg)["status"].startswith(setting)
+    own = {"messages": [{"role": "system", "content": "Mine."}, user, answer]}
+    assert process_row(own, "chat", tok, cfg)["status"].startswith("error: the chat template failed on this")
+    assert process_row({"text": "plain text"}, "text", tok, cfg)["status"] == "ok"
+    pair = {"prompt": [user], "chosen": [answer], "rejected": [{"role": "assistant", "content": "Bye"}]}
+    assert process_pair(pair, tok, cfg)["status"].startswith(setting)
+    assert process_prompt({"prompt": [user]}, tok, cfg, 16)["status"].startswith(setting)
+    assert process_row({"messages": [user, answer]}, "chat", tok, DataConfig())["status"] == "ok"

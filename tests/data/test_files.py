@@ -255,6 +255,11 @@ def test_a_streamed_file_names_the_line_of_a_row_it_cannot_read(tmp_path, tokeni
         list(stream)
 
 
+def test_a_stray_nul_byte_in_a_csv_field_is_kept_not_taken_for_utf16(tmp_path):
+    got = rows_of(tmp_path / "nul.csv", "prompt,completion\na,b\x00c\n")
+    assert got == [(2, {"prompt": "a", "completion": "b\x00c"})]
+
+
 def test_a_save_to_disk_directory_and_a_file_that_is_no_parquet_are_one_line(tmp_path, capfd):
     """datasets' save_to_disk writes dataset_info.json and state.json beside its Arrow
     files: named as data files, those are not the data. An unreadable Parquet file gets one
@@ -264,10 +269,11 @@ def test_a_save_to_disk_directory_and_a_file_that_is_no_parquet_are_one_line(tmp
     from llmtrain.data.sources import load_source
     from llmtrain.errors import DataError
 
-    saved = tmp_path / "saved"
-    datasets.Dataset.from_list([{"text": "a"}]).save_to_disk(str(saved))
-    with pytest.raises(DataError, match=rf"^data.train: {saved} is a data set saved with datasets' save_to_disk"):
-        load_source(str(saved), "data.train")
+    rows = datasets.Dataset.from_list([{"text": "a"}])
+    for saved, data in ((tmp_path / "saved", rows), (tmp_path / "dict", datasets.DatasetDict(train=rows))):
+        data.save_to_disk(str(saved))
+        with pytest.raises(DataError, match=rf"^data.train: {saved} is a data set saved with datasets' save_to_disk"):
+            load_source(str(saved), "data.train")
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"12345")
     capfd.readouterr()
