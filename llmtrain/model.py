@@ -619,9 +619,10 @@ def chunkable_head(model) -> torch.nn.Linear | None:
 
 
 def disable_dropout(model) -> None:
-    """Turn off the model's own dropout (not LoRA's, model.lora.dropout): a preference
-    loss compares the policy's log-probs with the reference's, which must agree at the
-    start (TRL does the same)."""
+    """Turn off the model's own dropout (not LoRA's, model.lora.dropout): always for the
+    preference, reward and GRPO recipes (a preference loss compares the policy's log-probs
+    with the reference's, which must agree at the start; TRL does the same), and for SFT
+    with model.dropout=none (any batch layout then gives the same update)."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and "lora_" not in name:
             module.p = 0.0

@@ -152,7 +152,8 @@ class DataConfig:
     read is drawn at random from a buffer of this many. Larger mixes better, at the cost
     of memory and a slower first step."""
     num_workers: Annotated[int, Bounds(0, 64)] = 0
-    """DataLoader worker processes (per training process)."""
+    """DataLoader worker processes (per training process). With data.streaming they also
+    set the order rows are read in (each reads shards of its own), so a resume keeps it."""
     shuffle: bool = True
     """Shuffle the training rows (or packed sequences) every epoch, seeded by train.seed;
     false keeps the order of the files (a curriculum)."""

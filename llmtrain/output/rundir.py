@@ -195,7 +195,9 @@ def holds_run(output_dir: str) -> bool:
 
 
 # Settings that do not change what a run computes: where and how it reports, how it
-# checkpoints, how fast it reads. A rerun that changes only these is the same run.
+# checkpoints, how fast it reads. A rerun that changes only these is the same run. (A
+# stream's order depends on data.num_workers too: its resume refuses a change, as
+# checkpoint.position_settings records it.)
 SAME_RUN = (
     "output_dir",
     "log.",

@@ -41,11 +41,12 @@ def advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: 
     spread = nanstd(grouped, 1, keepdim=True)
     adv = (grouped - mean).view(-1)
     std = spread.expand_as(grouped).reshape(-1) if scale != "batch" else nanstd(total).expand_as(total)
-    if total.isinf().any() or spread.isinf().any() or std.isinf().any():  # else every advantage would be 0
+    if total.isinf().any() or spread.isinf().any() or std.isinf().any():  # advantages and metrics NaN or inf
         largest = float(rewards.nan_to_num(0).abs().max())
         raise RewardError(
-            f"grpo.rewards: rewards as large as {largest:.3g} overflow the float32 arithmetic of the advantages "
-            "(weighted sums and spreads); return rewards of a smaller scale, such as 0 to 1"
+            f"grpo.rewards: rewards as large as {largest:.3g} (times grpo.reward_weights) overflow the float32 "
+            "arithmetic of the advantages (weighted sums and spreads); return rewards of a smaller scale, such as 0 "
+            "to 1"
         )
     if scale != "none":
         adv = adv / (std + 1e-4)
