@@ -123,7 +123,8 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             )
             accelerator.end_training()
             return
-        describe_run(cfg, accelerator, resume_from, identity)  # config.yaml, run.json: only now that the run trains
+        # config.yaml, run.json: only now that the run trains
+        describe_run(cfg, accelerator, resume_from, identity, start.started_from)
         with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
             outcome = train(run)
             if outcome is Outcome.FINISHED:

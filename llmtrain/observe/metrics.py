@@ -32,11 +32,11 @@ def versions() -> dict:
     return out
 
 
-def describe_run(cfg, accelerator, resume_from, identity: dict | None = None) -> None:
+def describe_run(cfg, accelerator, resume_from, identity: dict | None = None, started_from: str = "") -> None:
     """config.yaml (every key, defaults included) and run.json (library versions, world
-    size, distributed type, mixed precision, the checkpoint resumed from, the recipe and
-    its training files' content hashes, `rundir.identity`) in output_dir, by the main
-    process."""
+    size, distributed type, mixed precision, the checkpoint resumed from and the one a
+    checkpoint.resume=<path> run started from, the recipe and its training files' content
+    hashes, `rundir.identity`) in output_dir, by the main process."""
     from ..config import to_yaml
 
     if not accelerator.is_main_process:
@@ -49,6 +49,7 @@ def describe_run(cfg, accelerator, resume_from, identity: dict | None = None) ->
         "distributed_type": str(accelerator.distributed_type.value),
         "mixed_precision": accelerator.mixed_precision,
         "resumed_from": str(resume_from or ""),
+        "started_from": started_from,
         **(identity or {}),
     }
     safefs.write_text(out / "run.json", json.dumps(run, indent=2))

@@ -40,6 +40,7 @@ class Start:
     identity: dict  # the recipe and the training files' content (`identity`), recorded with the run
     resume_from: Path | None = None  # the checkpoint to continue from; None: from the start
     finished_at: int | None = None  # the step a finished run with these settings ended at: nothing to do
+    started_from: str = ""  # the checkpoint a checkpoint.resume=<path> run started from (`recorded_start`)
 
 
 def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
@@ -62,14 +63,66 @@ def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
     if accelerator.is_main_process:
         checkpoint.clean_leftovers(out)  # what a killed run left half written or half deleted
     accelerator.wait_for_everyone()
-    resume_from = checkpoint.find_resume(
-        out, cfg.checkpoint.resume, warn, cfg.checkpoint.require_rng_state, accelerator
-    )
+    resume_from, started = find_start(cfg, accelerator)
     check_rerun(cfg, resume_from, accelerator.num_processes)
     check_same_run(out, ident, resume_from)
     if resume_from is not None:
         warn_changes(resume_from, cfg)
-    return Start(ident, resume_from)
+        if started == str(resume_from.resolve()):
+            set_aside_later(out, resume_from, accelerator)
+    return Start(ident, resume_from, started_from=started)
+
+
+def find_start(cfg, accelerator) -> tuple[Path | None, str]:
+    """(the checkpoint to resume from, the checkpoint the run started from or ''), for
+    checkpoint.resume. auto, none and a path as `checkpoint.find_resume` takes them, but a
+    path that the run in output_dir started from (`recorded_start`: the same command run
+    again) continues that run from its newest checkpoint, or from the path where it has
+    none yet."""
+    out, resume, require_rng = cfg.output_dir, cfg.checkpoint.resume, cfg.checkpoint.require_rng_state
+    started = recorded_start(out)
+    if resume in ("auto", "none"):
+        resume_from = checkpoint.find_resume(out, resume, warn, require_rng, accelerator)
+        return resume_from, started if resume_from is not None else ""
+    given = str(Path(resume).resolve())
+    if given == started and (own := checkpoint.find_resume(out, "auto", warn, require_rng, accelerator)):
+        return own, started
+    return checkpoint.find_resume(out, resume, warn, require_rng, accelerator), given
+
+
+def recorded_start(output_dir: str) -> str:
+    """The checkpoint the run in output_dir started from with checkpoint.resume=<path>, as
+    its run.json records it (kept while it continues from its own checkpoints); '' for
+    none. So the same command run again continues that run, as checkpoint.resume=auto
+    would, rather than going back to where it started."""
+    try:
+        run = load_json(Path(output_dir) / "run.json")
+    except (OSError, ValueError):
+        return ""
+    started = run.get("started_from") if isinstance(run, dict) else None
+    return started if isinstance(started, str) else ""
+
+
+def set_aside_later(output_dir: str, resume_from: Path, accelerator) -> None:
+    """checkpoint.resume=<a checkpoint of output_dir> goes back to it: the run's later
+    checkpoints belong to the run it leaves, and as the newest they would be what auto
+    resumes and pruning keeps. They move to checkpoints/earlier-run[-N]/ (kept, never
+    resumed), with a warning."""
+    root = checkpoint_root(output_dir)
+    if accelerator.is_main_process and resume_from.resolve().parent == root.resolve():
+        step = int(resume_from.name.split("-")[1])
+        later = [path for n, path in complete_checkpoints(output_dir) if n > step]
+        if later:
+            names = (f"earlier-run-{n}" if n > 1 else "earlier-run" for n in range(1, 10_000))
+            aside = next(root / n for n in names if not os.path.lexists(root / n))
+            aside.mkdir()
+            for path in later:
+                os.rename(path, aside / path.name)
+            warn(
+                f"checkpoint.resume: going back to {resume_from.name}, the later checkpoints of the run it leaves "
+                f"({', '.join(p.name for p in later)}) are moved to {aside}; delete them once you no longer need them"
+            )
+    accelerator.wait_for_everyone()
 
 
 def check_writable(output_dir: str) -> None:
@@ -306,10 +359,11 @@ def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
     """Refuse a run that would overwrite another's results: a fresh start over a finished
     run (it would train again from scratch and replace its metrics and final/), and a
     resume from another directory's checkpoint into one that holds a run (the two runs'
-    metrics and checkpoints would mix)."""
+    metrics and checkpoints would mix), unless that run started there (`recorded_start`)
+    and has no checkpoint of its own yet."""
     out = cfg.output_dir
     foreign = resume_from is not None and resume_from.resolve().parent != checkpoint_root(out).resolve()
-    if foreign and holds_run(out):
+    if foreign and holds_run(out) and str(resume_from.resolve()) != recorded_start(out):
         raise CheckpointError(
             f"output_dir: {out} holds another run, and resuming {resume_from} into it would mix the two runs' "
             "metrics, checkpoints and final/; resume it into a new output_dir"

@@ -20,18 +20,14 @@ if [ ! -f "$recipe" ]; then
   exit 2
 fi
 # Every start continues from the newest complete checkpoint in output_dir (a requeue, a
-# restart): checkpoint.resume=auto, added last. A checkpoint.resume given here is used at
-# the job's first start only (with worker restarts it is refused: they would go back to it).
+# restart): checkpoint.resume=auto, added last, unless the command gives a checkpoint to
+# start from, which it keeps: run again, such a run continues from its own newest one.
 resume=(checkpoint.resume=auto)
 for arg in "$@"; do
-  if [[ "$arg" == checkpoint.resume=* && "${SLURM_RESTART_COUNT:-0}" == 0 && "$arg" != checkpoint.resume=auto ]]; then
-    if [ "${LLMTRAIN_MAX_RESTARTS:-0}" != 0 ]; then
-      echo "llmtrain: error: $arg with LLMTRAIN_MAX_RESTARTS: a restarted worker would resume from that" \
-        "checkpoint again, not from the newest; submit this first start without LLMTRAIN_MAX_RESTARTS" >&2
-      exit 2
-    fi
-    resume=()
-  fi
+  case "$arg" in
+    checkpoint.resume=auto | checkpoint.resume=none) ;;
+    checkpoint.resume=*) resume=() ;;
+  esac
 done
 # A preemption warning before training starts has nothing to checkpoint, but must not kill
 # this shell (bash's default for USR1): the job is requeued once the step running ends.

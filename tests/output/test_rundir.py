@@ -362,6 +362,61 @@ def test_another_runs_checkpoint_is_resumed_only_into_a_directory_without_a_run(
         )
 
 
+@pytest.mark.slow
+def test_a_run_started_from_another_runs_checkpoint_continues_when_run_again(finished_run, cache_env, tmp_path):
+    """checkpoint.resume=<another run's step-2>, killed after its step 6: the same command
+    continues from its own step-6, to the uninterrupted run's losses (it was refused as
+    'another run'); killed before its first checkpoint, it starts from step-2 again."""
+    import shutil
+
+    from tests.conftest import rewind
+
+    source, args = finished_run
+    start = source / "checkpoints" / "step-2"
+    again = [a for a in args if not a.startswith(("output_dir=", "train.max_steps="))]
+    again += ["train.max_steps=8", f"checkpoint.resume={start}"]
+    ref = tmp_path / "ref"
+    run_recipe([*again, f"output_dir={ref}"], cache_env)
+    assert json.loads((ref / "run.json").read_text())["started_from"] == str(start.resolve())
+    for kept, resumed in ((6, "checkpoints/step-6"), (2, None)):
+        out = tmp_path / f"killed-after-{kept}"
+        rewind(out, kept, ref)
+        if resumed is None:  # no checkpoint of its own yet: metrics and run.json only
+            shutil.rmtree(out / "checkpoints")
+        proc = run_recipe([*again, f"output_dir={out}"], cache_env)
+        assert f"resumed from {out / resumed if resumed else start} at step {kept}" in proc.stdout
+        assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in train_rows(ref)]
+        assert json.loads((out / "run.json").read_text())["started_from"] == str(start.resolve())
+
+
+@pytest.mark.slow
+def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(finished_run, cache_env, tmp_path):
+    """checkpoint.resume=<step-2 of the same output_dir>: the run's step-4 belongs to the
+    run it leaves, and as the newest would be what a later resume takes and pruning keeps.
+    It moves to checkpoints/earlier-run/; the same command run again after a kill continues
+    the new run, not going back again."""
+    from tests.conftest import copy_run
+
+    out = tmp_path / "run"
+    args = copy_run(finished_run, out)
+    old_step_4 = snapshot(out / "checkpoints" / "step-4")
+    back = [a for a in args if not a.startswith("train.max_steps=")]
+    back += ["train.max_steps=6", f"checkpoint.resume={out / 'checkpoints' / 'step-2'}"]
+    proc = run_recipe(back, cache_env)
+    assert "going back to step-2, the later checkpoints of the run it leaves (step-4) are moved to" in proc.stderr
+    assert snapshot(out / "checkpoints" / "earlier-run" / "step-4") == old_step_4
+    finished = [r["loss"] for r in train_rows(out)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["earlier-run", "step-4", "step-6"]
+    import shutil
+
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints" / "step-6")
+    proc = run_recipe(back, cache_env)
+    assert f"resumed from {out / 'checkpoints' / 'step-4'} at step 4" in proc.stdout
+    assert "going back" not in proc.stderr
+    assert [r["loss"] for r in train_rows(out)] == finished
+
+
 def test_a_saved_config_that_cannot_be_read_is_reported_as_such():
     cfg = load_config(None, ["model.name_or_path=m", "data.train=a.jsonl"])
     for saved in ("", "train: [", "- a list"):
