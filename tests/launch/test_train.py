@@ -401,13 +401,21 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
 
 
 def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cache_env, tmp_path):
+    """The base given by a path relative to the working directory: the adapter names it by
+    its absolute path, so final/ loads from any directory (and never looks it up on the hub,
+    as 'a/model' would be)."""
+    import os
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from tests.conftest import ROOT
 
     out = tmp_path / "lora"
     run_recipe(
         common(chat_file, out)
         + [
+            f"model.name_or_path={os.path.relpath(tiny_model, ROOT)}",  # recipes run in ROOT
             "model.lora.enabled=true",
             "model.lora.r=4",
             "model.gradient_checkpointing=true",
@@ -416,7 +424,8 @@ def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cach
         ],
         cache_env,
     )
-    assert (out / "final" / "adapter" / "adapter_config.json").exists()
+    adapter = json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(tiny_model.resolve())
     merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     peft = PeftModel.from_pretrained(base, out / "final" / "adapter").eval()
