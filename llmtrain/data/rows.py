@@ -340,6 +340,39 @@ def control_tokens(tokenizer) -> re.Pattern | None:
     return cached[1]
 
 
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token the chat template puts right after an assistant message
+    (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`): trained with every assistant turn, it is
+    how a tuned model ends one. A base model's end of sequence is often another (Llama 3's
+    `<|end_of_text|>`, Qwen2.5's `<|endoftext|>`), so generation stops at it only where its
+    settings list it too. Empty without a template, or where none follows the message."""
+    pattern = control_tokens(tokenizer)
+    if not tokenizer.chat_template or pattern is None:
+        return []
+    mark = "Ok, 42."
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": mark}]
+    try:
+        text = render_chat(tokenizer, messages)
+    except (RowError, TemplateLimit):
+        return []
+    tail = text[text.rfind(mark) + len(mark) :] if mark in text else ""
+    found = pattern.search(tail)
+    if found is None or tail[: found.start()].strip():
+        return []
+    return [tokenizer.convert_tokens_to_ids(found.group())]
+
+
+def stop_ids(generation_config, tokenizer) -> list[int]:
+    """The tokens that end a generated answer: the tokenizer's end of sequence, those of the
+    model's generation config (a chat model's lists its end-of-turn tokens), and the end of
+    turn the chat template writes (`end_of_turn_ids`), which a base model tuned with a
+    template learns to end with while its own settings may not list it."""
+    found = getattr(generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)}
+    ids |= set(found) if isinstance(found, (list, tuple)) else {found}
+    return sorted(i for i in ids if i is not None)
+
+
 def check_control_tokens(messages: list[dict], tools, tokenizer) -> None:
     """Refuse a conversation whose text (message content, tool calls, tool definitions)
     spells one of the tokenizer's special tokens: the rendered chat is tokenized as a

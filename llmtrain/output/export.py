@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from .. import safefs
+from ..data.rows import end_of_turn_ids, stop_ids
 from ..distributed.launch import zero3
 from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
 from .checkpoint import STATE_FILE, WriteFailed, complete_checkpoints, publish, write_failed
@@ -65,6 +66,7 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
     a write that raises on the main process cannot leave the others waiting in one."""
     main, sharded, half = accelerator.is_main_process, is_sharded(accelerator), half_engine(accelerator)
     whole = sharded or half  # written weight by weight, gathered (and from float32 masters)
+    list_end_of_turn(model, tokenizer)
     merge = export.merge_lora is True  # "auto" is resolved by the recipe's Config; alone it is the adapter
     if hasattr(model, "peft_config"):
         # The adapter is small: when the model is sharded only its trainable weights are
@@ -85,6 +87,7 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
                 if whole or is_quantized(model)
                 else _merged_copy(model)
             )
+            list_end_of_turn(merged, tokenizer)  # loaded again: its base's own generation config
             merged.save_pretrained(tmp, max_shard_size=export.shard_bytes())
     elif whole:
         error = write_weights(accelerator, model, tmp, export.shard_bytes())
@@ -363,9 +366,23 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[st
             max_new_tokens=max_new_tokens,
             do_sample=False,
             synced_gpus=False,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop_ids(model.generation_config, tokenizer),
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         )
         answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
     model.train(was_training)
     return answers
+
+
+def list_end_of_turn(model, tokenizer) -> None:
+    """Add the chat template's end of turn to the generation config final/ is saved with
+    (beside its end of sequence), so that `generate` on it stops after one answer, as
+    TRL does when it gives a model a template."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    eos = config.eos_token_id
+    listed = [i for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
+    missing = [i for i in end_of_turn_ids(tokenizer) if i not in listed]
+    if missing:
+        config.eos_token_id = [*listed, *missing]

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from ..data.rows import stop_ids
+
 MASK64 = (1 << 64) - 1
 
 
@@ -81,15 +83,6 @@ class Generator(Protocol):
         ...
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    """The tokens that end a completion: the tokenizer's end of sequence and the model's
-    generation config's (which lists the end-of-turn tokens of chat models)."""
-    ids = {tokenizer.eos_token_id}
-    found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(found) if isinstance(found, (list, tuple)) else {found}
-    return sorted(i for i in ids if i is not None)
-
-
 class HFGenerator:
     """`generate` on the training model itself: under DDP the process's own copy; under
     ZeRO-3 and FSDP2 each forward gathers the sharded weights, and every process keeps
@@ -103,7 +96,7 @@ class HFGenerator:
     def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> Completions:
         from transformers import GenerationConfig
 
-        stops = stop_ids(model, self.tokenizer)
+        stops = stop_ids(getattr(model, "generation_config", None), self.tokenizer)
         width = max(len(p) for p in prompts)
         device = next(model.parameters()).device
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)

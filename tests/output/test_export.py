@@ -107,6 +107,35 @@ def test_the_exported_model_keeps_the_base_models_cache_setting(
     assert (again(input_ids=torch.tensor([[3, 4, 5]])).past_key_values is not None) is base_cache
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_base_model_ending_turns_otherwise_than_sequences_stops_at_the_end_of_turn(
+    model, tokenizer, tmp_path, monkeypatch, sharded
+):
+    """A base model whose end of sequence is not the chat template's end of turn (Llama 3's
+    <|end_of_text|> and <|eot_id|>): tuned on the template it ends answers with the end of
+    turn, so final/'s generation config lists it, and the samples stop there too."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from llmtrain.data.rows import end_of_turn_ids, stop_ids
+
+    monkeypatch.setattr(export, "is_sharded", lambda accelerator: sharded)
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<unk>"  # a base model's own end of sequence
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_ids(base) == [end_of_turn] and base.eos_token_id != end_of_turn
+    model.generation_config = GenerationConfig(eos_token_id=base.eos_token_id)
+    final = save_final(fake_accelerator(model), model, base, str(tmp_path), "", ExportConfig(), {"step": 1})
+    saved = AutoModelForCausalLM.from_pretrained(final).generation_config
+    assert saved.eos_token_id == [base.eos_token_id, end_of_turn]
+    assert stop_ids(saved, base) == sorted([base.eos_token_id, end_of_turn])
+    assert end_of_turn_ids(copy.deepcopy(base)) == [end_of_turn]
+    plain = copy.deepcopy(base)
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # nothing after an answer
+    assert end_of_turn_ids(plain) == []
+
+
 def test_shard_by_shard_export_holds_one_shard_at_a_time(model, tokenizer, tmp_path, monkeypatch, as_if_sharded):
     """Every gathered weight is freed once its shard is written: the bytes alive at once
     never exceed one shard (or one weight larger than a shard)."""
