@@ -123,7 +123,9 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             )
             accelerator.end_training()
             return
-        # config.yaml, run.json: only now that the run trains
+        # config.yaml, run.json, going back to an earlier checkpoint: only now that the run trains
+        if start.going_back:
+            rundir.set_aside_later(cfg.output_dir, resume_from, accelerator)
         describe_run(cfg, accelerator, resume_from, identity, start.started_from)
         with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
             outcome = train(run)

@@ -350,11 +350,14 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     if not tokenizer.chat_template or pattern is None:
         return []
     mark = "Ok, 42."
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": mark}]
-    try:
-        text = render_chat(tokenizer, messages)
-    except (RowError, TemplateLimit):
-        return []
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": mark}]
+    text = ""
+    for messages in (turns, [{"role": "system", "content": "Be brief."}, *turns]):  # some require a system message
+        try:
+            text = render_chat(tokenizer, messages)
+            break
+        except (RowError, TemplateLimit):
+            continue
     tail = text[text.rfind(mark) + len(mark) :] if mark in text else ""
     found = pattern.search(tail)
     if found is None or tail[: found.start()].strip():

@@ -73,8 +73,7 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
         # gathered (peft's save keeps the adapter's names from them), not the base's.
         adapter = gathered_trainable(model, main) if whole else None
         for config in model.peft_config.values():  # a local base by its absolute path: final/ loads from anywhere
-            local = Path(config.base_model_name_or_path or "").expanduser()
-            if local.is_dir():
+            if config.base_model_name_or_path and (local := Path(config.base_model_name_or_path).expanduser()).is_dir():
                 config.base_model_name_or_path = str(local.resolve())
         if main:
             model.save_pretrained(tmp / "adapter" if merge else tmp, state_dict=adapter)

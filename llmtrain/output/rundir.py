@@ -41,6 +41,7 @@ class Start:
     resume_from: Path | None = None  # the checkpoint to continue from; None: from the start
     finished_at: int | None = None  # the step a finished run with these settings ended at: nothing to do
     started_from: str = ""  # the checkpoint a checkpoint.resume=<path> run started from (`recorded_start`)
+    going_back: bool = False  # resume_from is an earlier checkpoint of output_dir itself (`set_aside_later`)
 
 
 def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
@@ -66,28 +67,41 @@ def prepare(cfg, accelerator, recipe: str, need: dict[str, int]) -> Start:
     resume_from, started = find_start(cfg, accelerator)
     check_rerun(cfg, resume_from, accelerator.num_processes)
     check_same_run(out, ident, resume_from)
+    going_back = False
     if resume_from is not None:
         warn_changes(resume_from, cfg)
-        if started == str(resume_from.resolve()):
-            set_aside_later(out, resume_from, accelerator)
-    return Start(ident, resume_from, started_from=started)
+        going_back = cfg.checkpoint.resume not in ("auto", "none") and started == str(resume_from.resolve())
+    return Start(ident, resume_from, started_from=started, going_back=going_back)
 
 
 def find_start(cfg, accelerator) -> tuple[Path | None, str]:
     """(the checkpoint to resume from, the checkpoint the run started from or ''), for
-    checkpoint.resume. auto, none and a path as `checkpoint.find_resume` takes them, but a
-    path that the run in output_dir started from (`recorded_start`: the same command run
-    again) continues that run from its newest checkpoint, or from the path where it has
-    none yet."""
+    checkpoint.resume: auto, none and a path as `checkpoint.find_resume` takes them, but
+    - the path that the run in output_dir started from (`recorded_start`), with the same
+      settings (the same command run again: a rerun, a requeued job) continues that run,
+      from its newest checkpoint, or from the path where it has none yet;
+    - auto, where output_dir holds no checkpoint but a run that started from a path,
+      starts from that path again (killed before its first checkpoint)."""
     out, resume, require_rng = cfg.output_dir, cfg.checkpoint.resume, cfg.checkpoint.require_rng_state
     started = recorded_start(out)
     if resume in ("auto", "none"):
         resume_from = checkpoint.find_resume(out, resume, warn, require_rng, accelerator)
+        if resume_from is None and resume == "auto" and started and Path(started).is_dir():
+            return checkpoint.find_resume(out, started, warn, require_rng, accelerator), started
         return resume_from, started if resume_from is not None else ""
     given = str(Path(resume).resolve())
-    if given == started and (own := checkpoint.find_resume(out, "auto", warn, require_rng, accelerator)):
+    same_run = given == started and not changed_settings(saved_config(out), cfg)
+    if same_run and (own := checkpoint.find_resume(out, "auto", warn, require_rng, accelerator)):
         return own, started
     return checkpoint.find_resume(out, resume, warn, require_rng, accelerator), given
+
+
+def saved_config(output_dir: str) -> str:
+    """output_dir's config.yaml (the last run's settings), or '' where it cannot be read."""
+    try:
+        return read_own(Path(output_dir) / "config.yaml")
+    except (OSError, ValueError):
+        return ""
 
 
 def recorded_start(output_dir: str) -> str:
@@ -107,11 +121,13 @@ def set_aside_later(output_dir: str, resume_from: Path, accelerator) -> None:
     """checkpoint.resume=<a checkpoint of output_dir> goes back to it: the run's later
     checkpoints belong to the run it leaves, and as the newest they would be what auto
     resumes and pruning keeps. They move to checkpoints/earlier-run[-N]/ (kept, never
-    resumed), with a warning."""
-    root = checkpoint_root(output_dir)
-    if accelerator.is_main_process and resume_from.resolve().parent == root.resolve():
-        step = int(resume_from.name.split("-")[1])
-        later = [path for n, path in complete_checkpoints(output_dir) if n > step]
+    resumed), with a warning. Called once the run is about to train (`Start.going_back`),
+    so that a run stopped before (a refused resume, --prepare-only) moves nothing."""
+    root, found = checkpoint_root(output_dir), complete_checkpoints(output_dir)
+    at = [(n, path.name) for n, path in found if path.resolve() == resume_from.resolve()]  # a link's too
+    if accelerator.is_main_process and at:
+        step, name = at[0]
+        later = [path for n, path in found if n > step]
         if later:
             names = (f"earlier-run-{n}" if n > 1 else "earlier-run" for n in range(1, 10_000))
             aside = next(root / n for n in names if not os.path.lexists(root / n))
@@ -119,7 +135,7 @@ def set_aside_later(output_dir: str, resume_from: Path, accelerator) -> None:
             for path in later:
                 os.rename(path, aside / path.name)
             warn(
-                f"checkpoint.resume: going back to {resume_from.name}, the later checkpoints of the run it leaves "
+                f"checkpoint.resume: going back to {name}, the later checkpoints of the run it leaves "
                 f"({', '.join(p.name for p in later)}) are moved to {aside}; delete them once you no longer need them"
             )
     accelerator.wait_for_everyone()
@@ -363,7 +379,14 @@ def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
     and has no checkpoint of its own yet."""
     out = cfg.output_dir
     foreign = resume_from is not None and resume_from.resolve().parent != checkpoint_root(out).resolve()
-    if foreign and holds_run(out) and str(resume_from.resolve()) != recorded_start(out):
+    started_here = foreign and str(resume_from.resolve()) == recorded_start(out)
+    if started_here and complete_checkpoints(out):  # find_start continues it unless the settings changed
+        raise CheckpointError(
+            f"output_dir: {out} holds the run that started from {resume_from}, and this command changes its "
+            f"settings ({'; '.join(changed_settings(saved_config(out), cfg))}); to continue that run with them, "
+            f"use checkpoint.resume=auto; to start from {resume_from} again, use a new output_dir"
+        )
+    if foreign and holds_run(out) and not started_here:
         raise CheckpointError(
             f"output_dir: {out} holds another run, and resuming {resume_from} into it would mix the two runs' "
             "metrics, checkpoints and final/; resume it into a new output_dir"

@@ -134,6 +134,12 @@ def test_a_base_model_ending_turns_otherwise_than_sequences_stops_at_the_end_of_
     plain = copy.deepcopy(base)
     plain.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # nothing after an answer
     assert end_of_turn_ids(plain) == []
+    needs_system = copy.deepcopy(base)
+    needs_system.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
+    assert end_of_turn_ids(needs_system) == [end_of_turn]
 
 
 def test_shard_by_shard_export_holds_one_shard_at_a_time(model, tokenizer, tmp_path, monkeypatch, as_if_sharded):

@@ -378,15 +378,23 @@ def test_a_run_started_from_another_runs_checkpoint_continues_when_run_again(fin
     ref = tmp_path / "ref"
     run_recipe([*again, f"output_dir={ref}"], cache_env)
     assert json.loads((ref / "run.json").read_text())["started_from"] == str(start.resolve())
-    for kept, resumed in ((6, "checkpoints/step-6"), (2, None)):
-        out = tmp_path / f"killed-after-{kept}"
+    for kept, resumed, resume in ((6, "checkpoints/step-6", None), (2, None, None), (2, None, "auto")):
+        out = tmp_path / f"killed-after-{kept}-{resume}"
         rewind(out, kept, ref)
         if resumed is None:  # no checkpoint of its own yet: metrics and run.json only
             shutil.rmtree(out / "checkpoints")
-        proc = run_recipe([*again, f"output_dir={out}"], cache_env)
+        command = [*again, f"output_dir={out}"] + ([f"checkpoint.resume={resume}"] if resume else [])
+        proc = run_recipe(command, cache_env)
         assert f"resumed from {out / resumed if resumed else start} at step {kept}" in proc.stdout
         assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in train_rows(ref)]
         assert json.loads((out / "run.json").read_text())["started_from"] == str(start.resolve())
+    rewind(out, 6)  # other settings with the same path: not the same run; auto continues it with them
+    proc = run_recipe([*again, f"output_dir={out}", "train.lr=2e-3"], cache_env, check=False)
+    assert proc.returncode == 2
+    assert f"error: output_dir: {out} holds the run that started from {start}, and this command changes its " in (
+        proc.stderr
+    )
+    assert "(train.lr: 0.001 -> 0.002); to continue that run with them, use checkpoint.resume=auto" in proc.stderr
 
 
 @pytest.mark.slow
@@ -400,8 +408,11 @@ def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(finished_
     out = tmp_path / "run"
     args = copy_run(finished_run, out)
     old_step_4 = snapshot(out / "checkpoints" / "step-4")
+    (tmp_path / "best").symlink_to(out / "checkpoints" / "step-2")  # a link names it as well
     back = [a for a in args if not a.startswith("train.max_steps=")]
-    back += ["train.max_steps=6", f"checkpoint.resume={out / 'checkpoints' / 'step-2'}"]
+    back += ["train.max_steps=6", f"checkpoint.resume={tmp_path / 'best'}"]
+    run_recipe([*back, "--prepare-only"], cache_env)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]  # nothing moved yet
     proc = run_recipe(back, cache_env)
     assert "going back to step-2, the later checkpoints of the run it leaves (step-4) are moved to" in proc.stderr
     assert snapshot(out / "checkpoints" / "earlier-run" / "step-4") == old_step_4
@@ -415,6 +426,11 @@ def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(finished_
     assert f"resumed from {out / 'checkpoints' / 'step-4'} at step 4" in proc.stdout
     assert "going back" not in proc.stderr
     assert [r["loss"] for r in train_rows(out)] == finished
+    # Back again, to step-4 (step-2 was pruned), with other settings: not a rerun of the same run.
+    back[-1] = f"checkpoint.resume={out / 'checkpoints' / 'step-4'}"
+    proc = run_recipe([*back, "train.lr=2e-3"], cache_env)
+    assert "going back to step-4, the later checkpoints of the run it leaves (step-6) are moved to" in proc.stderr
+    assert (out / "checkpoints" / "earlier-run-2" / "step-6").is_dir()
 
 
 def test_a_saved_config_that_cannot_be_read_is_reported_as_such():
