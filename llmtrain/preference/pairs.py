@@ -55,16 +55,37 @@ def _messages(value, what: str) -> list[dict]:
 
 
 def _answer(messages: list[dict], what: str) -> list[dict]:
-    """An answer's messages, which hold the assistant's turn where there are any: messages of
-    other roles alone answer nothing (the row is malformed, not an empty answer)."""
-    if messages and not any(m["role"] == "assistant" for m in messages):
-        roles = [m["role"] for m in messages]
+    """An answer's messages, which hold the assistant's turn where there are any and end
+    with it: messages of other roles alone answer nothing (the row is malformed, not an
+    empty answer), and after the last assistant turn they would be read as its end."""
+    roles = [m["role"] for m in messages]
+    if messages and "assistant" not in roles:
         raise RowError(f"'{what}' holds no assistant message (roles {roles}); an answer is the assistant's turn")
+    if messages and roles[-1] != "assistant":
+        raise RowError(
+            f"'{what}' ends with a {roles[-1]} message (roles {roles}); an answer ends with the assistant's turn"
+        )
     return messages
 
 
-def _answer_messages(value, what: str) -> list[dict]:
-    return _answer(_messages(value, what), what)
+def _answer_messages(value, what: str, prompt: list[dict]) -> list[dict]:
+    """An answer given beside 'prompt': what follows it. Data sets that repeat the whole
+    conversation in each answer (UltraFeedback as HuggingFaceH4 publishes it, a 'prompt'
+    string beside whole 'chosen' and 'rejected' conversations) begin it with the prompt's
+    messages, which are taken off, as TRL does; any other user or system message before the
+    answer's assistant turn would make it the answer to another conversation (tool results
+    may come first, continuing a prompt that ends in a tool call)."""
+    messages = _messages(value, what)
+    if len(messages) > len(prompt) and messages[: len(prompt)] == prompt:
+        messages = messages[len(prompt) :]
+    _answer(messages, what)
+    before = [m["role"] for m in messages[: [m["role"] for m in messages].index("assistant")]]
+    if {"user", "system"} & set(before):
+        raise RowError(
+            f"'{what}' starts with {before} messages that are not the prompt's; give the answer alone beside "
+            "'prompt', or whole conversations without a 'prompt' column"
+        )
+    return messages
 
 
 def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
@@ -81,7 +102,7 @@ def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[d
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         prompt = _messages(prompt, "prompt")
-        return prompt, _answer_messages(chosen, "chosen"), _answer_messages(rejected, "rejected")
+        return prompt, _answer_messages(chosen, "chosen", prompt), _answer_messages(rejected, "rejected", prompt)
     chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
@@ -149,6 +170,8 @@ def process_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
         # keeping one prompt token to predict the first answer token from.
         cut = min(longest - width, min(cp, rp) - 1) if min(cp, rp) > 0 else 0
         (ci, cl), (ri, rl), status = _fit(ci, cl, cut, width), _fit(ri, rl, cut, width), "truncated"
+        if ci == ri and cl == rl:  # the answers differed only in what was cut off
+            return _dropped("identical answers after truncation")
     cl, rl = shift(cl), shift(rl)
     if all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
         return _dropped("no trained tokens")

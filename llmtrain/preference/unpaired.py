@@ -53,7 +53,8 @@ def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bo
         return prompt, completion, label
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    return _messages(prompt, "prompt"), _answer_messages(completion, "completion"), label
+    prompt = _messages(prompt, "prompt")
+    return prompt, _answer_messages(completion, "completion", prompt), label
 
 
 def process_unpaired(row: dict, tokenizer, cfg: DataConfig) -> dict:

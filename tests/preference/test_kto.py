@@ -63,8 +63,15 @@ def test_a_row_is_tokenized_as_a_pairs_answer_with_its_label(tokenizer):
             "label": False,
         },
     ]
+    same.append(  # the whole conversation as the completion, beside the prompt it repeats
+        {
+            "prompt": "Uppercase: cat",
+            "completion": [{"role": "user", "content": "Uppercase: cat"}, {"role": "assistant", "content": "cat"}],
+            "label": False,
+        }
+    )
     outs = [process_unpaired(r, tokenizer, CFG) for r in same]
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
 @pytest.mark.parametrize(

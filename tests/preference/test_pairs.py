@@ -72,8 +72,11 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
         {"chosen": [{"role": "user", "content": user}, {"role": "assistant", "content": good}],
          "rejected": [{"role": "user", "content": user}, {"role": "assistant", "content": bad}]},
     ]  # fmt: skip
+    # UltraFeedback as HuggingFaceH4 publishes it: a prompt beside whole conversations, which
+    # repeat it (taken off, as TRL does, not rendered twice).
+    shapes.append({**shapes[2], "prompt": user})
     outs = [process_pair(row, tokenizer, CFG) for row in shapes]
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
 @pytest.mark.parametrize(
@@ -90,6 +93,13 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
         ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
           "rejected": [{"role": "user", "content": "q"}, {"role": "user", "content": "b"}]},
          "error: 'rejected' holds no assistant message (roles ['user'])"),
+        ({"prompt": "hi", "chosen": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "a"}],
+          "rejected": "b"},
+         "error: 'chosen' starts with ['user'] messages that are not the prompt's; give the answer alone beside"),
+        ({"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}],
+          "rejected": "b"},
+         "error: 'chosen' ends with a user message (roles ['assistant', 'user']); an answer ends with the assistant"),
+        ({"prompt": "q", "chosen": "x" * 300 + "a", "rejected": "x" * 300 + "b"}, "identical answers after truncation"),
     ],
 )  # fmt: skip
 def test_pairs_with_nothing_to_compare_are_dropped_and_malformed_ones_are_errors(tokenizer, row, status):
