@@ -155,8 +155,11 @@ def test_kto_under_zero3_trains_like_one_process(row_files, base_config, tiny_mo
     evals = [r["eval_loss"] for r in metrics(zero3) if "eval_loss" in r]
     assert evals == pytest.approx([r["eval_loss"] for r in metrics(one) if "eval_loss" in r], rel=1e-4)
     want = load_file(one / "final" / "model.safetensors")
+    # Adam divides by the gradient's running size, so a near-zero gradient summed in another
+    # order (ZeRO-3 reduces by partitions) can move a weight by up to 2e-5 more or less after
+    # three steps on some CPUs (1.8e-5 on an AMD EPYC); a wrong update moves it by the rate, 1e-3.
     for key, value in load_file(zero3 / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, want[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(value, want[key], rtol=1e-4, atol=5e-5, msg=key)
 
 
 def test_kto_data_errors_are_one_line(base_config, tiny_model, cache_env, tmp_path, row_files):
