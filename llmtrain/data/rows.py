@@ -525,10 +525,11 @@ def row_problem(status: str, cfg: DataConfig) -> str | None:
     """Why a row of this process_row status stops the run (a malformed row, or an
     over-long one under data.overlong=error), for the caller to put after the row's
     location; None for rows that are kept or dropped (a malformed one too, under
-    data.bad_rows=skip)."""
+    data.bad_rows=skip, but not one failed by data.system_prompt: the setting's fault)."""
+    if status.startswith("error") and SYSTEM_REFUSED in status:
+        return status[len("error: ") :]
     if status.startswith("error") and cfg.bad_rows == "error":
-        skip = "" if SYSTEM_REFUSED in status else "; data.bad_rows=skip would drop malformed rows instead"
-        return f"{status[len('error: ') :]}{skip}"  # a setting's fault is not the row's
+        return f"{status[len('error: ') :]}; data.bad_rows=skip would drop malformed rows instead"
     if status.startswith("too long") and cfg.overlong == "error":
         return (
             f"row is {status[len('too long (') : -1]}, above data.max_seq_len={cfg.max_seq_len}; "

@@ -136,3 +136,8 @@ def test_a_template_that_refuses_data_system_prompt_names_the_setting_not_the_ro
     assert process_pair(pair, tok, cfg)["status"].startswith(setting)
     assert process_prompt({"prompt": [user]}, tok, cfg, 16)["status"].startswith(setting)
     assert process_row({"messages": [user, answer]}, "chat", tok, DataConfig())["status"] == "ok"
+    from llmtrain.data.rows import row_problem
+
+    status = process_row({"messages": [user, answer]}, "chat", tok, cfg)["status"]
+    skipping = DataConfig(system_prompt="Be brief.", bad_rows="skip")
+    assert row_problem(status, skipping) == status.removeprefix("error: ")  # stops the run even so
