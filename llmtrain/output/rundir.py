@@ -129,8 +129,7 @@ def set_aside_later(output_dir: str, resume_from: Path, accelerator) -> None:
         step, name = at[0]
         later = [path for n, path in found if n > step]
         if later:
-            names = (f"earlier-run-{n}" if n > 1 else "earlier-run" for n in range(1, 10_000))
-            aside = next(root / n for n in names if not os.path.lexists(root / n))
+            aside = free_name(root / "earlier-run")
             aside.mkdir()
             for path in later:
                 os.rename(path, aside / path.name)
@@ -359,8 +358,7 @@ def keep_finished(cfg, accelerator) -> Path | None:
         if changes or done["step"] is None:
             final = Path(cfg.output_dir) / "final"
             name = f"final-step-{done['step']}" if done["step"] is not None else "final-earlier"
-            names = (f"{name}-{n}" if n > 1 else name for n in range(1, 10_000))
-            kept = next(final.with_name(n) for n in names if not os.path.lexists(final.with_name(n)))
+            kept = free_name(final.with_name(name))
             os.rename(final, kept)
             why = "; ".join(changes) or "its train_state.json cannot be read"
             warn(
@@ -369,6 +367,13 @@ def keep_finished(cfg, accelerator) -> Path | None:
             )
     accelerator.wait_for_everyone()
     return kept
+
+
+def free_name(path: Path) -> Path:
+    """`path`, or where that is taken `path-2`, `path-3`, ...: where output_dir keeps what a
+    rerun set aside (an earlier final/, a left run's checkpoints) without replacing anything."""
+    names = (path.with_name(f"{path.name}-{n}" if n > 1 else path.name) for n in range(1, 10_000))
+    return next(p for p in names if not os.path.lexists(p))
 
 
 def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
