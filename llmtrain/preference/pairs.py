@@ -78,8 +78,8 @@ def _answer_messages(value, what: str, prompt: list[dict]) -> list[dict]:
     messages = _messages(value, what)
     if len(messages) > len(prompt) and messages[: len(prompt)] == prompt:
         messages = messages[len(prompt) :]
-    _answer(messages, what)
-    before = [m["role"] for m in messages[: [m["role"] for m in messages].index("assistant")]]
+    roles = [m["role"] for m in _answer(messages, what)]
+    before = roles[: roles.index("assistant")]
     if {"user", "system"} & set(before):
         raise RowError(
             f"'{what}' starts with {before} messages that are not the prompt's; give the answer alone beside "
