@@ -3,11 +3,13 @@
     python benchmarks/same_numbers.py > before.txt     # on the commit before the change
     python benchmarks/same_numbers.py > after.txt      # on the change
     diff before.txt after.txt                          # must print nothing
+    python benchmarks/same_numbers.py grpo kto         # only the runs whose names start so
 
 Runs the shipped demo configs on CPU with their fixed seeds (the demo model and data are
-built offline on first use): SFT packed on one process, SFT padded with LoRA and gradient
-accumulation on two, DPO packed against the frozen reference on one, DPO with LoRA on two.
-For each it prints a sha256 of the metrics rows without the wall-clock fields and one of
+built offline on first use), each method on one process and on two: SFT packed, and padded
+with LoRA and gradient accumulation; DPO packed against the frozen reference, and with LoRA;
+a reward model packed, and padded with accumulation; KTO full, and with LoRA; ORPO packed, and
+padded; GRPO with its demo's accumulation, and with LoRA. For each it prints a sha256 of the metrics rows without the wall-clock fields and one of
 every tensor in final/ (name, dtype, shape and bytes). Takes a few minutes on 2 cores.
 """
 
@@ -43,6 +45,24 @@ RUNS = {
         "dpo_demo.yaml",
         ["train.max_steps=3", "model.lora.enabled=true", "model.lora.dropout=0.05"],
     ),
+    "reward-packed-1proc": (1, "reward.py", "reward_demo.yaml", ["train.max_steps=4"]),
+    "reward-padded-2proc": (
+        2,
+        "reward.py",
+        "reward_demo.yaml",
+        ["train.max_steps=3", "data.packing=false", "train.micro_batch_size=2", "train.grad_accum_steps=2"],
+    ),
+    "kto-1proc": (1, "dpo.py", "kto_demo.yaml", ["train.max_steps=3"]),
+    "kto-lora-2proc": (2, "dpo.py", "kto_demo.yaml", ["train.max_steps=3", "model.lora.enabled=true"]),
+    "orpo-packed-1proc": (1, "dpo.py", "orpo_demo.yaml", ["train.max_steps=4"]),
+    "orpo-padded-2proc": (2, "dpo.py", "orpo_demo.yaml", ["train.max_steps=3", "data.packing=false"]),
+    "grpo-1proc": (1, "grpo.py", "grpo_demo.yaml", ["train.max_steps=3", "eval.every_steps=2"]),
+    "grpo-lora-2proc": (
+        2,
+        "grpo.py",
+        "grpo_demo.yaml",
+        ["train.max_steps=2", "model.lora.enabled=true", "eval.every_steps=0"],
+    ),
 }
 
 
@@ -70,6 +90,8 @@ def main() -> None:
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (nproc, recipe, config, overrides) in RUNS.items():
+            if sys.argv[1:] and not name.startswith(tuple(sys.argv[1:])):
+                continue
             out = Path(tmp) / name
             script = [str(ROOT / "recipes" / recipe), "--config", str(ROOT / "recipes" / "configs" / config)]
             args = [*script, f"output_dir={out}", "log.tracker=none", "log.progress_bar=false", *overrides]
