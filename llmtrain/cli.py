@@ -11,16 +11,23 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import demo
 from .config import Config, load_config
+from .config.validate import DEMO_NAMES
 from .data.mixture import names
 from .distributed.launch import process_group_backend
 from .distributed.watchdog import default_store
 from .errors import UserError
 
 
-def parse_args(argv: list[str] | None, default_config: Path | None, description: str = "", schema: type = Config):
-    """Returns (config, parsed arguments); the config is a `schema` (a recipe's tree)."""
+def parse_args(
+    argv: list[str] | None,
+    default_config: Path | None,
+    description: str = "",
+    schema: type = Config,
+    sections: dict[str, str] | None = None,
+):
+    """Returns (config, parsed arguments); the config is a `schema` (a method's tree), and
+    `sections` names the other methods' sections (config.load_config)."""
     parser = argparse.ArgumentParser(
         description=description, epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true"
     )
@@ -32,9 +39,9 @@ def parse_args(argv: list[str] | None, default_config: Path | None, description:
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
-    cfg = load_config(args.config, args.overrides, schema)
+    cfg = load_config(args.config, args.overrides, schema, sections)
     own = [cfg.model.name_or_path, *names(cfg.data.train)]
-    if args.config == default_config and any(name not in demo.DEMO_NAMES for name in own):
+    if args.config == default_config and any(name not in DEMO_NAMES for name in own):
         from accelerate import PartialState
 
         PartialState().print(

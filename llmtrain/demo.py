@@ -9,7 +9,6 @@ path a user's model takes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -18,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 from . import safefs
+from .config.validate import DEMO_NAMES, PathKey, map_paths, named
+from .data.sources import as_list
 
 DEMO_VERSION = "v3"
 CHAT_TEMPLATE = (
@@ -336,12 +337,11 @@ def make_prompts(n: int, seed: int) -> list[dict]:
 
 def build_prompts(root: Path) -> None:
     """The RL demo's prompts under root, once: 2000 for training, 200 held out."""
-    for name, n, seed in ((PROMPT_FILES[0], 2000, 5), (PROMPT_FILES[1], 200, 6)):
+    for name, n, seed in ((DEMO_NAMES["demo:prompts-train"], 2000, 5), (DEMO_NAMES["demo:prompts-eval"], 200, 6)):
         if not (root / name).exists():
             write_once(root, name, make_prompts(n, seed))
 
 
-PROMPT_FILES = ("rl-words-train.jsonl", "rl-words-eval.jsonl")
 SFT_OVERRIDES = ["train.epochs=2", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
 
 
@@ -376,48 +376,19 @@ def build_sft_model(root: Path) -> None:
     safefs.rmtree(run_dir)
 
 
-DEMO_NAMES = {
-    "demo:tiny-llama": "tiny-llama",
-    "demo:train": "train.jsonl",
-    "demo:eval": "eval.jsonl",
-    "demo:tiny-llama-sft": "tiny-llama-sft",
-    "demo:pairs-train": "pairs-train.jsonl",
-    "demo:pairs-eval": "pairs-eval.jsonl",
-    "demo:kto-train": "kto-train.jsonl",
-    "demo:kto-eval": "kto-eval.jsonl",
-    "demo:prompts-train": PROMPT_FILES[0],
-    "demo:prompts-eval": PROMPT_FILES[1],
-}
-
-
-REFERENCE_SECTIONS = ("dpo", "grpo")  # recipes' sections with a `reference` model name
-
-
-def named(cfg) -> list[tuple[str, str]]:
-    """(config key, name) of every model and data set a config names."""
-    keys = [("model.name_or_path", cfg.model.name_or_path)]
-    for section in REFERENCE_SECTIONS:
-        if hasattr(cfg, section):
-            keys.append((f"{section}.reference", getattr(cfg, section).reference))
-    entries = [(f"data.{split}", e) for split in ("train", "eval") for e in _as_list(getattr(cfg.data, split))]
-    return keys + [(key, getattr(e, "path", e)) for key, e in entries]  # a data.train entry may be {path, fraction}
-
-
-def _names(cfg) -> list[str]:
-    return [name for _, name in named(cfg)]
-
-
 def uses_demo(cfg) -> bool:
-    return any(n in DEMO_NAMES for n in _names(cfg))
+    """Whether the config names any of the demo's assets."""
+    return any(name in DEMO_NAMES for _, name in named(cfg))
 
 
 def resolve_demo_names(cfg) -> None:
-    """Replace demo:* names in cfg with paths to the built assets (building them if needed)."""
+    """Replace demo:* names in cfg (wherever it names a model or data set) with paths to the
+    built assets, building them if needed."""
     if not uses_demo(cfg):
         return
     root = cache_dir()
     build_assets(root)
-    names = _names(cfg)
+    names = [name for _, name in named(cfg)]
     if any(n.startswith("demo:pairs") for n in names):
         build_pairs(root)
     if any(n.startswith("demo:kto") for n in names):
@@ -427,22 +398,11 @@ def resolve_demo_names(cfg) -> None:
     if "demo:tiny-llama-sft" in names:
         build_sft_model(root)
 
-    def fix(name: str) -> str:
-        return str(root / DEMO_NAMES[name]) if name in DEMO_NAMES else name
+    def fix(key: str, name: str, kind: PathKey) -> str:
+        return str(root / DEMO_NAMES[name]) if kind.asset and name in DEMO_NAMES else name
 
-    def fix_entry(entry):
-        return dataclasses.replace(entry, path=fix(entry.path)) if hasattr(entry, "path") else fix(entry)
-
-    cfg.model.name_or_path = fix(cfg.model.name_or_path)
-    for section in REFERENCE_SECTIONS:
-        if hasattr(cfg, section):
-            getattr(cfg, section).reference = fix(getattr(cfg, section).reference)
-    cfg.data.train = [fix_entry(e) for e in _as_list(cfg.data.train)]
-    cfg.data.eval = [fix(n) for n in _as_list(cfg.data.eval)]
-
-
-def _as_list(x) -> list[str]:
-    return [x] if isinstance(x, str) and x else list(x or [])
+    map_paths(cfg, fix)
+    cfg.data.train, cfg.data.eval = as_list(cfg.data.train), as_list(cfg.data.eval)  # as every run records them
 
 
 def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, dict[str, float]]:

@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -24,18 +23,15 @@ import yaml
 
 from . import demo
 from .cli import user_errors
-from .config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config, to_yaml
+from .config import load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
-from .config.schema import RECIPE_SECTIONS
 from .data.batches import EpochSampler
-from .data.build import ROWS, DataKind, data_kind
 from .data.mixture import names, packer, sources, split_and_mix, training_set
-from .data.rows import IGNORE
 from .data.stream import StreamedRows
 from .errors import ConfigError, DataError, describe
 from .files import read_own
+from .methods import METHODS, demo_config, sections
 from .model import (
-    WEIGHT_SUFFIXES,
     attention_backend,
     check_model,
     check_vocab,
@@ -45,17 +41,8 @@ from .model import (
     load_tokenizer,
     meta_model,
 )
-from .preference.reference import check_reference
-from .preference.reward import REWARD_PAIRS
-from .preference.unpaired import preference_data
-from .rl.prompts import grpo_prompts
-from .rl.rewards import REWARD_MODEL, check_grpo
 from .train import check_lengths
 
-TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
-# Each recipe's offline demo, which it runs when given no --config (recipes/<name>.py).
-DEMOS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
-DEMO_CONFIGS = {"finetune": DEMOS / "demo.yaml", **{r: DEMOS / f"{r}_demo.yaml" for r in ("dpo", "grpo", "reward")}}
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
 
 
@@ -226,7 +213,7 @@ def quantized_params(model) -> int:
 
 
 def memory_estimate(
-    cfg, launch: Launch, total: int, trainable: int, mcfg, chunkable: bool, quantized: int = 0
+    cfg, method, launch: Launch, total: int, trainable: int, mcfg, chunkable: bool, quantized: int = 0
 ) -> dict[str, float]:
     """Rough bytes per GPU. Weights in the dtype they load in (model.dtype; the `quantized`
     ones in half a byte, nf4/fp4, or one, int8, each); gradients and two AdamW moments in
@@ -234,7 +221,8 @@ def memory_estimate(
     use ~34 bytes x hidden per token per layer in 16-bit, twice that in float32 (weights in
     float32 without bf16/fp16 mixed precision); only the layer inputs with gradient
     checkpointing; plus fp32 logits and their gradient: for train.loss_chunk_logits logits
-    at most where the model allows the chunked loss, else for every token."""
+    at most where the model allows the chunked loss, else for every token; then what the
+    method adds (its PlanFigures.memory: RL's generation cache, reference and reward models)."""
     width = load_dtype(cfg.model, mcfg).itemsize
     # Autocast computes in 16 bits; without it activations come in the weights' dtype.
     scale = (2 if launch.mixed_precision in ("bf16", "fp16") else width) / 2
@@ -248,11 +236,7 @@ def memory_estimate(
         optim = 0.0
     if launch.offload_params:
         weights = 0.0
-    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
-    if isinstance(cfg, (DPOConfig, RewardConfig)):  # a pair is two sequences (packed: rows of twice the length)
-        tokens *= 2
-    if isinstance(cfg, GRPOConfig):  # a prompt brings a group of completions
-        tokens *= cfg.grpo.num_generations
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len * method.plan.sequences(cfg)
     hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34) * scale
     activations = layers * per_layer + (tokens * hidden * 34 * scale if cfg.model.gradient_checkpointing else 0)
@@ -261,49 +245,11 @@ def memory_estimate(
     if cfg.model.head != "score":  # logits over the vocabulary (a score head has one number per token)
         activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
     out = {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
-    if isinstance(cfg, GRPOConfig):
-        # Generation's KV cache: keys and values per layer for every sequence of a micro-batch.
-        heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
-        head_dim = getattr(mcfg, "head_dim", None) or hidden // mcfg.num_attention_heads
-        out["generation KV cache"] = 2 * layers * heads * head_dim * width * tokens
-        if cfg.grpo.beta and not cfg.model.lora.enabled:  # the frozen reference copy, whole on each process
-            out["reference model"] = float(total * width)
-        for name in cfg.reward_names():
-            if name.startswith(REWARD_MODEL):  # loaded whole on each process, in the dtype it was saved in
-                path = name[len(REWARD_MODEL) :]
-                out[f"reward model {path}"] = saved_weights_bytes(path)
-    return out
-
-
-def saved_weights_bytes(path: str) -> float:
-    """The bytes of a local model directory's weight files (its safetensors where it has
-    any), about what it takes loaded in the dtype it was saved in; 0 for a hub name."""
-    local = Path(path).expanduser()
-    if not local.is_dir():
-        return 0.0
-    files = [f for f in local.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
-    safetensors = [f for f in files if f.suffix == ".safetensors"]
-    return float(sum(f.stat().st_size for f in safetensors or files))
+    return out | method.plan.memory(cfg, mcfg, total, width, tokens)
 
 
 def human(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def preview_row(row: dict, tokenizer) -> str:
-    """The row (input_ids, labels) as text with trained tokens inside ⟦ ⟧ (labels are
-    shifted: token t+1 is trained when labels[t] is set)."""
-    ids, labels = row["input_ids"], row["labels"]
-    trained = [False] + [lab != IGNORE for lab in labels[:-1]]
-    out, inside = [], False
-    for tok, is_trained in zip(ids, trained):
-        if is_trained != inside:
-            out.append(TRAINED_OPEN if is_trained else TRAINED_CLOSE)
-            inside = is_trained
-        out.append(tokenizer.decode([tok]))
-    if inside:
-        out.append(TRAINED_CLOSE)
-    return "".join(out)
 
 
 def plan(argv: list[str]) -> None:
@@ -316,7 +262,7 @@ def plan(argv: list[str]) -> None:
     )
     parser.add_argument(
         "--recipe",
-        choices=sorted(RECIPES),
+        choices=sorted(METHODS),
         default=None,
         help="the recipe the config is for (default: dpo, grpo or reward when the config or an override sets a "
         "key of that section, else finetune)",
@@ -324,8 +270,8 @@ def plan(argv: list[str]) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
     config, name = config_and_recipe(args.config, args.recipe, args.overrides)
-    recipe = RECIPES[name]
-    cfg = load_config(config, args.overrides, recipe.schema)
+    method = METHODS[name]
+    cfg = load_config(config, args.overrides, method.schema, sections())
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
     check(cfg)
@@ -333,10 +279,10 @@ def plan(argv: list[str]) -> None:
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
     check_vocab(cfg.model, mcfg, tokenizer)
-    if recipe.check is not None:
-        recipe.check(cfg, tokenizer)
+    if method.check is not None:
+        method.check(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    kind = data_kind(recipe.kind, cfg)
+    kind = method.kind(cfg)
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
@@ -369,18 +315,18 @@ def plan(argv: list[str]) -> None:
         pack = packer(kind.packed, kind.width * cfg.data.max_seq_len, "", "", lambda line: None)
         examples = training_set(ds, mix, pack if cfg.data.packing else None)
         sampler = EpochSampler(len(examples), t.seed, mix=getattr(examples, "mix", None))
-        steps_per_epoch = t.steps_per_epoch(len(sampler), world)
-        if isinstance(cfg, GRPOConfig):  # whole generation rounds, each trained grpo.num_iterations times
-            steps_per_epoch = len(sampler) // t.global_batch(world) * cfg.grpo.num_iterations
+        steps_per_epoch = method.plan.steps_per_epoch(cfg, len(sampler), world)
+        if steps_per_epoch is None:
+            steps_per_epoch = t.steps_per_epoch(len(sampler), world)
     counts = count_params(cfg, mcfg, launch.zero_stage == 3)
     total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)
     mean_len = sum(lengths) / len(lengths)
-    tokens_per_seq = cfg.data.max_seq_len * kind.width if cfg.data.packing else mean_len
-    if isinstance(cfg, GRPOConfig):  # a prompt's whole group, at most max_completion_length tokens each
-        tokens_per_seq = (mean_len + cfg.grpo.max_completion_length) * cfg.grpo.num_generations
+    tokens_per_seq = method.plan.tokens(cfg, mean_len)
+    if tokens_per_seq is None:
+        tokens_per_seq = cfg.data.max_seq_len * kind.width if cfg.data.packing else mean_len
     items = kind.batched[cfg.data.packing]
-    memory = memory_estimate(cfg, launch, *counts)
+    memory = memory_estimate(cfg, method, launch, *counts)
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())
@@ -432,94 +378,8 @@ def plan(argv: list[str]) -> None:
     print(f"  total: {human(sum(memory.values()))}")
     if device != "cuda":
         print("  (on CPU a run logs its process's peak resident memory: Python, the libraries and the data on top)")
-    for line in recipe.describe(cfg, ds[0], tokenizer):
+    for line in method.describe(cfg, ds[0], tokenizer):
         print(line)
-
-
-def describe_rows(cfg, first: dict, tokenizer) -> list[str]:
-    return [
-        f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
-        preview_row(first, tokenizer),
-    ]
-
-
-def describe_pairs(cfg, first: dict, tokenizer) -> list[str]:
-    lines = [
-        f"\n== preference ({cfg.dpo.loss}, beta {cfg.dpo.beta:g}) ==",
-        f"  reference: {reference_source(cfg)}",
-    ]
-    if cfg.dpo.loss == "kto":
-        d = cfg.dpo
-        return lines + [
-            f"  weights: desirable {d.desirable_weight:g}, undesirable {d.undesirable_weight:g}; each row's KL "
-            "completion is the next row's completion after its own prompt",
-            f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
-            f"-- {'desirable' if first['desirable'] else 'undesirable'} --\n{preview_row(first, tokenizer)}",
-        ]
-    lines.append(f"\n== first training pair ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==")
-    for side in ("chosen", "rejected"):
-        row = {"input_ids": first[f"{side}_input_ids"], "labels": first[f"{side}_labels"]}
-        lines.append(f"-- {side} --\n{preview_row(row, tokenizer)}")
-    return lines
-
-
-def describe_reward_pairs(cfg, first: dict, tokenizer) -> list[str]:
-    lines = [
-        f"\n== reward model (Bradley-Terry, centring {cfg.reward.center_coefficient:g}) ==",
-        "  score: the score head's output at each sequence's last token that is not padding",
-        f"  margin column: {first.get('margin', 0.0):g} for the first pair (0 where a row has none)",
-        "\n== first training pair ==",
-    ]
-    for side in ("chosen", "rejected"):
-        lines.append(f"-- {side} --\n{tokenizer.decode(first[f'{side}_input_ids'])}")
-    return lines
-
-
-def describe_prompts(cfg, first: dict, tokenizer) -> list[str]:
-    g, t = cfg.grpo, cfg.train
-    per_micro = t.micro_batch_size * g.num_generations
-    if g.beta:
-        reference = (
-            "the model with its LoRA adapters off"
-            if cfg.model.lora.enabled
-            else f"{g.reference or 'the starting weights'}: a frozen copy, whole on each process"
-        )
-    else:
-        reference = "none (grpo.beta=0)"
-    return [
-        f"\n== GRPO ({g.loss_type}, {g.num_generations} completions per prompt) ==",
-        f"  per micro-batch: {t.micro_batch_size} prompt(s) x {g.num_generations} = {per_micro} sequences "
-        f"of at most {cfg.data.max_seq_len} tokens",
-        f"  generated per process and round: {t.micro_batch_size * t.grad_accum_steps * g.num_generations} "
-        f"completions, at most {g.max_completion_length} tokens each; each round trains {g.num_iterations} "
-        "optimizer step(s)",
-        f"  sampling: temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k or 'all'}",
-        f"  rewards: {', '.join(cfg.reward_names())}"
-        + (f" (weights {', '.join(f'{w:g}' for w in g.reward_weights)})" if g.reward_weights else ""),
-        f"  advantages: scale_rewards={g.scale_rewards}; clip [1 - {g.epsilon:g}, 1 + {g.epsilon_high or g.epsilon:g}]",
-        f"  KL reference: {reference}",
-        "\n== first training prompt (as the model is asked it) ==",
-        tokenizer.decode(first["prompt_ids"]),
-    ]
-
-
-@dataclass(frozen=True)
-class PlannedRecipe:
-    """What plan knows of a recipe: its config tree, its data, its own start-up checks, and
-    the lines it adds to the plan (its own section and its first training example)."""
-
-    schema: type
-    kind: DataKind | Callable  # or cfg -> its DataKind
-    check: Callable | None
-    describe: Callable  # (cfg, the first training example, tokenizer) -> lines
-
-
-RECIPES = {
-    "finetune": PlannedRecipe(Config, ROWS, None, describe_rows),
-    "dpo": PlannedRecipe(DPOConfig, preference_data, check_reference, describe_pairs),
-    "grpo": PlannedRecipe(GRPOConfig, grpo_prompts, check_grpo, describe_prompts),
-    "reward": PlannedRecipe(RewardConfig, REWARD_PAIRS, None, describe_reward_pairs),
-}
 
 
 def config_and_recipe(config: Path | None, recipe: str | None, overrides: list[str]) -> tuple[Path, str]:
@@ -527,38 +387,28 @@ def config_and_recipe(config: Path | None, recipe: str | None, overrides: list[s
     not given (`recipe_named`), and with no config the recipe's own demo, as the recipe
     itself runs it (found from this checkout wherever the command runs)."""
     if config is None:
-        recipe = recipe or recipe_named(DEMO_CONFIGS["finetune"], overrides)
-        config = DEMO_CONFIGS[recipe]
-        if not config.is_file():
-            raise ConfigError([f"--config: required; the demo's {config} is not here, so give your YAML"])
+        recipe = recipe or recipe_named(demo_config(METHODS["finetune"]), overrides)
+        config = demo_config(METHODS[recipe])
+        if config is None or not config.is_file():
+            where = f"the demo's {config} is not here" if config else f"{recipe} has no demo"
+            raise ConfigError([f"--config: required; {where}, so give your YAML"])
     return config, recipe or recipe_named(config, overrides)
 
 
 def recipe_named(config: Path, overrides: list[str]) -> str:
-    """The recipe a config is for: dpo, grpo or reward when its YAML has that section or an
-    override sets a key of it, else finetune (an unreadable file is load_config's to report)."""
+    """The recipe a config is for: the method whose own section (dpo, grpo, reward, ...) its
+    YAML has or an override sets a key of, else finetune (an unreadable file is
+    load_config's to report)."""
     raw = {}
     with contextlib.suppress(OSError, ValueError, yaml.YAMLError):
         raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader)
-    for name in RECIPE_SECTIONS:  # a recipe's own section names the recipe
-        if any(o.startswith((f"{name}.", f"{name}=")) for o in overrides) or (isinstance(raw, dict) and name in raw):
-            return name
+    for method in METHODS.values():  # a method's own section names its recipe
+        name = method.section
+        if name and (
+            any(o.startswith((f"{name}.", f"{name}=")) for o in overrides) or (isinstance(raw, dict) and name in raw)
+        ):
+            return method.name
     return "finetune"
-
-
-def reference_source(cfg) -> str:
-    d = cfg.dpo
-    if d.loss == "simpo":
-        return "none (SimPO compares the policy's own per-token log-probs)"
-    if d.loss == "orpo":
-        return "none (ORPO compares the odds of the policy's own per-token log-probs)"
-    every = "every row (its completion and KL sequence)" if d.loss == "kto" else "every pair"
-    if d.reference:
-        return f"{d.reference}: its log-probs for {every}, computed once before training (cached in output_dir)"
-    if cfg.model.lora.enabled:
-        extra = "three extra forwards" if d.loss == "kto" else "one extra forward"
-        return f"the same model with its LoRA adapters off (no second copy; {extra} per micro-batch)"
-    return f"the starting weights: log-probs for {every} computed once before training (cached in output_dir)"
 
 
 HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo|grpo|reward]

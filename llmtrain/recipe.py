@@ -1,30 +1,27 @@
-"""What every recipe does around its objective: read the config, take the output
-directory, find where to resume, prepare the data, set up and train, write final/ and
-print samples. A recipe supplies only what is its own (`Recipe`): its config tree, its
-data and its objective.
+"""What every recipe does around its method: read the config, take the output directory,
+find where to resume, prepare the data, set up and train, write final/ and print samples. A
+method supplies only what is its own (core/method.Method, listed in methods.METHODS): its
+config tree, its data, its objective and data source. A recipe script is
 
-    RECIPE = Recipe(Config, DEFAULT_CONFIG, "Fine-tune ...", ROWS, sft_parts, "finetune")
     def main(argv=None):
-        run(RECIPE, argv)
+        run("dpo", argv)
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import demo, safefs
 from .cli import parse_args
 from .config import to_yaml
 from .config.load import check
-from .core.objective import Objective
 from .core.window import Outcome
-from .data.build import DataKind, build_datasets, data_kind
+from .data.build import build_datasets
 from .distributed.launch import main_first, setup_accelerator, zero3
 from .distributed.stop import StopRequest
 from .distributed.watchdog import Watchdog
+from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
 from .observe.metrics import describe_run, plot_losses
 from .output import checkpoint, rundir
@@ -32,39 +29,11 @@ from .output.export import model_for_sampling, sample, save_final
 from .train import keep_writing, setup, train
 
 
-@dataclass(frozen=True)
-class Parts:
-    """A recipe's pieces for one run, built once the model is loaded."""
-
-    objective: Objective
-    collator: object | None = None  # makes the objective's micro-batches; None: batches.Collator
-    # Runs once the model is prepared for the distributed backend and before a resumed
-    # run's weights are loaded, so the model still holds its starting weights:
-    # after_prepare(model, accelerator, empty_batch, beat, stop).
-    after_prepare: Callable | None = None
-    # Makes the training micro-batches from the prepared model instead of a loader over the
-    # training set (recipes/grpo.py: completions generated as training goes): source(model,
-    # backend, beat) -> a rl/rollout.Rollouts-like object (see train.setup).
-    source: Callable | None = None
-
-
-@dataclass(frozen=True)
-class Recipe:
-    schema: type  # the config tree (config.Config or an extension of it)
-    default_config: Path  # the offline demo's YAML, used when no --config is given
-    description: str
-    data: DataKind | Callable  # what its examples are (build.ROWS, pairs.PAIRS), or cfg -> that
-    parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
-    # What the run trains for ('finetune', 'dpo'): an output_dir holds one recipe's run,
-    # recorded with its data's fingerprint (rundir.identity) and checked on every rerun.
-    name: str
-    # The recipe's own start-up checks, before any data or weights load: check(cfg, tokenizer).
-    check: Callable | None = None
-
-
-def run(recipe: Recipe, argv: list[str] | None = None) -> None:
+def run(name: str, argv: list[str] | None = None) -> None:
+    """Run the method `name` of methods.METHODS as its recipe: recipes/<name>.py."""
+    method = METHODS[name]
     stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
-    cfg, args = parse_args(argv, recipe.default_config, recipe.description, recipe.schema)
+    cfg, args = parse_args(argv, demo_config(method), method.description, method.schema, sections())
     safefs.check_caches(demo.uses_demo(cfg))  # an unusable cache is one line now, not a traceback later
     accelerator = setup_accelerator(cfg)
     with main_first(accelerator):
@@ -76,7 +45,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     check(cfg)  # the config that runs is a checked one
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     start = rundir.prepare(
-        cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg, zero3(accelerator)))
+        cfg, accelerator, method.name, rundir.output_bytes(meta_model(cfg.model, mcfg, zero3(accelerator)))
     )
     if start.finished_at is not None:
         if accelerator.is_main_process and not (Path(cfg.output_dir) / "loss.png").exists():
@@ -89,36 +58,24 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
 
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
     check_vocab(cfg.model, mcfg, tokenizer)
-    if recipe.check is not None:
-        recipe.check(cfg, tokenizer)
-    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, data_kind(recipe.data, cfg))
+    if method.check is not None:
+        method.check(cfg, tokenizer)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, method.kind(cfg))
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model, zero3(accelerator))
-    parts = recipe.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+    parts = method.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+    # What a checkpoint's data position means, recorded with every checkpoint and final/.
+    settings = checkpoint.position_settings(cfg, accelerator.num_processes, method.position(cfg))
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.
     with Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes) as watchdog:
-        run = setup(
-            cfg,
-            accelerator,
-            model,
-            tokenizer,
-            parts.objective,
-            train_set,
-            eval_set,
-            resume_from,
-            stop,
-            watchdog,
-            parts.collator,
-            parts.after_prepare,
-            parts.source,
-        )
-        run.state.run = identity  # recorded in every checkpoint and final/
-        if rundir.up_to_date(cfg, run.state.step, run.total_steps, accelerator.num_processes):
+        training = setup(cfg, accelerator, model, parts, resume_from, stop, watchdog, settings)
+        training.state.identity = identity  # recorded in every checkpoint and final/
+        if rundir.up_to_date(cfg, training.state.step, training.total_steps, accelerator.num_processes):
             accelerator.print(
-                f"nothing left to train at step {run.state.step}; final/ is up to date, and changed settings apply "
-                "to no step: to train with them, choose another output_dir (to export again with other export.* "
+                f"nothing left to train at step {training.state.step}; final/ is up to date, and changed settings "
+                "apply to no step: to train with them, choose another output_dir (to export again with other export.* "
                 "settings, change those alone)"
             )
             accelerator.end_training()
@@ -128,16 +85,18 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
             rundir.set_aside_later(cfg.output_dir, resume_from, accelerator)
         describe_run(cfg, accelerator, resume_from, identity, start.started_from)
         with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
-            outcome = train(run)
+            outcome = train(training)
             if outcome is Outcome.FINISHED:
-                settings = checkpoint.position_settings(cfg, accelerator.num_processes)  # what a rerun compares
-                config, state = to_yaml(cfg), run.state.state_dict() | {"settings": settings}
+                config, state = (
+                    to_yaml(cfg),
+                    training.state.state_dict() | {"settings": settings},
+                )  # what a rerun compares
                 rundir.keep_finished(cfg, accelerator)  # an earlier final/ trained otherwise is kept
                 final = keep_writing(
-                    run,
+                    training,
                     "final/",
                     lambda: save_final(
-                        accelerator, run.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
+                        accelerator, training.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
                     ),
                 )
                 stop.agree(accelerator, "; final/ is saved")  # a signal to one process stops all alike
@@ -149,7 +108,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
         print(f"saved {final}")
         prompts = cfg.eval.sample_prompts
         if prompts:
-            model = model_for_sampling(accelerator, run.model, final, cfg.model)
+            model = model_for_sampling(accelerator, training.model, final, cfg.model)
             answers = sample(model, tokenizer, prompts, cfg.eval.sample_max_new_tokens)
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")

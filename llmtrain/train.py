@@ -1,7 +1,7 @@
 """Setup and the training loop.
 
-`setup` builds everything a run needs (loaders, optimizer, `accelerator.prepare`,
-resume, trackers) into a `Run`; `train` is the loop: for each window of micro-batches,
+`setup` builds everything a run needs (optimizer, `accelerator.prepare`, the method's data
+source, resume, trackers) into a `Run`; `train` is the loop: for each window of micro-batches,
 agreed across processes (`window.draw_window`), one optimizer step (`step.train_step`),
 then log, evaluate, checkpoint, stop. The loss of a step is the mean over the whole
 global batch (every micro-batch, every process) of the objective's units
@@ -17,23 +17,23 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object, send_to_device
+from tqdm.auto import tqdm
 
 from .config import Config, to_yaml
 from .config.load import flat_dict
-from .core.evaluate import evaluate
+from .core.method import Parts
 from .core.objective import Objective
 from .core.optim import build_optimizer, learning_rate
+from .core.source import Batches
 from .core.spike import SpikeGuard
 from .core.state import Skip, StepResult, TrainState
 from .core.step import train_step
 from .core.window import Outcome, Window, draw_window
-from .data.batches import Collator, TrainBatches, make_loader
-from .data.stream import StreamedRows
 from .distributed.backend import Backend
 from .distributed.stop import StopRequest
 from .distributed.watchdog import Watchdog
 from .errors import CheckpointError, DataError, TrainingError, warn
-from .model import compile_blocks, pad_id
+from .model import compile_blocks
 from .observe.metrics import MetricsLog, tracker_name
 from .observe.profiler import StepProfiler
 from .observe.throughput import StepMeter, peak_memory_gib
@@ -78,10 +78,10 @@ class Run:
     objective: Objective
     backend: Backend
     state: TrainState
-    data: TrainBatches  # or a recipe's own source of micro-batches (rl/rollout.Rollouts)
-    evaluator: object | None  # () -> the evaluation's metrics, {"eval_loss": ...}; None: no evaluation
+    data: Batches  # the method's micro-batches (core/source.py)
     empty: dict  # a micro-batch with nothing to train, run by a process with no data left
     total_steps: int
+    settings: dict  # what the data position means (checkpoint.position_settings)
     log: MetricsLog
     meter: StepMeter
     profiler: StepProfiler
@@ -94,38 +94,18 @@ def setup(
     cfg: Config,
     accelerator,
     model,
-    tokenizer,
-    objective: Objective,
-    train_set,
-    eval_set,
+    parts: Parts,
     resume_from: Path | None,
     stop: StopRequest,
     watchdog: Watchdog,
-    collator=None,
-    after_prepare=None,
-    source=None,
+    settings: dict,
 ) -> Run:
-    """Loaders, optimizer and `accelerator.prepare`, then the state from `resume_from`
-    (a checkpoint, or None for a fresh start), metrics and trackers. `collator` makes the
-    objective's micro-batches (batches.Collator, for token sequences, by default).
-    `after_prepare(model, accelerator, empty, beat, stop)` runs once the model is prepared and
-    before a checkpoint's weights are loaded (see recipe.Parts). `source(model, backend,
-    beat)`, where given, makes the training micro-batches from the prepared model instead
-    of a loader over `train_set` (rl/rollout.Rollouts: completions generated as the loop
-    draws them), and evaluates on `eval_set` itself."""
-    t, world = cfg.train, accelerator.num_processes
+    """Optimizer and `accelerator.prepare`, the method's data source (`parts.source`) and
+    its `after_prepare`, then the state from `resume_from` (a checkpoint, or None for a
+    fresh start), metrics and trackers. `settings`: what the data position means
+    (checkpoint.position_settings), saved with every checkpoint and checked on resume."""
+    t, world, objective = cfg.train, accelerator.num_processes, parts.objective
     check_metric_names(objective)
-    streaming = isinstance(train_set, StreamedRows)
-    collator = collator or Collator(pad_id(tokenizer), cfg.data.max_seq_len if cfg.data.packing else 0)
-    loader = sampler = eval_loader = per_epoch = None
-    if source is None:
-        loader = make_loader(train_set, t.micro_batch_size, collator, t.seed, cfg.data.shuffle, cfg.data.num_workers)
-        sampler = None if streaming else loader.sampler  # kept: prepare() wraps it, and we set its epoch
-        if eval_set is not None:
-            eval_micro = cfg.eval.micro_batch_size or t.micro_batch_size
-            eval_loader = make_loader(eval_set, eval_micro, collator, t.seed, False, cfg.data.num_workers)
-        per_epoch = None if streaming else t.steps_per_epoch(len(sampler), world)  # a mixture's epoch size
-
     backend = Backend(accelerator, t.grad_accum_steps)
     model = backend.place(model)
     if t.compile:
@@ -133,21 +113,12 @@ def setup(
     meter = StepMeter(model, accelerator.device, world, objective.unit, objective.head)
     optimizer = build_optimizer(model, t, accelerator.device)
     watchdog.beat("setting up the model and optimizer across processes")
-    if streaming or source is not None:  # each process reads only its part (see batches.TrainBatches)
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
-    if source is not None:
-        data = source(model, backend, watchdog.beat)
-        per_epoch, empty = data.steps_per_epoch, send_to_device(data.empty_batch(), accelerator.device)
-    else:
-        data = TrainBatches(loader, sampler, accelerator)
-        empty = send_to_device(collator.empty_batch(cfg.data.packing), accelerator.device)
-    if after_prepare is not None:
+    model, optimizer = accelerator.prepare(model, optimizer)
+    data = parts.source(model, backend, watchdog.beat)
+    empty = send_to_device(data.empty_batch(), accelerator.device)
+    if parts.after_prepare is not None:
         with stop.deferred(after=None):  # a long pass (the reference log-probs) stops at an agreed batch
-            after_prepare(model, accelerator, empty, watchdog.beat, stop)
+            parts.after_prepare(model, accelerator, empty, watchdog.beat, stop)
             stop.agree(accelerator, " before training; nothing was trained yet")  # one after its last batch
 
     state = TrainState(spikes=SpikeGuard(t.spike_factor, t.spike_window))
@@ -155,7 +126,7 @@ def setup(
     nonfinite = backend.nonfinite_weights(model)
     if resume_from is not None:
         watchdog.beat(f"loading {resume_from}")
-        data.restore(checkpoint.load(accelerator, resume_from, cfg, state, model))
+        data.restore(checkpoint.load(accelerator, resume_from, cfg, state, settings, model))
         nonfinite = backend.nonfinite_weights(model)
         if nonfinite > state.nonfinite_weights:
             raise CheckpointError(
@@ -172,29 +143,20 @@ def setup(
     log = MetricsLog(accelerator, cfg.output_dir, state.step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
+    per_epoch = data.steps_per_epoch
     total_steps = t.total_steps(per_epoch)
     check_lengths(t, total_steps)
     accelerator.print(
         f"training {total_steps} steps ("
-        + ("a pass over the stream ends when every process has run out" if streaming else f"{per_epoch} per epoch")
-        + f"), global batch {t.global_batch(world)} {data.items if source else collator.items} on {world} process(es)"
+        + (
+            "a pass over the stream ends when every process has run out"
+            if per_epoch is None
+            else f"{per_epoch} per epoch"
+        )
+        + f"), global batch {t.global_batch(world)} {data.items} on {world} process(es)"
     )
-    evaluator = None
-    if eval_loader is not None:
-
-        def evaluator() -> dict[str, float]:
-            loss, metrics = evaluate(model, eval_loader, objective, accelerator, empty, watchdog.beat)
-            return {"eval_loss": loss} | {f"eval_{k}": v for k, v in metrics.items()}
-
-    elif source is not None and eval_set is not None:
-
-        def evaluator() -> dict[str, float]:
-            return data.evaluate(eval_set, state.step)
-
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:
-        from tqdm.auto import tqdm
-
         progress = tqdm(total=total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     profiler = StepProfiler(t.profile_range(), cfg.output_dir, accelerator, watchdog.beat)
     return Run(
@@ -206,9 +168,9 @@ def setup(
         backend=backend,
         state=state,
         data=data,
-        evaluator=evaluator,
         empty=empty,
         total_steps=total_steps,
+        settings=settings,
         log=log,
         meter=meter,
         profiler=profiler,
@@ -224,7 +186,7 @@ def train(run: Run) -> Outcome:
     data met by any process stops all of them alike, after a checkpoint, with its error."""
     cfg, state = run.cfg, run.state
     try:
-        if run.evaluator is not None and state.step == 0:
+        if run.data.evaluates and state.step == 0:
             run_eval(run)  # the baseline the run improves on
         run.model.train()
         batches = run.data.epoch(state.epoch, state.batches_in_epoch)
@@ -262,7 +224,7 @@ def train(run: Run) -> Outcome:
             if result.skip is not None:
                 check_skips(run, result)
                 continue
-            if run.evaluator is not None and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
+            if run.data.evaluates and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
                 run_eval(run)
             if window.checkpoint_due or (
                 cfg.checkpoint.every_steps
@@ -297,9 +259,8 @@ def report(run: Run, window: Window, result: StepResult) -> None:
         row = {"step": state.step, "epoch": state.epoch, "loss": result.loss, "lr": result.lr}
         row |= {"grad_norm": result.grad_norm, run.objective.unit: result.count}
         run.log.log(row | result.metrics | run.data.metrics | figures)
-        for line in run.data.samples_shown:  # completions an RL run shows, once per generation round
+        for line in run.data.shown():  # completions an RL run shows, once per generation round
             run.accelerator.print(line)
-        run.data.samples_shown = []
     if run.progress is not None:
         run.progress.update(1)
         bar = {"loss": f"{result.loss:.4f}"}
@@ -352,7 +313,7 @@ def run_step(run: Run, window: Window) -> StepResult:
 
 
 def run_eval(run: Run) -> None:
-    metrics = run.evaluator()
+    metrics = run.data.evaluate(run.state.step)
     run.log.log({"step": run.state.step} | metrics)
     shown = {f"eval_{k}" for k in run.objective.progress_metrics} | {"eval_loss", "eval_reward"}
     line = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in shown)
@@ -360,7 +321,6 @@ def run_eval(run: Run) -> None:
 
 
 def save_checkpoint(run: Run) -> Path:
-    settings = checkpoint.position_settings(run.cfg, run.accelerator.num_processes)
     extra = run.data.saved(run.state.batches_in_epoch)  # a rollout in progress
     return keep_writing(
         run,
@@ -369,7 +329,7 @@ def save_checkpoint(run: Run) -> Path:
             run.accelerator,
             run.cfg.output_dir,
             run.state,
-            settings,
+            run.settings,
             to_yaml(run.cfg),
             run.cfg.checkpoint.keep_last,
             extra,

@@ -11,77 +11,18 @@ sampling, rewards, advantages, loss, KL). train.micro_batch_size counts prompts;
 brings grpo.num_generations completions. A step's generations, rewards, advantages and
 loss are the same on any number of processes and any split into micro-batches
 (docs/grpo.md).
+
+The method is declared in llmtrain/rl/method.py and listed in llmtrain/methods.py.
 """
 
 import sys
-from pathlib import Path
 
 from llmtrain.cli import run_cli
-from llmtrain.config import GRPOConfig
-from llmtrain.core.objective import chunk_positions
-from llmtrain.model import chunkable_head, disable_dropout, load_model, reference_config, whole_models
-from llmtrain.recipe import Parts, Recipe, run
-from llmtrain.rl.loss import GRPOLoss, token_logps
-from llmtrain.rl.prompts import grpo_prompts, prompt_columns
-from llmtrain.rl.rewards import check_grpo, load_rewards
-from llmtrain.rl.rollout import Rollouts
-from llmtrain.rl.sampling import HFGenerator
-
-
-def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
-    """The GRPO loss, and the rollouts that generate its micro-batches from the prepared
-    model; with grpo.beta, the reference (adapters off with LoRA, else a frozen copy)."""
-    disable_dropout(model)
-    g, logits = cfg.grpo, cfg.train.loss_chunk_logits
-    rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: grpo_prompts
-    head = chunkable_head(model) if logits else None
-    chunk = chunk_positions(head, logits)
-    objective = GRPOLoss(
-        g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
-    )
-    frozen = None
-    if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
-        with whole_models():  # a whole copy on each process, never partitioned by ZeRO-3
-            frozen = load_model(reference_config(cfg.model, g.reference))
-        frozen.requires_grad_(False).eval().to(accelerator.device)
-
-    def source(prepared, backend, beat):
-        reference = None
-        if g.beta and frozen is None:
-
-            def reference(batch):
-                with accelerator.unwrap_model(prepared).disable_adapter():
-                    return objective.logps(prepared, batch)
-
-        elif frozen is not None:
-            frozen_head = chunkable_head(frozen) if logits else None
-
-            def reference(batch):
-                with accelerator.autocast():
-                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk_positions(frozen_head, logits))
-
-        synced = backend.sharded and accelerator.num_processes > 1
-        generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
-        return Rollouts(
-            cfg, accelerator, prepared, tokenizer, train_set, objective, generator, rewards, reference, beat
-        )
-
-    return Parts(objective, source=source)
-
-
-RECIPE = Recipe(
-    schema=GRPOConfig,
-    default_config=Path(__file__).parent / "configs" / "grpo_demo.yaml",
-    description=__doc__.splitlines()[0],
-    data=grpo_prompts,
-    parts=grpo_parts,
-    name="grpo",
-    check=check_grpo,
-)
+from llmtrain.recipe import run
 
 
 def main(argv=None):
-    run(RECIPE, argv)
+    run("grpo", argv)
 
 
 if __name__ == "__main__":

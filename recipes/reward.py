@@ -11,44 +11,18 @@ the loss is the Bradley-Terry loss, the mean over every pair of the global batch
 pair's 'margin' column where the data has one. final/ loads with
 AutoModelForSequenceClassification and scores text in plain transformers, and serves
 recipes/grpo.py as a reward (grpo.rewards=[reward_model:DIR]).
+
+The method is declared in llmtrain/preference/method.py and listed in llmtrain/methods.py.
 """
 
 import sys
-from pathlib import Path
 
-from llmtrain.attention import transformers_model
 from llmtrain.cli import run_cli
-from llmtrain.config import RewardConfig
-from llmtrain.model import disable_dropout, pad_id
-from llmtrain.preference.pairs import PairCollator
-from llmtrain.preference.reward import REWARD_PAIRS, RewardLoss, score_head
-from llmtrain.recipe import Parts, Recipe, run
-
-
-def reward_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
-    """The Bradley-Terry loss over pair batches that carry each pair's margin."""
-    disable_dropout(model)
-    pad = pad_id(tokenizer)
-    # Where transformers' sequence classifiers read a sequence's score (its last token that
-    # is not padding): set before training, so final/config.json carries it.
-    transformers_model(model).config.pad_token_id = pad
-    objective = RewardLoss(score_head(model), pad, cfg.reward.center_coefficient)
-    collator = PairCollator(pad, 2 * cfg.data.max_seq_len if cfg.data.packing else 0, margins=True)
-    return Parts(objective, collator)
-
-
-RECIPE = Recipe(
-    schema=RewardConfig,
-    default_config=Path(__file__).parent / "configs" / "reward_demo.yaml",
-    description=__doc__.splitlines()[0],
-    data=REWARD_PAIRS,
-    parts=reward_parts,
-    name="reward",
-)
+from llmtrain.recipe import run
 
 
 def main(argv=None):
-    run(RECIPE, argv)
+    run("reward", argv)
 
 
 if __name__ == "__main__":

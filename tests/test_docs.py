@@ -12,10 +12,11 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from llmtrain.config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config
+from llmtrain.config import load_config
 from llmtrain.config.load import flat_dict
 from llmtrain.config.schema import field_docs
 from llmtrain.errors import ConfigError
+from llmtrain.methods import METHODS
 from tests.conftest import ROOT
 
 README = ROOT / "README.md"
@@ -30,13 +31,9 @@ REGENERATE = (
 )
 
 # What each recipe parses its command line into: its schema and the config it uses without
-# --config (test_recipes_are_as_listed checks this against the recipes' source).
-RECIPES = {
-    "finetune": (Config, "demo.yaml"),
-    "dpo": (DPOConfig, "dpo_demo.yaml"),
-    "grpo": (GRPOConfig, "grpo_demo.yaml"),
-    "reward": (RewardConfig, "reward_demo.yaml"),
-}
+# --config (test_recipes_are_as_listed checks the recipes against the method table).
+RECIPES = {name: (m.schema, m.demo) for name, m in METHODS.items()}
+TREES = [m.schema for m in METHODS.values()]
 
 
 def rel(path: Path) -> str:
@@ -59,7 +56,7 @@ def test_config_reference_is_what_the_schema_prints():
 
 def test_config_reference_lists_every_key_with_its_default():
     table = generated_part()
-    for key, default, doc in field_docs():
+    for key, default, doc in field_docs(TREES):
         assert f"| `{key}` | `{default}` |" in table, f"{key} (default {default}) is missing; {REGENERATE}"
         assert doc, f"{key} has no docstring in llmtrain/config/schema.py"
 
@@ -339,7 +336,10 @@ def test_command_check_finds_what_is_wrong(monkeypatch):
 
 
 def test_recipes_are_as_listed():
-    for name, (schema, default) in RECIPES.items():
+    """recipes/<name>.py runs the method <name> of the table, and each method's demo is shipped."""
+    scripts = {p.stem for p in (ROOT / "recipes").glob("*.py")}
+    assert scripts == set(METHODS), "every recipe script is a method of llmtrain/methods.py, and each method has one"
+    for name, (_, default) in RECIPES.items():
         source = (ROOT / "recipes" / f"{name}.py").read_text()
-        assert f"schema={schema.__name__}," in source, name
-        assert f'"configs" / "{default}"' in source, name
+        assert f'run("{name}", argv)' in source, name
+        assert (ROOT / "recipes" / "configs" / default).is_file(), name

@@ -7,6 +7,7 @@ import pytest
 
 from llmtrain.config import load_config
 from llmtrain.demo import make_rows, write_jsonl
+from llmtrain.methods import METHODS
 from llmtrain.plan import Launch, count_params, memory_estimate
 from tests.conftest import ROOT, run_python
 
@@ -177,9 +178,9 @@ def test_activations_are_counted_in_the_width_they_are_computed_in(tmp_path, che
     for dtype in ("float32", "bfloat16", "auto"):  # auto: this config names no dtype, so float32
         cfg = load_config(None, [*common, f"model.dtype={dtype}"])
         for precision in ("no", "bf16"):
-            activations[dtype, precision] = memory_estimate(cfg, Launch(mixed_precision=precision), *count_params(cfg))[
-                "activations"
-            ]
+            activations[dtype, precision] = memory_estimate(
+                cfg, METHODS["finetune"], Launch(mixed_precision=precision), *count_params(cfg)
+            )["activations"]
     assert activations["float32", "no"] - activations["float32", "bf16"] == layers16
     assert activations["auto", "no"] == activations["float32", "no"]
     assert activations["bfloat16", "no"] == activations["bfloat16", "bf16"] == activations["float32", "bf16"]
@@ -210,11 +211,15 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
     )
     total, trainable, mcfg, chunkable, _ = count_params(cfg)
     assert total == trainable == pytest.approx(1.236e9, rel=0.01) and chunkable
-    single = memory_estimate(cfg, Launch(), total, trainable, mcfg, chunkable)
+    single = memory_estimate(cfg, METHODS["finetune"], Launch(), total, trainable, mcfg, chunkable)
     assert single["weights"] == 2 * total and single["optimizer state"] == 4 * total
-    zero3 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=3), total, trainable, mcfg, chunkable)
+    zero3 = memory_estimate(
+        cfg, METHODS["finetune"], Launch(num_processes=8, zero_stage=3), total, trainable, mcfg, chunkable
+    )
     assert zero3["weights"] == single["weights"] / 8 and zero3["gradients"] == single["gradients"] / 8
-    zero1 = memory_estimate(cfg, Launch(num_processes=8, zero_stage=1), total, trainable, mcfg, chunkable)
+    zero1 = memory_estimate(
+        cfg, METHODS["finetune"], Launch(num_processes=8, zero_stage=1), total, trainable, mcfg, chunkable
+    )
     assert zero1["weights"] == single["weights"] and zero1["optimizer state"] == single["optimizer state"] / 8
 
     # LoRA on the output layer: the chunked loss cannot stand in for it, so whole fp32
@@ -235,7 +240,7 @@ def test_memory_estimate_for_a_1b_llama_shards_with_zero(tmp_path):
             ],
         )
         counts = count_params(over)
-        lora[targets] = (counts[3], memory_estimate(over, Launch(), *counts)["activations"])
+        lora[targets] = (counts[3], memory_estimate(over, METHODS["finetune"], Launch(), *counts)["activations"])
     assert lora["[q_proj]"][0] and not lora["[q_proj,lm_head]"][0]
     assert lora["[q_proj,lm_head]"][1] - lora["[q_proj]"][1] == 2 * (2048 - 2**27 // 128256) * 128256 * 4
 
@@ -314,7 +319,7 @@ def test_plan_counts_quantized_weights_at_their_width(tiny_model):
         counts = count_params(cfg)
         total, trainable, _, _, quantized[quant] = counts
         assert (quantized[quant] > 0) == (quant != "none") and quantized[quant] < total - trainable  # output layer
-        weights[quant] = memory_estimate(cfg, Launch(), *counts)["weights"]
+        weights[quant] = memory_estimate(cfg, METHODS["finetune"], Launch(), *counts)["weights"]
     q = quantized["nf4"]
     assert weights["none"] - weights["nf4"] == pytest.approx(q * 3.5)  # fp32 -> half a byte each
     assert weights["none"] - weights["int8"] == pytest.approx(q * 3.0)
@@ -353,7 +358,7 @@ def test_memory_estimate_of_an_rl_run_counts_each_reward_model(tiny_model, tmp_p
     in: its weight files' bytes count, once per reward model."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from llmtrain.config import GRPOConfig
+    from llmtrain.rl.config import GRPOConfig
 
     scorer = tmp_path / "scorer"
     AutoModelForSequenceClassification.from_config(
@@ -363,18 +368,20 @@ def test_memory_estimate_of_an_rl_run_counts_each_reward_model(tiny_model, tmp_p
     common = [f"model.name_or_path={tiny_model}", "data.train=x"]
     rewards = f"grpo.rewards=[accuracy, reward_model:{scorer}]"
     cfg = load_config(None, [*common, rewards], schema=GRPOConfig)
-    memory = memory_estimate(cfg, Launch(), *count_params(cfg))
+    memory = memory_estimate(cfg, METHODS["grpo"], Launch(), *count_params(cfg))
     assert memory[f"reward model {scorer}"] == saved
-    without = memory_estimate(load_config(None, common, schema=GRPOConfig), Launch(), *count_params(cfg))
+    without = memory_estimate(
+        load_config(None, common, schema=GRPOConfig), METHODS["grpo"], Launch(), *count_params(cfg)
+    )
     assert not any(k.startswith("reward model") for k in without)
 
 
 def test_without_a_config_each_recipe_plans_its_own_demo(tmp_path):
     """As `python recipes/<recipe>.py` runs its demo with no --config, so does `llmtrain
     plan --recipe <recipe>`; with neither, the SFT demo (or the recipe an override names)."""
-    from llmtrain.plan import RECIPES, config_and_recipe
+    from llmtrain.plan import config_and_recipe
 
-    for name in RECIPES:
+    for name in METHODS:
         config, recipe = config_and_recipe(None, name, [])
         assert recipe == name and config.is_file()
         assert config_and_recipe(config, None, []) == (config, name)  # the demo is that recipe's config

@@ -1,6 +1,7 @@
-"""The config tree (schema.py), how a run's YAML and overrides load into it (load.py), and
-the checks its sections make (validate.py). The names recipes and most modules import are
-here."""
+"""The config tree (schema.py: Config, the sections every recipe shares), how a run's YAML
+and overrides load into it (load.py), and the checks its sections make (validate.py). A
+method's own section and tree live in its wing (preference/config.py, rl/config.py). The
+names most modules import are here."""
 
 from .load import load_config, to_yaml
 from .schema import (
@@ -8,36 +9,24 @@ from .schema import (
     Config,
     DataConfig,
     DataSource,
-    DPOConfig,
     EvalConfig,
     ExportConfig,
-    GRPOConfig,
-    GRPOSection,
     LogConfig,
     LoraConfig,
     ModelConfig,
-    PreferenceConfig,
-    RewardConfig,
-    RewardSection,
     TrainConfig,
 )
 
 __all__ = [
     "CheckpointConfig",
     "Config",
-    "DPOConfig",
     "DataConfig",
     "DataSource",
     "EvalConfig",
     "ExportConfig",
-    "GRPOConfig",
-    "GRPOSection",
     "LogConfig",
     "LoraConfig",
     "ModelConfig",
-    "PreferenceConfig",
-    "RewardConfig",
-    "RewardSection",
     "TrainConfig",
     "load_config",
     "to_yaml",

@@ -19,8 +19,8 @@ import yaml
 
 from ..errors import ConfigError, shown
 from ..files import size_text
-from .schema import RECIPE_SECTIONS, Config, DataSource
-from .validate import closest, number_problems
+from .schema import Config
+from .validate import closest, map_paths, number_problems
 
 
 def _type_name(tp: Any) -> str:
@@ -116,12 +116,6 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str], root: type | 
     for key, value in raw.items():
         full = f"{prefix}{key}"
         if key not in names:
-            if owner := RECIPE_SECTIONS.get(full):  # another recipe's own section
-                problems.append(
-                    f"{full}: unknown key for {cls.RECIPE}; {full} settings are {owner}'s: run that recipe, or "
-                    f"remove the {full} section"
-                )
-                continue
             elsewhere, close = _in_other_section(str(key), root, prefix), closest(str(key), names)
             hint = (
                 f"; did you mean '{elsewhere}'? (each key goes in its section)"
@@ -328,9 +322,16 @@ class UniqueKeyLoader(BoundedLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (), schema: type = Config) -> Config:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple = (),
+    schema: type = Config,
+    sections: dict[str, str] | None = None,
+) -> Config:
     """Load a YAML file (optional) and apply dotted overrides into `schema` (Config, or a
-    recipe's extension of it such as DPOConfig); validate everything."""
+    method's extension of it such as preference/config.DPOConfig); validate everything.
+    `sections`: the sections other recipes' trees add (dpo, grpo, ...) -> the recipe that
+    reads them, so that one given to this recipe is named as that recipe's (methods.sections)."""
     raw: dict = {}
     problems: list[str] = []
     if path is not None:
@@ -386,6 +387,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         _set_dotted(raw, key, value, schema)
     if path is not None and "output_dir" not in raw:  # a run of its own, not one in the default's directory
         raw["output_dir"] = f"runs/{path.stem}"
+    own = {f.name for f in dataclasses.fields(schema)}
+    for key in [k for k in raw if k not in own and k in (sections or {})]:  # another recipe's own section
+        problems.append(
+            f"{key}: unknown key for {schema.RECIPE}; {key} settings are {sections[key]}'s: run that recipe, or "
+            f"remove the {key} section"
+        )
+        del raw[key]
     cfg = _build(schema, raw, "", problems)
     expand_paths(cfg, problems)
     # A key whose value was refused keeps its default; its check would call that missing too.
@@ -442,25 +450,17 @@ def _expand(value, key: str, problems: list[str]):
 
 
 def expand_paths(cfg: Config, problems: list[str]) -> None:
-    """Expand `~` and environment variables in every path-valued key alike, whether it came
+    """Expand `~` and environment variables in every path key of the tree alike (each key
+    marked with a validate.PathKey, in any section, a method's included), whether it came
     from the YAML file or a dotted override (a shell expands them in neither: not inside
     YAML, not after `key=`). Without this, output_dir: ~/runs/x would make a directory
     named `~`."""
-    cfg.output_dir = _expand(cfg.output_dir, "output_dir", problems)
-    cfg.model.name_or_path = _expand(cfg.model.name_or_path, "model.name_or_path", problems)
-    cfg.checkpoint.resume = _expand(cfg.checkpoint.resume, "checkpoint.resume", problems)
-    cfg.data.chat_template = _expand(cfg.data.chat_template, "data.chat_template", problems)
-    for key in ("train", "eval"):
-        value = getattr(cfg.data, key)
-        entries = [
-            dataclasses.replace(e, path=_expand(e.path, f"data.{key}", problems))
-            if isinstance(e, DataSource)
-            else _expand(e, f"data.{key}", problems)
-            for e in (value if isinstance(value, list) else [value])
-        ]
-        setattr(cfg.data, key, entries if isinstance(value, list) else entries[0])
-    if hasattr(cfg, "dpo"):
-        cfg.dpo.reference = _expand(cfg.dpo.reference, "dpo.reference", problems)
+    def expand(key: str, value: str, kind) -> str:
+        if kind.parts:  # reward_model:~/rm, ~/rewards.py:short
+            return ":".join(_expand(part, key, problems) for part in value.split(":"))
+        return _expand(value, key, problems)
+
+    map_paths(cfg, expand)
 
 
 def as_dict(cfg: Config) -> dict:

@@ -6,19 +6,25 @@ checks between sections. Loading a YAML file and overrides into it is load.py's.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import json
 import math
 import re
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
-from ..demo import named
 from ..errors import shown
 from .validate import (
+    ASSET,
     AT_LEAST_1,
     BELOW_1,
     FRACTION,
+    PATH,
+    PATH_OR_TEXT,
     POSITIVE,
     Bounds,
     chat_template_problem,
@@ -49,7 +55,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = ""
+    name_or_path: Annotated[str, ASSET] = ""
     """Hugging Face hub name or local directory loaded with AutoModelForCausalLM.
     'demo:tiny-llama' builds the small offline demo model."""
     revision: str = ""
@@ -101,7 +107,7 @@ class ModelConfig:
 class DataSource:
     """A data.train entry written as a mapping: {path: a.jsonl, fraction: 0.5}."""
 
-    path: str = ""
+    path: Annotated[str, ASSET] = ""
     """A file or hub data set, as a plain data.train entry."""
     fraction: Annotated[float, POSITIVE] = 1.0
     """How much of the source one epoch takes: below 1 a seeded subset of its rows, drawn
@@ -110,19 +116,19 @@ class DataSource:
 
 @dataclass
 class DataConfig:
-    train: str | list[str | DataSource] = field(default_factory=list)
+    train: Annotated[str | list[str | DataSource], ASSET] = field(default_factory=list)
     """Training data: a path (jsonl, json, parquet, csv), a hub data set name
     ('owner/name' or 'owner/name:split'), or a list of these; an entry may be a mapping
     {path: ..., fraction: 0.5} to take a seeded share of that source each epoch (3: three
     times over). Streamed sources are interleaved in proportion to their fractions."""
-    eval: str | list[str] = field(default_factory=list)
+    eval: Annotated[str | list[str], ASSET] = field(default_factory=list)
     """Evaluation data, same forms as data.train (without fractions); empty for none."""
     eval_fraction: Annotated[float, BELOW_1] = 0.0
     """With no data.eval, hold out this share of each training source's rows (seeded by
     train.seed) as the evaluation set; 0 for none."""
     format: Literal["auto", "text", "prompt_completion", "alpaca", "chat", "sharegpt"] = "auto"
     """Row format; 'auto' takes each row's format from the fields it fills (see docs/data.md)."""
-    chat_template: str = ""
+    chat_template: Annotated[str, PATH_OR_TEXT] = ""
     """Jinja chat template (or a path to a .jinja file) used instead of the tokenizer's."""
     loss_on: Literal["assistant", "all"] = "assistant"
     """Which tokens are trained: the assistant turns / completions (end-of-turn token
@@ -340,7 +346,7 @@ class CheckpointConfig:
     keep_last: int = 2
     """Complete checkpoints to keep (0 keeps all). The previous one is deleted only after
     the new one is complete."""
-    resume: str = "auto"
+    resume: Annotated[str, PATH] = "auto"
     """'auto' continues from the newest complete checkpoint in output_dir if there is one,
     'none' starts fresh (refusing to mix with an earlier run's checkpoints), or a path to a
     checkpoint directory."""
@@ -406,7 +412,7 @@ class Config:
     HEAD: ClassVar[str] = "lm"  # the model.head the recipe trains
     MERGES_LORA: ClassVar[bool] = False  # what export.merge_lora=auto means for a LoRA run
 
-    output_dir: str = "runs/demo"
+    output_dir: Annotated[str, PATH] = "runs/demo"
     """Where config.yaml, metrics.jsonl, checkpoints/ and final/ are written. A config file
     that sets none gets runs/ and the file's name without its ending (my_sft.yaml:
     runs/my_sft), so that runs of different configs never share a directory."""
@@ -427,7 +433,7 @@ class Config:
     def problems(self) -> list[str]:
         """Every problem of the tree, one line each naming its key: each section's own,
         those between sections, then every number against its Bounds. A recipe's tree adds
-        its own (DPOConfig)."""
+        its own (preference/config.DPOConfig)."""
         p = []
         if not self.output_dir:
             p.append("output_dir: required; give the directory the run writes to, e.g. output_dir=runs/my-run")
@@ -441,263 +447,46 @@ class Config:
             p.append("eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0")
         if self.export.merge_lora and not self.model.lora.enabled:
             p.append("export.merge_lora: only applies with model.lora.enabled=true")
-        template = self.data.chat_template
-        paths = path_problems(
-            [
-                *named(self),
-                ("output_dir", self.output_dir),
-                ("checkpoint.resume", self.checkpoint.resume),
-                ("data.chat_template", template if "{" not in template else ""),
-            ]
-        )
+        paths = path_problems(self)  # every path key of the tree, a method's section's too
         p += paths
         looked_up = not any(q.startswith("data.chat_template:") for q in paths)
-        if looked_up and (problem := chat_template_problem(template)) is not None:
+        if looked_up and (problem := chat_template_problem(self.data.chat_template)) is not None:
             p.append(problem)
         p += demo_name_problems(self)
         return p + number_problems(self)
 
 
-def pair_data_problems(data: DataConfig, recipe: str) -> list[str]:
-    """What a recipe that reads preference pairs (dpo.py, reward.py) cannot take in data."""
-    p = []
-    if data.streaming:
-        p.append(f"data.streaming: {recipe} prepares its pairs whole; set data.streaming=false")
-    if data.format != "auto":
-        p.append(f"data.format: {recipe} tells pair shapes by their fields; remove data.format={data.format}")
-    if data.loss_on != "assistant":
-        p.append(f"data.loss_on: {recipe} reads the answers only; remove data.loss_on=all")
-    return p
+def field_docs(trees) -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every leaf field of the given config trees
+    (Config's keys first, then each tree's own), read from the source of the classes that
+    declare them (a method's section lives in its wing), so the reference can never drift
+    from the schema."""
+    docs: dict[tuple[type, str], str] = {}
+    read_classes: set[type] = set()
 
+    def read(cls) -> None:
+        """The docstring under each field of `cls`, from its source."""
+        read_classes.add(cls)
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        for a, b in zip(node.body, node.body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                docs[(cls, a.target.id)] = " ".join(b.value.value.split())
 
-@dataclass
-class PreferenceConfig:
-    beta: Annotated[float, POSITIVE] = 0.1
-    """How far the policy may move from the reference: the scale of the log-ratios in
-    the loss (recipes/dpo.py). Lower lets it move further."""
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"
-    """sigmoid: DPO; ipo: IPO (squared, per-token log-ratios); simpo: SimPO (per-token
-    log-probs of the policy alone, no reference); orpo: ORPO (the chosen answer's NLL plus
-    beta x the odds-ratio term, no reference, no SFT stage first); kto: KTO, on unpaired
-    rows {prompt, completion, label} instead of pairs (recipes/dpo.py, docs/preference.md)."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin (dpo.loss=simpo only)."""
-    sft_weight: float = 0.0
-    """Adds this much of the chosen answers' per-token negative log-likelihood to the
-    loss (RPO); 0 for none (recipes/dpo.py)."""
-    reference: str = ""
-    """The reference model: empty for the policy's starting weights (with LoRA, the same
-    model with its adapters off; for a full fine-tune, log-probs computed once before
-    training), or a hub name or directory of another model, whose log-probs are computed
-    once before training (recipes/dpo.py)."""
-    desirable_weight: Annotated[float, POSITIVE] = 1.0
-    """KTO's weight on the loss of desirable rows (label true) (dpo.loss=kto only). The KTO
-    paper advises desirable_weight x desirable rows / (undesirable_weight x undesirable
-    rows) between 1 and 4/3: raise the weight of the rarer kind."""
-    undesirable_weight: Annotated[float, POSITIVE] = 1.0
-    """KTO's weight on the loss of undesirable rows (label false) (dpo.loss=kto only)."""
-
-
-@dataclass
-class DPOConfig(Config):
-    """recipes/dpo.py's tree: every section of Config, plus dpo."""
-
-    RECIPE: ClassVar[str] = "recipes/dpo.py"
-
-    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
-
-    def problems(self) -> list[str]:
-        p = super().problems()
-        if self.dpo.loss in ("simpo", "orpo") and self.dpo.reference:
-            p.append(f"dpo.reference: dpo.loss={self.dpo.loss} uses no reference model; remove dpo.reference")
-        if self.dpo.loss == "kto":
-            if self.data.packing:
-                p.append(
-                    "data.packing: dpo.loss=kto trains on padded batches (each completion beside its KL completion); "
-                    "set data.packing=false"
-                )
-            if self.dpo.sft_weight:
-                p.append("dpo.sft_weight: dpo.loss=kto has no SFT term; remove dpo.sft_weight")
-        return p + pair_data_problems(self.data, "recipes/dpo.py")
-
-
-@dataclass
-class GRPOSection:
-    num_generations: Annotated[int, Bounds(2)] = 8
-    """Completions sampled per prompt: a group, whose rewards are compared with each other
-    (recipes/grpo.py). A micro-batch holds train.micro_batch_size prompts x this many
-    completions."""
-    max_completion_length: Annotated[int, AT_LEAST_1] = 256
-    """Tokens generated per completion at most; a completion that reaches it without ending
-    its turn is clipped (and counted in the metrics). A prompt must leave room for it within
-    data.max_seq_len."""
-    temperature: Annotated[float, POSITIVE] = 1.0
-    """Sampling temperature; the log-probs the loss uses are those of the same tempered
-    distribution."""
-    top_p: Annotated[float, Bounds(0, 1, low_open=True)] = 1.0
-    """Nucleus sampling: sample among the most likely tokens whose probabilities add up to
-    this; 1 for all."""
-    top_k: int = 0
-    """Sample among this many most likely tokens; 0 for all."""
-    rewards: str | list[str] = field(default_factory=lambda: ["accuracy"])
-    """Reward functions: built-in 'accuracy' (the completion's answer against the row's
-    'answer' column, numbers compared as numbers), 'format' (the completion matches
-    grpo.format_pattern) and 'reward_model:DIR' (a reward model's score, recipes/reward.py),
-    or your own as 'module:function' or 'path/to/file.py:function',
-    called as TRL calls them: f(prompts, completions, completion_ids, **columns) -> a
-    number (or None) per completion."""
-    reward_weights: list[float] = field(default_factory=list)
-    """A weight per reward function (empty: 1 each); a completion's reward is the weighted
-    sum, its unscored (None) terms left out."""
-    format_pattern: str = ""
-    """The regular expression the built-in 'format' reward asks a whole completion to match
-    (after stripping spaces at its ends)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Advantage = reward - its group's mean, divided by the group's standard deviation
-    (group), the whole global batch's (batch), or not divided (none, as Dr. GRPO)."""
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
-    """How per-token losses become the step's loss (docs/grpo.md): grpo, the mean over
-    completions of each one's per-token mean; dr_grpo, the sum over tokens divided by
-    completions x grpo.max_completion_length; dapo, the mean over every completion token
-    of the global batch."""
-    epsilon: Annotated[float, POSITIVE] = 0.2
-    """The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
-    epsilon_high: float = 0.0
-    """The clip's upper side (DAPO's clip-higher, e.g. 0.28); 0 means grpo.epsilon."""
-    num_iterations: Annotated[int, AT_LEAST_1] = 1
-    """Optimizer steps taken on each generation batch (GRPO's mu); after the first, the loss
-    uses importance ratios against the log-probs the completions were sampled with."""
-    beta: float = 0.0
-    """Weight of the KL term to the reference model (0: none, no reference is computed).
-    The reference is the starting policy: with LoRA the model with its adapters off, for a
-    full fine-tune a frozen copy of the starting weights (or grpo.reference)."""
-    reference: str = ""
-    """With grpo.beta > 0 on a full fine-tune: the hub name or directory of another
-    reference model; empty for the starting weights."""
-    log_completions: int = 2
-    """Completions printed (with prompt and reward) every log.every_steps steps; 0 for
-    none."""
-
-
-@dataclass
-class GRPOConfig(Config):
-    """recipes/grpo.py's tree: every section of Config, plus grpo. train.micro_batch_size
-    counts prompts."""
-
-    RECIPE: ClassVar[str] = "recipes/grpo.py"
-
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-
-    def reward_names(self) -> list[str]:
-        r = self.grpo.rewards
-        return [r] if isinstance(r, str) else list(r)
-
-    def problems(self) -> list[str]:
-        p, g = super().problems(), self.grpo
-        names = self.reward_names()
-        if not names:
-            p.append("grpo.rewards: give at least one reward function, e.g. grpo.rewards=[accuracy]")
-        if g.reward_weights and len(g.reward_weights) != len(names):
-            p.append(
-                f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(names)} reward functions; give one "
-                "per function, or none for 1 each"
-            )
-        if any(not math.isfinite(w) for w in g.reward_weights):
-            p.append("grpo.reward_weights: every weight must be a finite number")
-        if "format" in names and not g.format_pattern:
-            p.append("grpo.format_pattern: the 'format' reward needs the pattern completions must match, e.g. '\\S+'")
-        if g.format_pattern:
-            try:
-                re.compile(g.format_pattern)
-            except re.error as e:
-                p.append(f"grpo.format_pattern: not a regular expression ({e}); fix it")
-        if g.reference and not g.beta:
-            p.append("grpo.reference: used only with grpo.beta > 0; set grpo.beta or remove grpo.reference")
-        if g.reference and self.model.lora.enabled:
-            p.append("grpo.reference: with LoRA the reference is the model with its adapters off; remove it")
-        if g.max_completion_length >= self.data.max_seq_len:
-            p.append(
-                f"grpo.max_completion_length: {g.max_completion_length} leaves no room for a prompt within "
-                f"data.max_seq_len={self.data.max_seq_len}; raise data.max_seq_len or lower it"
-            )
-        if self.data.packing:
-            p.append("data.packing: recipes/grpo.py trains on generated completions, which it does not pack; remove it")
-        if self.data.streaming:
-            p.append("data.streaming: recipes/grpo.py reads its prompts whole; set data.streaming=false")
-        if self.data.format != "auto":
-            p.append(f"data.format: recipes/grpo.py reads prompt rows; remove data.format={self.data.format}")
-        return p
-
-
-@dataclass
-class RewardSection:
-    center_coefficient: float = 0.0
-    """Adds this much of the squared sum of each pair's two scores to the loss, which keeps
-    scores centred on 0 (Eisenstein et al. 2023; TRL's center_rewards_coefficient, e.g.
-    0.01); 0 for none (recipes/reward.py)."""
-
-
-@dataclass
-class RewardConfig(Config):
-    """recipes/reward.py's tree: every section of Config, plus reward. model.head is
-    'score'; a pair's rows may carry a 'margin' column (a number)."""
-
-    RECIPE: ClassVar[str] = "recipes/reward.py"
-    HEAD: ClassVar[str] = "score"
-    MERGES_LORA: ClassVar[bool] = True
-
-    reward: RewardSection = field(default_factory=RewardSection)
-
-    def problems(self) -> list[str]:
-        p = super().problems()
-        if self.model.lora.enabled and not self.export.merge_lora:
-            p.append(
-                "export.merge_lora: a reward model's final/ is merged, so that it scores text in plain transformers "
-                "and as a grpo.rewards reward_model (the adapter is written to final/adapter/ too); remove "
-                "export.merge_lora=false"
-            )
-        if self.eval.sample_prompts:
-            p.append("eval.sample_prompts: a reward model scores text and does not generate; remove them")
-        return p + pair_data_problems(self.data, "recipes/reward.py")
-
-
-# The section each recipe's tree adds to Config's (dpo, grpo, reward) -> that recipe.
-RECIPE_SECTIONS = {
-    f.name: tree.RECIPE
-    for tree in (DPOConfig, GRPOConfig, RewardConfig)
-    for f in dataclasses.fields(tree)
-    if f.name not in {g.name for g in dataclasses.fields(Config)}
-}
-
-
-def field_docs() -> list[tuple[str, str, str]]:
-    """(dotted key, default, docstring) for every leaf field, read from this file's source
-    so the reference can never drift from the schema."""
-    import ast
-    import inspect
-    import json
-    import sys
-
-    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body = node.body
-            for a, b in zip(body, body[1:]):
-                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                    docs[(node.name, a.target.id)] = " ".join(b.value.value.split())
     rows = []
 
     def walk(cls, prefix):
         hints = typing.get_type_hints(cls)
+        for c in cls.__mro__:
+            if dataclasses.is_dataclass(c) and c not in read_classes:
+                read(c)
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], f"{prefix}{f.name}.")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            doc = next((docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), "")
+            doc = next((docs[(c, f.name)] for c in cls.__mro__ if (c, f.name) in docs), "")
             rows.append((f"{prefix}{f.name}", json.dumps(default), doc))
 
-    for cls in (DPOConfig, GRPOConfig, RewardConfig):  # every recipe's keys: Config's, then each recipe's section
+    for cls in (Config, *trees):
         walk(cls, "")
     return list({key: (key, default, doc) for key, default, doc in rows}.values())

@@ -1,7 +1,8 @@
-"""What makes a config valid beyond its types: the bounds of numbers, names that must be
-paths, the chat template, the demo's asset names, installed trackers. Each section of the
-schema checks itself with these in its `problems()`; nothing here reads the schema, so
-schema.py imports this module and not the other way round.
+"""What makes a config valid beyond its types: the bounds of numbers, the keys that hold
+paths (`PathKey`), the chat template, the demo's asset names, installed trackers. Each
+section of the schema checks itself with these in its `problems()`; nothing here reads the
+schema (the annotations of whatever tree it is given say which keys are what), so schema.py
+and the method wings' trees import this module and not the other way round.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from ..demo import DEMO_NAMES, named
 from ..errors import describe, shown
 from ..files import no_such_file
 from ..template import MAX_TEMPLATE_CHARS, install
@@ -58,6 +58,95 @@ FRACTION = Bounds(0, 1)
 BELOW_1 = Bounds(0, 1, high_open=True)
 
 
+@dataclass(frozen=True)
+class PathKey:
+    """Marks a key whose value is a path (`Annotated[str, PATH]`): every such key, in any
+    section of any recipe's tree, gets `~` and $VARS expanded (load.expand_paths) and must be
+    a name a filesystem can look up (`path_problems`), by this one rule. `asset`: a model or
+    data set, which may also be a hub name or one of the demo's assets (`DEMO_NAMES`);
+    `text`: the value may be Jinja template text instead (it holds a `{`), left as it is;
+    `parts`: a name whose `:`-separated parts may be paths (grpo.rewards' reward_model:DIR
+    and path/to/file.py:function), each expanded as a path.
+    On a list, every entry is a path (a DataSource entry: its own PathKey fields)."""
+
+    asset: bool = False
+    text: bool = False
+    parts: bool = False
+
+
+PATH = PathKey()
+ASSET = PathKey(asset=True)  # model.name_or_path, data.train, data.eval, a method's reference model
+PATH_OR_TEXT = PathKey(text=True)  # data.chat_template
+PATHS_IN_NAME = PathKey(parts=True)  # grpo.rewards
+
+# The demo's reserved names, each a file or directory in its cache (llmtrain/demo.py builds
+# them): a config may name them wherever it names a model or data set.
+DEMO_NAMES = {
+    "demo:tiny-llama": "tiny-llama",
+    "demo:train": "train.jsonl",
+    "demo:eval": "eval.jsonl",
+    "demo:tiny-llama-sft": "tiny-llama-sft",
+    "demo:pairs-train": "pairs-train.jsonl",
+    "demo:pairs-eval": "pairs-eval.jsonl",
+    "demo:kto-train": "kto-train.jsonl",
+    "demo:kto-eval": "kto-eval.jsonl",
+    "demo:prompts-train": "rl-words-train.jsonl",
+    "demo:prompts-eval": "rl-words-eval.jsonl",
+}
+
+
+def path_kind(annotation) -> PathKey | None:
+    """The PathKey an annotation carries, or None."""
+    extras = typing.get_args(annotation)[1:] if typing.get_origin(annotation) is Annotated else ()
+    return next((e for e in extras if isinstance(e, PathKey)), None)
+
+
+def map_paths(node, fn, prefix: str = "") -> None:
+    """Replace, in place, the value of every path key of the tree `node` with
+    fn(key, value, PathKey): a string key's value; each entry of a list; the path fields of a
+    dataclass entry (a data.train {path, fraction} entry, named by its list's key, as its
+    errors are). Keys without a PathKey, and values that are not strings, are left alone."""
+    hints = typing.get_type_hints(type(node), include_extras=True)
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            map_paths(value, fn, f"{key}.")
+        elif (kind := path_kind(hints[f.name])) is not None:
+            setattr(node, f.name, _mapped(value, key, kind, fn))
+
+
+def _mapped(value, key: str, kind: PathKey, fn):
+    if isinstance(value, list):
+        return [_mapped(v, key, kind, fn) for v in value]
+    if dataclasses.is_dataclass(value):
+        entry = dataclasses.replace(value)  # never change an entry another tree may share
+        hints = typing.get_type_hints(type(entry), include_extras=True)
+        for f in dataclasses.fields(entry):
+            if (own := path_kind(hints[f.name])) is not None:
+                setattr(entry, f.name, _mapped(getattr(entry, f.name), key, own, fn))
+        return entry
+    return fn(key, value, kind) if isinstance(value, str) else value
+
+
+def path_values(cfg, asset: bool | None = None) -> list[tuple[str, str, PathKey]]:
+    """(key, value, PathKey) of every path in the tree (the assets alone with asset=True),
+    read with `map_paths`, which leaves every value as it was."""
+    found = []
+
+    def note(key: str, value: str, kind: PathKey) -> str:
+        if asset is None or kind.asset == asset:
+            found.append((key, value, kind))
+        return value
+
+    map_paths(cfg, note)
+    return found
+
+
+def named(cfg) -> list[tuple[str, str]]:
+    """(config key, name) of every model and data set a config names (its asset keys)."""
+    return [(key, value) for key, value, _ in path_values(cfg, asset=True)]
+
+
 def closest(key: str, names: list[str]) -> str | None:
     """The valid name a typo most likely meant: a close spelling, else a shared prefix."""
     close = difflib.get_close_matches(key, names, n=1)
@@ -84,13 +173,14 @@ def number_problems(node, prefix: str = "") -> list[str]:
     return problems
 
 
-def path_problems(names: list[tuple[str, str]]) -> list[str]:
-    """(key, name) pairs whose name, given as a path (or hub name), no filesystem can look
-    up: too long (a part over 255 bytes, or the whole over 4096, on Linux) or holding a
-    null character. Every later look-up (exists, is_file) would raise on it."""
+def path_problems(cfg) -> list[str]:
+    """Path keys of the tree whose value, given as a path (or hub name), no filesystem can
+    look up: too long (a part over 255 bytes, or the whole over 4096, on Linux) or holding a
+    null character. Every later look-up (exists, is_file) would raise on it. Template text
+    (a `text` key's value with a `{`) is not a path."""
     problems = []
-    for key, name in names:
-        if not isinstance(name, str) or not name:
+    for key, name, kind in path_values(cfg):
+        if not name or (kind.text and "{" in name):
             continue
         try:
             os.stat(os.path.expanduser(name))

@@ -51,10 +51,10 @@ class TrainState:
     """Non-finite values the trainable weights started with (a model may carry some, say
     in an embedding row no data uses). An update that adds any stops the run, so no
     checkpoint ever holds more; a resume checks the weights it loads against it."""
-    run: dict = field(default_factory=dict)
+    identity: dict = field(default_factory=dict)
     """What the run is (`rundir.identity`: its recipe and training files' content), set
-    by the recipe before training and saved with the state, so a rerun can tell that the
-    output_dir holds its own run."""
+    by the recipe before training and saved with the state (as "run"), so a rerun can tell
+    that the output_dir holds its own run."""
 
     # What train_state.json must hold to say where a run stands.
     POSITION = ("step", "epoch", "batches_in_epoch")
@@ -84,7 +84,7 @@ class TrainState:
             "skips_in_a_row": self.skips_in_a_row,
             "recent_losses": self.spikes.recent,
             "nonfinite_weights": self.nonfinite_weights,
-            **({"run": self.run} if self.run else {}),
+            **({"run": self.identity} if self.identity else {}),
         }
 
     def load_state_dict(self, saved: dict) -> None:

@@ -7,8 +7,6 @@ or the micro-batch size, so one global batch holds the same rows whether it is t
 
 from __future__ import annotations
 
-from itertools import islice
-
 import torch
 
 from .mixture import Mixture
@@ -123,44 +121,3 @@ def make_loader(dataset, batch_size: int, collator, seed: int, shuffle: bool, nu
         drop_last=False,
         generator=generator,
     )
-
-
-class TrainBatches:
-    """This process's training micro-batches, pass by pass, from any position in a pass
-    (where a resumed run continues).
-
-    Map-style data goes through the loader Accelerate prepared, which deals the batches out
-    to the processes. A stream (stream.StreamedRows) keeps its own loader, not prepared:
-    each process already reads only its share, and Accelerate would shard it again and
-    repeat rows to even up the last batch. Its order depends only on (seed, pass,
-    processes), so reading it again up to a saved position gives a resumed run exactly the
-    rows that come next."""
-
-    metrics: dict = {}  # nothing of its own to log per step (rl/rollout.Rollouts has)
-    samples_shown: list = []
-
-    def __init__(self, loader, sampler: EpochSampler | None, accelerator):
-        self.loader, self.sampler, self.accelerator = loader, sampler, accelerator
-
-    def saved(self, batches_in_epoch: int) -> None:
-        """Nothing beyond the position: the data is read again up to it on resume."""
-        return None
-
-    def restore(self, tensors) -> None:
-        pass
-
-    def epoch(self, epoch: int, skip: int = 0):
-        """An iterator over pass `epoch`'s micro-batches after its first `skip`."""
-        from accelerate.utils import send_to_device
-
-        if self.sampler is None:  # a stream
-            self.loader.dataset.set_epoch(epoch)
-            device = self.accelerator.device
-            return (send_to_device(b, device, non_blocking=True) for b in islice(self.loader, skip, None))
-        loader = self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
-        # Accelerate's loader re-applies its own epoch counter to the sampler on every
-        # iter(), and a loader made by skip_first_batches starts that counter at 0: set both,
-        # or the epoch after a mid-epoch resume would repeat epoch 0's order.
-        self.sampler.set_epoch(epoch)
-        loader.set_epoch(epoch)
-        return iter(loader)

@@ -41,12 +41,6 @@ class DataKind:
 ROWS = DataKind(prepare_split, PackedDataset)
 
 
-def data_kind(kind: DataKind | Callable, cfg) -> DataKind:
-    """A recipe's DataKind, given as one or as cfg -> one (recipes/grpo.py's depends on
-    grpo.max_completion_length)."""
-    return kind if isinstance(kind, DataKind) else kind(cfg)
-
-
 def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
     """Returns (training set, evaluation set or None)."""
     data = cfg.data

@@ -275,7 +275,10 @@ def rng_readable(path: Path) -> bool:
 LAYOUT_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "world_size")
 
 
-def position_settings(cfg, world_size: int) -> dict:
+def position_settings(cfg, world_size: int, own: dict | None = None) -> dict:
+    """What a checkpoint's data position means: the shared settings it depends on, then
+    `own`, the method's (core/method.Method.position: an RL run counts generation rounds of
+    so many prompts and steps). A resume must keep them, its layout excepted (`load`)."""
     return {
         "global_batch": cfg.train.global_batch(world_size),
         "train.micro_batch_size": cfg.train.micro_batch_size,
@@ -296,12 +299,7 @@ def position_settings(cfg, world_size: int) -> dict:
             if cfg.data.streaming
             else {}
         ),
-        # An RL run's position counts generation rounds of this many prompts and steps.
-        **(
-            {"grpo.num_generations": cfg.grpo.num_generations, "grpo.num_iterations": cfg.grpo.num_iterations}
-            if hasattr(cfg, "grpo")
-            else {}
-        ),
+        **(own or {}),
     }
 
 
@@ -539,10 +537,11 @@ def check_weight_format(path: Path, cfg) -> None:
         )
 
 
-def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | None:
+def load(accelerator, path: Path, cfg, state: TrainState, settings: dict, model=None) -> dict | None:
     """Restore model, optimizer and RNG from `path` and `state` from its train_state.json,
-    after checking that the run's data settings are the ones it was written with. Returns
-    the checkpoint's `extra` tensors (see `save`), or None.
+    after checking that the run's data settings (`settings`: position_settings of this run)
+    are the ones it was written with. Returns the checkpoint's `extra` tensors (see `save`),
+    or None.
 
     The global batch may be split differently (another number of processes, micro-batch
     size or accumulation): each pass's order is seeded and the loader deals its batches
@@ -555,7 +554,7 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | 
     was.setdefault("global_batch", math.prod(was.get(k, 1) for k in LAYOUT_KEYS))  # written before it was saved
     if was.get("data.streaming"):
         was.setdefault("data.num_workers", cfg.data.num_workers)  # likewise: not known, taken as unchanged
-    now = position_settings(cfg, accelerator.num_processes)
+    now = settings
     flexible = () if cfg.data.streaming else LAYOUT_KEYS
     changed = [f"{k} was {was.get(k)!r}, now {v!r}" for k, v in now.items() if k not in flexible and was.get(k) != v]
     if changed:

@@ -48,10 +48,12 @@ class Sample:
 
 
 class Rollouts:
-    items = "prompts"
-
-    def __init__(self, cfg, accelerator, model, tokenizer, prompts, objective, generator, rewards, reference, beat):
+    def __init__(
+        self, cfg, accelerator, model, tokenizer, prompts, eval_set, objective, generator, rewards, reference, beat
+    ):
         g, t = cfg.grpo, cfg.train
+        self.items = "prompts"
+        self.eval_set, self.evaluates = eval_set, eval_set is not None
         self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
         self.objective, self.generator, self.rewards, self.reference, self.beat = (
             objective,
@@ -217,11 +219,17 @@ class Rollouts:
 
     # --- evaluation ----------------------------------------------------------------------
 
-    def evaluate(self, eval_set, step: int) -> dict[str, float]:
+    def shown(self) -> list[str]:
+        """The completions `show` picked, once."""
+        lines, self.samples_shown = self.samples_shown, []
+        return lines
+
+    def evaluate(self, step: int) -> dict[str, float]:
         """The held-out reward at `step`: one greedy completion per evaluation prompt, scored
         by every reward function (which see the training state, as in training). Each process
         takes every world-th prompt, all in the same number of generate calls (sharded
         models generate together)."""
+        eval_set = self.eval_set
         n, rank = len(eval_set), self.accelerator.process_index
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         if self.eval_columns is None:  # read once: the evaluation prompts stay the same

@@ -1,8 +1,11 @@
 import pytest
 
-from llmtrain.config import Config, DPOConfig, GRPOConfig, RewardConfig, load_config
+from llmtrain.config import Config, load_config
 from llmtrain.config.load import parse_override
 from llmtrain.errors import ConfigError
+from llmtrain.methods import METHODS, sections
+from llmtrain.preference.config import DPOConfig, RewardConfig
+from llmtrain.rl.config import GRPOConfig
 from tests.conftest import ROOT, run_recipe
 
 SHIPPED = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
@@ -21,10 +24,10 @@ def test_every_shipped_config_loads(path):
     text = path.read_text()
     assert text.startswith("#"), "each shipped YAML opens with the command that uses it"
     raw = yaml.safe_load(text)
-    trees = (("dpo", DPOConfig), ("grpo", GRPOConfig), ("reward", RewardConfig))
+    trees = [(m.section, m.schema) for m in METHODS.values() if m.section]
     recipe, schema = next(((r, s) for r, s in trees if r in raw), ("", Config))
     header = "".join(line for line in text.splitlines() if line.startswith("#"))
-    for name in ("dpo", "grpo", "reward"):
+    for name, _ in trees:
         assert (f"recipes/{name}.py" in header) == (recipe == name), "the opening comment names the recipe"
     cfg = load_config(path, schema=schema)
     assert type(cfg) is schema
@@ -162,10 +165,8 @@ def test_a_bad_profile_range_names_the_key(value):
 
 
 def schema_of(key: str) -> type:
-    """The tree a key belongs to (recipes/grpo.py's grpo section, or every other)."""
-    if key.startswith("reward."):
-        return RewardConfig
-    return GRPOConfig if key.startswith("grpo.") else DPOConfig
+    """The tree a key belongs to: the method's whose section it is in, or Config's."""
+    return next((m.schema for m in METHODS.values() if m.section and key.startswith(f"{m.section}.")), Config)
 
 
 def numeric_keys() -> list[str]:
@@ -174,7 +175,7 @@ def numeric_keys() -> list[str]:
     from llmtrain.config.schema import field_docs
 
     keys = []
-    for key, _, _ in field_docs():
+    for key, _, _ in field_docs([m.schema for m in METHODS.values()]):
         node = schema_of(key)()
         *parents, leaf = key.split(".")
         for part in parents:
@@ -329,7 +330,7 @@ def test_preference_settings_that_cannot_apply_are_errors_naming_the_key():
 )
 def test_another_recipes_section_names_both_recipes(schema, override, message):
     with pytest.raises(ConfigError, match=rf"^{message}"):
-        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", override], schema)
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", override], schema, sections())
 
 
 def test_kto_refuses_packing_and_the_sft_term_and_takes_positive_weights():

@@ -284,12 +284,13 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     from accelerate.state import AcceleratorState
 
     from llmtrain.config import load_config
-    from llmtrain.core.objective import TokenLoss
+    from llmtrain.core.finetune import FINETUNE
     from llmtrain.core.window import Outcome
     from llmtrain.data.build import build_datasets
     from llmtrain.distributed.stop import StopRequest
     from llmtrain.distributed.watchdog import Watchdog
     from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
+    from llmtrain.output.checkpoint import position_settings
     from llmtrain.train import setup, train
 
     out = tmp_path / "out"
@@ -315,11 +316,9 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)
-        objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits)
         with Watchdog(0, 0) as watchdog:
-            run = setup(
-                cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog
-            )
+            parts = FINETUNE.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+            run = setup(cfg, accelerator, model, parts, None, StopRequest(), watchdog, position_settings(cfg, 1))
             assert train(run) is Outcome.FINISHED
     finally:
         AcceleratorState._reset_state(True)
@@ -368,11 +367,12 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
 
     import llmtrain.train as loop
     from llmtrain.config import load_config
-    from llmtrain.core.objective import TokenLoss
+    from llmtrain.core.finetune import FINETUNE
     from llmtrain.data.build import build_datasets
     from llmtrain.distributed.stop import StopRequest
     from llmtrain.distributed.watchdog import Watchdog
     from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
+    from llmtrain.output.checkpoint import position_settings
 
     out = tmp_path / "out"
     out.mkdir()
@@ -400,11 +400,9 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
         model = load_model(cfg.model)
-        objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits)
         with Watchdog(0, 0) as watchdog:
-            run = loop.setup(
-                cfg, accelerator, model, tokenizer, objective, train_set, eval_set, None, StopRequest(), watchdog
-            )
+            parts = FINETUNE.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+            run = loop.setup(cfg, accelerator, model, parts, None, StopRequest(), watchdog, position_settings(cfg, 1))
             with pytest.raises(TrainingError) as stopped:
                 loop.train(run)
     finally:

@@ -175,20 +175,20 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     )
     cfg.train.micro_batch_size, cfg.train.seed = 16, 3  # 2 processes x 4 -> 1 x 16: another global batch
     with pytest.raises(CheckpointError, match=r"global_batch was 8, now 16; train.seed was 42, now 3"):
-        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState(), position_settings(cfg, 1))
     cfg.train.micro_batch_size, cfg.train.seed, cfg.data.streaming = 8, 42, True  # the same, but a stream
     with pytest.raises(CheckpointError, match=r"train.micro_batch_size was 4, now 8; world_size was 2, now 1"):
-        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState(), position_settings(cfg, 1))
     cfg.train.micro_batch_size, cfg.data.num_workers = 4, 0
     stream = position_settings(cfg, 1)
     (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": stream, "files": manifest(path)}))
     cfg.data.num_workers = 2  # a stream's order depends on its loader workers
     with pytest.raises(CheckpointError, match=r"other data settings \(data.num_workers was 0, now 2\)"):
-        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState(), position_settings(cfg, 1))
     del stream["data.num_workers"]  # written before it was recorded: taken as unchanged
     (path / STATE_FILE).write_text(json.dumps({"step": 4, "settings": stream, "files": manifest(path)}))
     with pytest.raises(CheckpointError) as e:  # past the settings, to the fake checkpoint's files
-        load(SimpleNamespace(num_processes=1), path, cfg, TrainState())
+        load(SimpleNamespace(num_processes=1), path, cfg, TrainState(), position_settings(cfg, 1))
     assert "data settings" not in str(e.value)
     (path / STATE_FILE).write_text(
         json.dumps({"step": 4, "settings": position_settings(Config(), 2), "files": manifest(path)})
@@ -199,7 +199,7 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     cfg.data.streaming, cfg.train.micro_batch_size, cfg.data.num_workers = False, 8, 0
     deepspeed = SimpleNamespace(num_processes=1, distributed_type=DistributedType.DEEPSPEED)
     with pytest.raises(CheckpointError, match=r"written by 2 DeepSpeed processes.*cannot be resharded to 1"):
-        load(deepspeed, path, cfg, TrainState())
+        load(deepspeed, path, cfg, TrainState(), position_settings(cfg, 1))
 
 
 @pytest.mark.slow
@@ -278,12 +278,12 @@ def test_the_train_state_is_saved_and_loaded_whole(tmp_path):
     path = save(RecordingAccelerator(), str(tmp_path), state, position_settings(cfg, 1), "", keep_last=0)
     assert path.name == "step-7" and find_resume(str(tmp_path), "auto") == path
     loaded = TrainState(spikes=SpikeGuard(2.0, 3))
-    load(RecordingAccelerator(), path, cfg, loaded)
+    load(RecordingAccelerator(), path, cfg, loaded, position_settings(cfg, 1))
     assert loaded.state_dict() == state.state_dict() and loaded.spikes.window == 3
     saved = json.loads((path / STATE_FILE).read_text())
     del saved["skips_in_a_row"]
     (path / STATE_FILE).write_text(json.dumps(saved))
-    load(RecordingAccelerator(), path, cfg, loaded)
+    load(RecordingAccelerator(), path, cfg, loaded, position_settings(cfg, 1))
     assert (loaded.step, loaded.skips_in_a_row, loaded.spikes.recent) == (7, 0, [1.0, 2.0])
 
 
@@ -586,7 +586,7 @@ def test_a_checkpoint_that_passes_the_checks_but_does_not_load_is_an_error_namin
 
     accelerator = SimpleNamespace(num_processes=1, load_state=load_state)
     with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: cannot load {path} \(FileNotFoundError: No such"):
-        load(accelerator, path, cfg, TrainState())
+        load(accelerator, path, cfg, TrainState(), position_settings(cfg, 1))
 
 
 RESPLIT = {

@@ -274,7 +274,8 @@ def test_a_recipe_with_an_unusable_datasets_cache_stops_in_one_line(
 
 
 def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch, tmp_path):
-    from llmtrain.config import DPOConfig, load_config
+    from llmtrain.config import load_config
+    from llmtrain.preference.config import DPOConfig
 
     home = tmp_path / "home"
     (home / "t").mkdir(parents=True)
@@ -302,8 +303,9 @@ def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch
 
 
 def test_environment_variables_are_expanded_in_path_keys_and_an_unset_one_is_an_error(monkeypatch, tmp_path):
-    from llmtrain.config import DPOConfig, load_config
+    from llmtrain.config import load_config
     from llmtrain.errors import ConfigError
+    from llmtrain.preference.config import DPOConfig
 
     monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
     monkeypatch.setenv("RUN", "r1")

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from llmtrain.config import DPOConfig, load_config
+from llmtrain.config import load_config
+from llmtrain.preference.config import DPOConfig
 from llmtrain.preference.loss import PreferenceLoss
 from llmtrain.preference.pairs import PairCollator
 from llmtrain.preference.reference import CACHE, ReferencePass, compute
@@ -270,9 +271,9 @@ def test_a_reference_that_reads_other_token_ids_is_one_error_before_anything_loa
 @pytest.mark.parametrize("section", ["dpo", "grpo"])
 def test_a_reference_path_that_is_no_directory_says_so(tiny_model, tokenizer, tmp_path, section):
     """Not the hub's rules for repository names, which a path never meets."""
-    from llmtrain.config import GRPOConfig
     from llmtrain.errors import UserError
     from llmtrain.preference.reference import check_reference
+    from llmtrain.rl.config import GRPOConfig
 
     missing = tmp_path / "sft" / "final"
     overrides = [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"{section}.reference={missing}"]

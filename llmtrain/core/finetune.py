@@ -1,0 +1,39 @@
+"""Supervised fine-tuning as a method (recipes/finetune.py): token rows, padded or packed, and
+the summed cross-entropy of their trained tokens (objective.TokenLoss)."""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..data.batches import Collator
+from ..data.build import ROWS
+from ..model import disable_dropout, pad_id
+from .method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, preview_row
+from .objective import TokenLoss
+from .source import loader_source
+
+
+def finetune_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
+    """The summed cross-entropy of the trained tokens, over padded or packed rows."""
+    if cfg.model.dropout == "none":
+        disable_dropout(model)
+    objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits, cfg.model.router_aux_loss)
+    collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
+    return Parts(objective, loader_source(cfg, accelerator, objective, train_set, eval_set, collator))
+
+
+def describe_rows(cfg, first: dict, tokenizer) -> list[str]:
+    return [
+        f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
+        preview_row(first, tokenizer),
+    ]
+
+
+FINETUNE = Method(
+    name="finetune",
+    schema=Config,
+    description="Fine-tune a causal language model (full or LoRA) on instruction, chat or text data.",
+    data=ROWS,
+    parts=finetune_parts,
+    describe=describe_rows,
+    demo="demo.yaml",
+)

@@ -1,0 +1,29 @@
+"""The method table: every training method llmtrain runs, by name, each declared in its own
+wing (core/method.Method). The recipes (recipes/<name>.py -> recipe.run), `llmtrain plan`, the
+config reference (python -m llmtrain.config) and the run directory (the name an output_dir
+records) read it; adding a method is one line here plus its wing's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .core.finetune import FINETUNE
+from .core.method import Method
+from .preference.method import DPO, REWARD
+from .rl.method import GRPO
+
+METHODS: dict[str, Method] = {m.name: m for m in (FINETUNE, DPO, GRPO, REWARD)}
+
+# The recipes' offline demos, found from this checkout wherever a command runs.
+DEMOS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+
+
+def demo_config(method: Method) -> Path | None:
+    """The method's demo YAML, which its recipe runs when given no --config."""
+    return DEMOS / method.demo if method.demo else None
+
+
+def sections() -> dict[str, str]:
+    """The section each method's tree adds to Config's (dpo, grpo, reward) -> the recipe
+    that reads it (config.load_config names another recipe's section as that recipe's)."""
+    return {m.section: m.schema.RECIPE for m in METHODS.values() if m.section}

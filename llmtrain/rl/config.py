@@ -1,0 +1,120 @@
+"""recipes/grpo.py's config tree: Config plus the grpo section (group size, sampling,
+rewards, advantages, loss, KL), with the checks GRPO makes of the shared sections."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar, Literal
+
+from ..config import Config
+from ..config.validate import ASSET, AT_LEAST_1, PATHS_IN_NAME, POSITIVE, Bounds
+
+
+@dataclass
+class GRPOSection:
+    num_generations: Annotated[int, Bounds(2)] = 8
+    """Completions sampled per prompt: a group, whose rewards are compared with each other
+    (recipes/grpo.py). A micro-batch holds train.micro_batch_size prompts x this many
+    completions."""
+    max_completion_length: Annotated[int, AT_LEAST_1] = 256
+    """Tokens generated per completion at most; a completion that reaches it without ending
+    its turn is clipped (and counted in the metrics). A prompt must leave room for it within
+    data.max_seq_len."""
+    temperature: Annotated[float, POSITIVE] = 1.0
+    """Sampling temperature; the log-probs the loss uses are those of the same tempered
+    distribution."""
+    top_p: Annotated[float, Bounds(0, 1, low_open=True)] = 1.0
+    """Nucleus sampling: sample among the most likely tokens whose probabilities add up to
+    this; 1 for all."""
+    top_k: int = 0
+    """Sample among this many most likely tokens; 0 for all."""
+    rewards: Annotated[str | list[str], PATHS_IN_NAME] = field(default_factory=lambda: ["accuracy"])
+    """Reward functions: built-in 'accuracy' (the completion's answer against the row's
+    'answer' column, numbers compared as numbers), 'format' (the completion matches
+    grpo.format_pattern) and 'reward_model:DIR' (a reward model's score, recipes/reward.py),
+    or your own as 'module:function' or 'path/to/file.py:function',
+    called as TRL calls them: f(prompts, completions, completion_ids, **columns) -> a
+    number (or None) per completion."""
+    reward_weights: list[float] = field(default_factory=list)
+    """A weight per reward function (empty: 1 each); a completion's reward is the weighted
+    sum, its unscored (None) terms left out."""
+    format_pattern: str = ""
+    """The regular expression the built-in 'format' reward asks a whole completion to match
+    (after stripping spaces at its ends)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage = reward - its group's mean, divided by the group's standard deviation
+    (group), the whole global batch's (batch), or not divided (none, as Dr. GRPO)."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token losses become the step's loss (docs/grpo.md): grpo, the mean over
+    completions of each one's per-token mean; dr_grpo, the sum over tokens divided by
+    completions x grpo.max_completion_length; dapo, the mean over every completion token
+    of the global batch."""
+    epsilon: Annotated[float, POSITIVE] = 0.2
+    """The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float = 0.0
+    """The clip's upper side (DAPO's clip-higher, e.g. 0.28); 0 means grpo.epsilon."""
+    num_iterations: Annotated[int, AT_LEAST_1] = 1
+    """Optimizer steps taken on each generation batch (GRPO's mu); after the first, the loss
+    uses importance ratios against the log-probs the completions were sampled with."""
+    beta: float = 0.0
+    """Weight of the KL term to the reference model (0: none, no reference is computed).
+    The reference is the starting policy: with LoRA the model with its adapters off, for a
+    full fine-tune a frozen copy of the starting weights (or grpo.reference)."""
+    reference: Annotated[str, ASSET] = ""
+    """With grpo.beta > 0 on a full fine-tune: the hub name or directory of another
+    reference model; empty for the starting weights."""
+    log_completions: int = 2
+    """Completions printed (with prompt and reward) every log.every_steps steps; 0 for
+    none."""
+
+
+@dataclass
+class GRPOConfig(Config):
+    """recipes/grpo.py's tree: every section of Config, plus grpo. train.micro_batch_size
+    counts prompts."""
+
+    RECIPE: ClassVar[str] = "recipes/grpo.py"
+
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    def reward_names(self) -> list[str]:
+        r = self.grpo.rewards
+        return [r] if isinstance(r, str) else list(r)
+
+    def problems(self) -> list[str]:
+        p, g = super().problems(), self.grpo
+        names = self.reward_names()
+        if not names:
+            p.append("grpo.rewards: give at least one reward function, e.g. grpo.rewards=[accuracy]")
+        if g.reward_weights and len(g.reward_weights) != len(names):
+            p.append(
+                f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(names)} reward functions; give one "
+                "per function, or none for 1 each"
+            )
+        if any(not math.isfinite(w) for w in g.reward_weights):
+            p.append("grpo.reward_weights: every weight must be a finite number")
+        if "format" in names and not g.format_pattern:
+            p.append("grpo.format_pattern: the 'format' reward needs the pattern completions must match, e.g. '\\S+'")
+        if g.format_pattern:
+            try:
+                re.compile(g.format_pattern)
+            except re.error as e:
+                p.append(f"grpo.format_pattern: not a regular expression ({e}); fix it")
+        if g.reference and not g.beta:
+            p.append("grpo.reference: used only with grpo.beta > 0; set grpo.beta or remove grpo.reference")
+        if g.reference and self.model.lora.enabled:
+            p.append("grpo.reference: with LoRA the reference is the model with its adapters off; remove it")
+        if g.max_completion_length >= self.data.max_seq_len:
+            p.append(
+                f"grpo.max_completion_length: {g.max_completion_length} leaves no room for a prompt within "
+                f"data.max_seq_len={self.data.max_seq_len}; raise data.max_seq_len or lower it"
+            )
+        if self.data.packing:
+            p.append("data.packing: recipes/grpo.py trains on generated completions, which it does not pack; remove it")
+        if self.data.streaming:
+            p.append("data.streaming: recipes/grpo.py reads its prompts whole; set data.streaming=false")
+        if self.data.format != "auto":
+            p.append(f"data.format: recipes/grpo.py reads prompt rows; remove data.format={self.data.format}")
+        return p

@@ -1,0 +1,143 @@
+"""GRPO as a method (recipes/grpo.py), as the method table (llmtrain/methods.py) lists it:
+prompt rows, rollouts generated from the policy as the loop draws them, and the clipped
+policy-gradient objective."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.method import Method, Parts, PlanFigures
+from ..core.objective import chunk_positions
+from ..model import WEIGHT_SUFFIXES, chunkable_head, disable_dropout, load_model, reference_config, whole_models
+from .config import GRPOConfig
+from .loss import GRPOLoss, token_logps
+from .prompts import grpo_prompts, prompt_columns
+from .rewards import REWARD_MODEL, check_grpo, load_rewards
+from .rollout import Rollouts
+from .sampling import HFGenerator
+
+
+def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
+    """The GRPO loss, and the rollouts that generate its micro-batches from the prepared
+    model; with grpo.beta, the reference (adapters off with LoRA, else a frozen copy)."""
+    disable_dropout(model)
+    g, logits = cfg.grpo, cfg.train.loss_chunk_logits
+    rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: grpo_prompts
+    head = chunkable_head(model) if logits else None
+    chunk = chunk_positions(head, logits)
+    objective = GRPOLoss(
+        g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
+    )
+    frozen = None
+    if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
+        with whole_models():  # a whole copy on each process, never partitioned by ZeRO-3
+            frozen = load_model(reference_config(cfg.model, g.reference))
+        frozen.requires_grad_(False).eval().to(accelerator.device)
+
+    def source(prepared, backend, beat):
+        reference = None
+        if g.beta and frozen is None:
+
+            def reference(batch):
+                with accelerator.unwrap_model(prepared).disable_adapter():
+                    return objective.logps(prepared, batch)
+
+        elif frozen is not None:
+            frozen_head = chunkable_head(frozen) if logits else None
+
+            def reference(batch):
+                with accelerator.autocast():
+                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk_positions(frozen_head, logits))
+
+        synced = backend.sharded and accelerator.num_processes > 1
+        generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
+        return Rollouts(
+            cfg, accelerator, prepared, tokenizer, train_set, eval_set, objective, generator, rewards, reference, beat
+        )
+
+    return Parts(objective, source)
+
+
+def describe_prompts(cfg, first: dict, tokenizer) -> list[str]:
+    g, t = cfg.grpo, cfg.train
+    per_micro = t.micro_batch_size * g.num_generations
+    if g.beta:
+        reference = (
+            "the model with its LoRA adapters off"
+            if cfg.model.lora.enabled
+            else f"{g.reference or 'the starting weights'}: a frozen copy, whole on each process"
+        )
+    else:
+        reference = "none (grpo.beta=0)"
+    return [
+        f"\n== GRPO ({g.loss_type}, {g.num_generations} completions per prompt) ==",
+        f"  per micro-batch: {t.micro_batch_size} prompt(s) x {g.num_generations} = {per_micro} sequences "
+        f"of at most {cfg.data.max_seq_len} tokens",
+        f"  generated per process and round: {t.micro_batch_size * t.grad_accum_steps * g.num_generations} "
+        f"completions, at most {g.max_completion_length} tokens each; each round trains {g.num_iterations} "
+        "optimizer step(s)",
+        f"  sampling: temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k or 'all'}",
+        f"  rewards: {', '.join(cfg.reward_names())}"
+        + (f" (weights {', '.join(f'{w:g}' for w in g.reward_weights)})" if g.reward_weights else ""),
+        f"  advantages: scale_rewards={g.scale_rewards}; clip [1 - {g.epsilon:g}, 1 + {g.epsilon_high or g.epsilon:g}]",
+        f"  KL reference: {reference}",
+        "\n== first training prompt (as the model is asked it) ==",
+        tokenizer.decode(first["prompt_ids"]),
+    ]
+
+
+def position(cfg) -> dict:
+    """An RL run's position counts generation rounds of this many prompts and steps."""
+    return {"grpo.num_generations": cfg.grpo.num_generations, "grpo.num_iterations": cfg.grpo.num_iterations}
+
+
+def steps_per_epoch(cfg, prompts: int, world: int) -> int:
+    """Whole generation rounds of a pass, each trained grpo.num_iterations times (Rollouts)."""
+    return prompts // cfg.train.global_batch(world) * cfg.grpo.num_iterations
+
+
+def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
+    """Generation's KV cache, the frozen reference copy and the reward models."""
+    layers, hidden = mcfg.num_hidden_layers, mcfg.hidden_size
+    # Keys and values per layer for every sequence of a micro-batch.
+    heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
+    head_dim = getattr(mcfg, "head_dim", None) or hidden // mcfg.num_attention_heads
+    out = {"generation KV cache": 2 * layers * heads * head_dim * width * tokens}
+    if cfg.grpo.beta and not cfg.model.lora.enabled:  # the frozen reference copy, whole on each process
+        out["reference model"] = float(total * width)
+    for name in cfg.reward_names():
+        if name.startswith(REWARD_MODEL):  # loaded whole on each process, in the dtype it was saved in
+            path = name[len(REWARD_MODEL) :]
+            out[f"reward model {path}"] = saved_weights_bytes(path)
+    return out
+
+
+def saved_weights_bytes(path: str) -> float:
+    """The bytes of a local model directory's weight files (its safetensors where it has
+    any), about what it takes loaded in the dtype it was saved in; 0 for a hub name."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        return 0.0
+    files = [f for f in local.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
+    safetensors = [f for f in files if f.suffix == ".safetensors"]
+    return float(sum(f.stat().st_size for f in safetensors or files))
+
+
+GRPO = Method(
+    name="grpo",
+    schema=GRPOConfig,
+    description="Train a causal language model with online RL from verifiable rewards: GRPO (full or LoRA).",
+    data=grpo_prompts,
+    parts=grpo_parts,
+    describe=describe_prompts,
+    demo="grpo_demo.yaml",
+    check=check_grpo,
+    position=position,
+    plan=PlanFigures(
+        sequences=lambda cfg: cfg.grpo.num_generations,  # a prompt brings a group of completions
+        # A prompt's whole group, at most max_completion_length tokens each.
+        tokens=lambda cfg, mean: (mean + cfg.grpo.max_completion_length) * cfg.grpo.num_generations,
+        steps_per_epoch=steps_per_epoch,
+        memory=memory,
+    ),
+)

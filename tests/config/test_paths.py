@@ -1,0 +1,136 @@
+"""Path keys: every key the schema marks as a path (config/validate.PathKey), in Config's
+sections and every method's own, gets `~` and $VARS expanded by one rule, is checked as a
+path, and names a model or data set where it is an asset (the demo's names resolve there).
+The keys are found by walking the schema, so a method's new path key is covered without a
+word here."""
+
+import dataclasses
+import re
+import typing
+
+import pytest
+
+from llmtrain.config import load_config
+from llmtrain.config.validate import PathKey, named, path_kind, path_values
+from llmtrain.errors import ConfigError
+from llmtrain.methods import METHODS, sections
+
+TREES = {m.name: m.schema for m in METHODS.values()}
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def schema_paths(cls, prefix: str = "") -> list[tuple[str, PathKey, bool]]:
+    """(dotted key, PathKey, whether the key takes a list) of every path key of a tree,
+    read from its annotations (not from an instance)."""
+    found = []
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            found += schema_paths(tp, f"{prefix}{f.name}.")
+        elif (kind := path_kind(hints[f.name])) is not None:
+            found.append((f"{prefix}{f.name}", kind, "list" in str(tp)))
+    return found
+
+
+def required(name: str) -> list[str]:
+    return ["model.name_or_path=m", "data.train=d.jsonl"] + (["grpo.beta=0.1"] if name == "grpo" else [])
+
+
+def test_the_schema_marks_the_path_keys_of_every_tree():
+    """The walk finds the keys users give paths in, each method's included."""
+    keys = {key for tree in TREES.values() for key, _, _ in schema_paths(tree)}
+    assert {
+        "output_dir",
+        "model.name_or_path",
+        "data.train",
+        "data.eval",
+        "data.chat_template",
+        "checkpoint.resume",
+        "dpo.reference",
+        "grpo.reference",
+        "grpo.rewards",
+    } <= keys
+
+
+def test_every_string_key_whose_docstring_says_path_is_marked():
+    """A guard for keys added later: a text key documented as a path or directory carries a
+    PathKey (or it would take `~` and $VARS literally)."""
+    from llmtrain.config.schema import field_docs
+
+    marked = {key for tree in TREES.values() for key, _, _ in schema_paths(tree)}
+    unmarked = []
+    for key, default, doc in field_docs(list(TREES.values())):
+        if default.startswith(('"', "[")) and re.search(r"\b(paths?|director(y|ies)|DIR)\b", doc):
+            unmarked += [key] if key not in marked else []
+    assert not unmarked, f"string keys documented as paths without a PathKey: {unmarked}"
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_every_path_key_expands_home_and_variables(name, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "p").mkdir(parents=True)
+    (home / "p" / "t.jinja").write_text(TEMPLATE)  # data.chat_template must be a readable template
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("LLMTRAIN_TEST_ROOT", str(home))
+    for key, kind, many in schema_paths(TREES[name]):
+        for given in ("~/p/t.jinja", "$LLMTRAIN_TEST_ROOT/p/t.jinja", "${LLMTRAIN_TEST_ROOT}/p/t.jinja"):
+            value = f"reward_model:{given}" if kind.parts else given
+            override = f"{key}=['{value}']" if many else f"{key}={value}"  # quoted: YAML reads { as a mapping
+            cfg = load_config(None, [*required(name), override], TREES[name], sections())
+            got = [v for k, v, _ in path_values(cfg) if k == key]
+            want = str(home / "p" / "t.jinja")
+            assert got == [f"reward_model:{want}" if kind.parts else want], (key, given, got)
+
+
+def test_a_path_in_a_name_expands_each_part():
+    """grpo.rewards: reward_model:DIR and path/to/file.py:function, each path part alike;
+    built-ins and module:function names are left as they are."""
+    import os
+
+    home = os.path.expanduser("~")
+    cfg = load_config(
+        None, [*required("grpo"), "grpo.rewards=[accuracy, ~/r.py:short, mod:fn, reward_model:~/rm]"], TREES["grpo"]
+    )
+    assert cfg.grpo.rewards == ["accuracy", f"{home}/r.py:short", "mod:fn", f"reward_model:{home}/rm"]
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_an_unset_variable_in_any_path_key_is_one_problem_naming_it(name):
+    for key, kind, many in schema_paths(TREES[name]):
+        value = "$LLMTRAIN_NOT_SET_ANYWHERE/x"
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*required(name), f"{key}=[{value}]" if many else f"{key}={value}"], TREES[name])
+        assert any(p.startswith(f"{key}: ") and "$LLMTRAIN_NOT_SET_ANYWHERE" in p for p in e.value.problems), key
+
+
+def test_every_asset_key_is_named_and_takes_the_demos_names():
+    """named() (the demo's names, the demo-name check) reads every asset key of any tree, a
+    {path, fraction} data.train entry's too."""
+    cfg = load_config(
+        None,
+        [
+            "model.name_or_path=demo:tiny-llama",
+            "data.train=[demo:train, {path: demo:pairs-train, fraction: 0.5}]",
+            "data.eval=demo:eval",
+            "dpo.reference=demo:tiny-llama-sft",
+        ],
+        TREES["dpo"],
+    )
+    assert named(cfg) == [
+        ("model.name_or_path", "demo:tiny-llama"),
+        ("data.train", "demo:train"),
+        ("data.train", "demo:pairs-train"),
+        ("data.eval", "demo:eval"),
+        ("dpo.reference", "demo:tiny-llama-sft"),
+    ]
+    with pytest.raises(ConfigError, match=r"grpo.reference: demo:tiny-lama is not one of the demo's assets; did you"):
+        load_config(None, [*required("grpo"), "grpo.reference=demo:tiny-lama"], TREES["grpo"])
+
+
+def test_a_name_no_filesystem_takes_is_refused_in_any_path_key():
+    for key, kind, many in schema_paths(TREES["grpo"]):
+        value = "x" * 5000
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*required("grpo"), f"{key}=[{value}]" if many else f"{key}={value}"], TREES["grpo"])
+        assert any(p.startswith(f"{key}: a name of 5000 characters") for p in e.value.problems), key
