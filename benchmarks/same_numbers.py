@@ -22,7 +22,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLOCK = ("step_s", "tokens_per_s", "input_tokens_per_s", "pairs_per_s", "data_wait", "peak_mem_gib", "mfu", "time")
+# Fields that measure the machine, not the training: times and rates (every "_s" field:
+# step_s, tokens_per_s, completions_per_s, generation_s, ...), memory, MFU.
+CLOCK = ("_s", "data_wait", "peak_mem_gib", "mfu", "time")
 
 RUNS = {
     "sft-packed-1proc": (1, "finetune.py", "demo.yaml", ["train.max_steps=6"]),

@@ -15,6 +15,7 @@ from .config import Config, load_config
 from .config.validate import DEMO_NAMES
 from .data.mixture import names
 from .distributed.launch import process_group_backend
+from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
 from .errors import UserError
 
@@ -178,7 +179,5 @@ def exit_now(code) -> None:
 def stop_signals(action) -> None:
     """Give SIGUSR1/SIGTERM/SIGINT/SIGHUP (stop.GRACEFUL) `action`: SIG_IGN once a run is
     over and exits, SIG_DFL for a process that waits to be stopped."""
-    from .distributed.stop import GRACEFUL
-
     for sig in GRACEFUL:
         signal.signal(sig, action)

@@ -1,9 +1,12 @@
-"""The package's layout holds: no import circle between llmtrain's modules (function-level
-imports count too), and docs/development.md lists every module."""
+"""The package's layout holds: no import circle between llmtrain's modules or packages
+(function-level imports count too), no function-level import of an llmtrain module that
+avoids no circle, no method tested for outside its wing, and docs/development.md lists every
+module."""
 
 import ast
 from pathlib import Path
 
+from llmtrain.methods import METHODS
 from tests.conftest import ROOT
 
 PKG = ROOT / "llmtrain"
@@ -14,42 +17,60 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """The llmtrain modules a file imports, anywhere in it (a package's __init__ stands for
+def imported(path: Path, node) -> set[str]:
+    """The llmtrain modules an import statement imports (a package's __init__ stands for
     the package: importing a name from a package imports its __init__)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name.startswith("llmtrain")}
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        mod = ".".join(base + ([node.module] if node.module else []))
+    else:
+        mod = node.module or ""
+    if not mod.startswith("llmtrain"):
+        return set()
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            if not mod.startswith("llmtrain"):
-                continue
-            for alias in node.names:  # `from pkg import module` imports the module
-                sub = f"{mod}.{alias.name}"
-                found.add(sub if (PKG.parent / (sub.replace(".", "/") + ".py")).is_file() else mod)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("llmtrain")}
-    return {m for m in found if m != name and m != "llmtrain"}
+    for alias in node.names:  # `from pkg import module` imports the module
+        sub = f"{mod}.{alias.name}"
+        found.add(sub if (PKG.parent / (sub.replace(".", "/") + ".py")).is_file() else mod)
+    return found
+
+
+def imports(path: Path) -> tuple[set[str], set[tuple[str, int]]]:
+    """(every llmtrain module the file imports, anywhere in it; those imported inside a
+    function, with the line)."""
+    name, tree = module_name(path), ast.parse(path.read_text())
+    every, inside = set(), set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    inside |= {(m, node.lineno) for m in imported(path, node)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            every |= imported(path, node)
+    drop = {name, "llmtrain"}
+    return every - drop, {(m, line) for m, line in inside if m not in drop}
+
+
+def modules() -> list[Path]:
+    return [p for p in PKG.rglob("*.py") if p.name != "__main__.py"]
 
 
 def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports(p) for p in PKG.rglob("*.py") if p.name != "__main__.py"}
+    return {module_name(p): imports(p)[0] for p in modules()}
 
 
-def test_no_import_circles():
-    g = graph()
-    state, circles = {}, []
+def circles(g: dict[str, set[str]]) -> list[str]:
+    state, found = {}, []
 
     def visit(m, stack):
         state[m] = "open"
         for n in sorted(g.get(m, ())):
             if state.get(n) == "open":
-                circles.append(" -> ".join(stack[stack.index(n) :] + [n]))
+                found.append(" -> ".join(stack[stack.index(n) :] + [n]))
             elif n not in state:
                 visit(n, [*stack, n])
         state[m] = "done"
@@ -57,17 +78,24 @@ def test_no_import_circles():
     for m in sorted(g):
         if m not in state:
             visit(m, [m])
-    assert not circles, "import circles:\n" + "\n".join(circles)
+    return found
 
 
-def test_the_layout_lists_every_module():
-    text = (ROOT / "docs" / "development.md").read_text()
-    missing = [
-        str(p.relative_to(PKG))
-        for p in PKG.rglob("*.py")
-        if p.name not in ("__init__.py", "__main__.py") and p.name not in text
-    ]
-    assert not missing, f"docs/development.md's layout does not list {missing}"
+def reaches(g: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m == goal:
+            return True
+        if m not in seen:
+            seen.add(m)
+            todo += g.get(m, ())
+    return False
+
+
+def test_no_import_circles():
+    found = circles(graph())
+    assert not found, "import circles:\n" + "\n".join(found)
 
 
 def test_no_circles_between_packages():
@@ -80,18 +108,77 @@ def test_no_circles_between_packages():
     g: dict[str, set[str]] = {}
     for m, deps in graph().items():
         g.setdefault(unit(m), set()).update(unit(d) for d in deps if unit(d) != unit(m))
-    state, circles = {}, []
+    found = circles(g)
+    assert not found, "circles between packages:\n" + "\n".join(found)
 
-    def visit(m, stack):
-        state[m] = "open"
-        for n in sorted(g.get(m, ())):
-            if state.get(n) == "open":
-                circles.append(" -> ".join(stack[stack.index(n) :] + [n]))
-            elif n not in state:
-                visit(n, [*stack, n])
-        state[m] = "done"
 
-    for m in sorted(g):
-        if m not in state:
-            visit(m, [m])
-    assert not circles, "circles between packages:\n" + "\n".join(circles)
+def test_function_level_imports_avoid_a_circle():
+    """An llmtrain module imported inside a function hides an arrow of the house; it is
+    there only where importing it at the top would close a circle (the module imported
+    reaches back to the importer). Others belong at the top of the file."""
+    g = graph()
+    hidden = []
+    for path in modules():
+        name = module_name(path)
+        for target, line in sorted(imports(path)[1]):
+            if not reaches(g, target, name):
+                hidden.append(f"{path.relative_to(ROOT)}:{line} imports {target} inside a function")
+    assert not hidden, "function-level imports that avoid no circle (hoist them):\n" + "\n".join(hidden)
+
+
+def wing_of(method) -> str:
+    """The module or package a method's declaration belongs to: its wing (preference/,
+    rl/), or for finetune, core/finetune.py alone (core/ is every method's)."""
+    module = method.parts.__module__
+    package = module.rpartition(".")[0]
+    return module if package == "llmtrain.core" else package
+
+
+def test_no_method_is_tested_for_outside_its_wing():
+    """Outside a method's wing (and the method table) nothing asks which method a run is:
+    no attribute of its config section (cfg.grpo), no isinstance of its tree, no
+    hasattr/getattr of its section, no comparison with its name or section."""
+    words = {m.section for m in METHODS.values() if m.section} | {m.name for m in METHODS.values()}
+    trees = {m.schema.__name__ for m in METHODS.values()} - {"Config"}
+    owner = {}
+    for m in METHODS.values():
+        for word in (m.name, m.section, m.schema.__name__):
+            owner[word] = wing_of(m)
+    found = []
+    for path in modules():
+        name = module_name(path)
+        if name == "llmtrain.methods":
+            continue
+
+        def mine(word: str, name: str = name) -> bool:
+            wing = owner.get(word, "")
+            return name == wing or name.startswith(f"{wing}.")
+
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and node.attr in words and not mine(node.attr):
+                found.append(f"{where}: .{node.attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                args = [a.id if isinstance(a, ast.Name) else getattr(a, "value", None) for a in node.args[1:2]]
+                if node.func.id == "isinstance":
+                    elts = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                    args = [e.id for e in elts if isinstance(e, ast.Name)]
+                if node.func.id in ("isinstance", "hasattr", "getattr"):
+                    found += [f"{where}: {node.func.id}(..., {a})" for a in args if a in words | trees and not mine(a)]
+            elif isinstance(node, ast.Compare):
+                for c in [node.left, *node.comparators]:
+                    values = [e.value for e in getattr(c, "elts", [c]) if isinstance(e, ast.Constant)]
+                    found += [f"{where}: compares with {v!r}" for v in values if v in words and not mine(v)]
+            elif isinstance(node, ast.ImportFrom) and any(a.name in trees and not mine(a.name) for a in node.names):
+                found.append(f"{where}: imports a method's tree")
+    assert not found, "methods tested for outside their wings:\n" + "\n".join(found)
+
+
+def test_the_layout_lists_every_module():
+    text = (ROOT / "docs" / "development.md").read_text()
+    missing = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py") and p.name not in text
+    ]
+    assert not missing, f"docs/development.md's layout does not list {missing}"

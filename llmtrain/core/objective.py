@@ -36,8 +36,9 @@ How to add an objective (say, a preference loss over chosen/rejected pairs):
    must count 0 and give a zero loss that still uses every trainable weight, and run the
    same forward passes as any other batch: processes with no data left run one so that
    every process joins the same collectives.
-3. Return it from the recipe's `parts` (`recipe.Parts`, with a collator if its batches
-   are not token rows; `preference.PreferenceLoss` is an example); everything else
+3. Return it from its method's `parts` (core/method.Parts, with the data source that makes
+   its micro-batches: source.loader_source with a collator for prepared data;
+   preference/loss.PreferenceLoss and preference/method.py are an example); everything else
    (windows, accumulation, skips, checkpoints, resume, logging) is shared.
 """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import DataConfig, DataSource
-from ..errors import DataError
+from ..errors import DataError, warn
 from .sources import as_list
 
 
@@ -141,8 +141,6 @@ def training_set(rows, mix: Mix, pack=None, what: str = "rows"):
     """The training set: `rows`, packed by `pack(rows, sizes)` if given (a packed set with
     `.sizes`, its sequences per source; `sizes` None packs all rows together), and in a
     Mixture when sources have fractions. Warns about a source that gives an epoch nothing."""
-    from ..errors import warn
-
     examples = rows
     if pack is not None:
         examples = pack(rows, list(mix.sizes) if mix.mixed else None)

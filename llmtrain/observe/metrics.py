@@ -11,6 +11,7 @@ import platform
 from pathlib import Path
 
 from .. import safefs
+from ..config import to_yaml
 from ..errors import CheckpointError, warn
 
 METRICS_FILE = "metrics.jsonl"
@@ -37,8 +38,6 @@ def describe_run(cfg, accelerator, resume_from, identity: dict | None = None, st
     size, distributed type, mixed precision, the checkpoint resumed from and the one a
     checkpoint.resume=<path> run started from, the recipe and its training files' content
     hashes, `rundir.identity`) in output_dir, by the main process."""
-    from ..config import to_yaml
-
     if not accelerator.is_main_process:
         return
     out = Path(cfg.output_dir)

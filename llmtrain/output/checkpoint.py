@@ -16,7 +16,10 @@ import re
 import zlib
 from pathlib import Path
 
+import yaml
+
 from .. import safefs
+from ..config.load import BoundedLoader
 from ..core.state import TrainState
 from ..errors import CheckpointError, describe
 from ..files import load_json, read_own
@@ -521,10 +524,6 @@ def check_weight_format(path: Path, cfg) -> None:
     """Refuse a checkpoint whose base weights were quantized otherwise (model.quantization,
     from its config.yaml). nf4 and fp4 pack 4-bit codes into tensors of the same shape, so a
     load would read one as the other without an error and train a scrambled base."""
-    import yaml
-
-    from ..config.load import BoundedLoader
-
     try:
         saved = yaml.load(read_own(Path(path) / "config.yaml"), Loader=BoundedLoader)["model"]["quantization"]
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):

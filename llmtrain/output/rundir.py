@@ -23,12 +23,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from .. import safefs
+from ..config.load import BoundedLoader, as_dict
 from ..errors import CheckpointError, shown, warn
-from ..files import load_json, read_own
+from ..files import content_hash, load_json, read_own
 from ..observe.throughput import full_numel
 from . import checkpoint
-from .checkpoint import STATE_FILE, checkpoint_root, complete_checkpoints
+from .checkpoint import POSITION_KEYS, STATE_FILE, checkpoint_root, complete_checkpoints
 
 LOCK_FILE = ".llmtrain.lock"
 
@@ -281,10 +284,6 @@ SAME_RUN = (
 def changed_settings(saved_yaml: str, cfg) -> list[str]:
     """'key: old -> new' for each setting that alters the run and differs from the
     config a checkpoint or export was written with."""
-    import yaml
-
-    from ..config.load import BoundedLoader, as_dict
-
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in tree.items():
@@ -415,7 +414,6 @@ def identity(recipe: str, cfg) -> dict:
     files by size and modification time only (data.streaming is for corpora too large to
     read an extra time at every start)."""
     from ..data.mixture import names
-    from ..files import content_hash
 
     data = {}
     for name in names(cfg.data.train):
@@ -498,8 +496,6 @@ def warn_changes(resume_from: Path, cfg) -> None:
     """Warn, naming each, about settings that alter the run and differ from those the
     checkpoint was written with (those that fix what its data position means are refused
     by checkpoint.load instead)."""
-    from .checkpoint import POSITION_KEYS
-
     try:
         saved = read_own(resume_from / "config.yaml")
     except (OSError, ValueError):
