@@ -22,8 +22,9 @@ from .config.load import check
 from .core.objective import Objective
 from .core.window import Outcome
 from .data.build import DataKind, build_datasets, data_kind
-from .distributed.launch import main_first, setup_accelerator, zero3
+from .distributed.launch import main_first, setup_accelerator
 from .distributed.stop import StopRequest
+from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
 from .observe.metrics import describe_run, plot_losses
@@ -76,7 +77,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     check(cfg)  # the config that runs is a checked one
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     start = rundir.prepare(
-        cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg, zero3(accelerator)))
+        cfg, accelerator, recipe.name, rundir.output_bytes(meta_model(cfg.model, mcfg, Topology.of(accelerator).zero3))
     )
     if start.finished_at is not None:
         if accelerator.is_main_process and not (Path(cfg.output_dir) / "loss.png").exists():
@@ -94,7 +95,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> None:
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, data_kind(recipe.data, cfg))
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
-    model = load_model(cfg.model, zero3(accelerator))
+    model = load_model(cfg.model, Topology.of(accelerator).zero3)
     parts = recipe.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .. import safefs
 from ..core.state import TrainState
+from ..distributed.topology import Topology
 from ..errors import CheckpointError, describe
 from ..files import load_json, read_own
 
@@ -566,7 +567,7 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | 
         )
     check_weight_format(path, cfg)
     relaid = any(was.get(k) != now[k] for k in LAYOUT_KEYS)
-    if relaid and was.get("world_size") != now["world_size"] and is_deepspeed(accelerator):
+    if relaid and was.get("world_size") != now["world_size"] and Topology.of(accelerator).deepspeed:
         raise CheckpointError(
             f"checkpoint.resume: {path} was written by {was.get('world_size')} DeepSpeed processes, whose optimizer "
             f"state is partitioned per process and cannot be resharded to {now['world_size']} here; resume on "
@@ -619,12 +620,6 @@ def load(accelerator, path: Path, cfg, state: TrainState, model=None) -> dict | 
     from safetensors.torch import load_file
 
     return load_file(str(rollout))  # tensors only: nothing in it is unpickled
-
-
-def is_deepspeed(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
-    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
 
 
 def check_trained_weights(model, path: Path) -> None:
