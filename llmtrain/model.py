@@ -227,6 +227,12 @@ def whole_models():
     fails on the meta device."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
+    # transformers' own process-wide ZeRO-3 flag, not distributed.topology.Topology.zero3:
+    # it is what from_pretrained and from_config consult to partition, and what is switched
+    # off here, so the check and the switch cannot disagree (nested, the inner one finds it
+    # off); and the callers have no Accelerator at hand (`llmtrain plan` builds its meta
+    # model with none at all). Otherwise the two agree: Accelerate's DeepSpeed plugin sets
+    # the flag from its config's stage when the Accelerator selects it.
     if not is_deepspeed_zero3_enabled():
         yield
         return

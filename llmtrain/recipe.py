@@ -18,8 +18,9 @@ from .config import to_yaml
 from .config.load import check
 from .core.window import Outcome
 from .data.build import build_datasets
-from .distributed.launch import main_first, setup_accelerator, zero3
+from .distributed.launch import main_first, setup_accelerator
 from .distributed.stop import StopRequest
+from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
 from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
@@ -45,7 +46,7 @@ def run(name: str, argv: list[str] | None = None) -> None:
     check(cfg)  # the config that runs is a checked one
     accelerator.print(f"attention: {attention.name} ({attention.reason}); {attention.pattern}")
     start = rundir.prepare(
-        cfg, accelerator, method.name, rundir.output_bytes(meta_model(cfg.model, mcfg, zero3(accelerator)))
+        cfg, accelerator, method.name, rundir.output_bytes(meta_model(cfg.model, mcfg, Topology.of(accelerator).zero3))
     )
     if start.finished_at is not None:
         if accelerator.is_main_process and not (Path(cfg.output_dir) / "loss.png").exists():
@@ -63,7 +64,7 @@ def run(name: str, argv: list[str] | None = None) -> None:
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, method.kind(cfg))
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
-    model = load_model(cfg.model, zero3(accelerator))
+    model = load_model(cfg.model, Topology.of(accelerator).zero3)
     parts = method.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
     # What a checkpoint's data position means, recorded with every checkpoint and final/.
     settings = checkpoint.position_settings(cfg, accelerator.num_processes, method.position(cfg))

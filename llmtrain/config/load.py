@@ -455,6 +455,7 @@ def expand_paths(cfg: Config, problems: list[str]) -> None:
     from the YAML file or a dotted override (a shell expands them in neither: not inside
     YAML, not after `key=`). Without this, output_dir: ~/runs/x would make a directory
     named `~`."""
+
     def expand(key: str, value: str, kind) -> str:
         if kind.parts:  # reward_model:~/rm, ~/rewards.py:short
             return ":".join(_expand(part, key, problems) for part in value.split(":"))

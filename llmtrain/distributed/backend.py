@@ -14,21 +14,14 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 
-from accelerate.utils import DistributedType
-
-from .launch import zero3
+from .topology import Topology
 
 
 class Backend:
     def __init__(self, accelerator, grad_accum_steps: int):
         self.accelerator = accelerator
-        kind = accelerator.distributed_type
-        self.deepspeed = kind == DistributedType.DEEPSPEED
-        # DeepSpeed and FSDP place the weights themselves (and with offload keep them off the GPU).
-        self.places_weights = kind in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-        self.fp16 = accelerator.mixed_precision == "fp16"
-        self.sharded = zero3(accelerator) or kind == DistributedType.FSDP  # each process holds a shard of the weights
-        self.accum_divisor = grad_accum_steps if self.deepspeed else 1
+        self.topology = Topology.of(accelerator)
+        self.accum_divisor = grad_accum_steps if self.topology.deepspeed else 1
         self.overflowed = False  # the last optimizer_step's update was skipped by the fp16 scaler
 
     def place(self, model):
@@ -36,7 +29,7 @@ class Backend:
         or it was loaded quantized, straight onto the device (model.quantization)."""
         from ..model import is_quantized
 
-        return model if self.places_weights or is_quantized(model) else model.to(self.accelerator.device)
+        return model if self.topology.places_weights or is_quantized(model) else model.to(self.accelerator.device)
 
     def loss_scale(self, count: int) -> float:
         """The factor for each micro-batch's summed loss (see the module docstring)."""
@@ -68,19 +61,19 @@ class Backend:
         """Before our optimizer.step(): DeepSpeed has already stepped, inside backward,
         and skips (and clears) a step whose gradient norm is not finite; in bf16 or fp32
         that is the same fault our non-finite check looks for."""
-        return self.deepspeed and not self.fp16 and self.accelerator.optimizer_step_was_skipped
+        return self.topology.deepspeed and not self.topology.fp16 and self.accelerator.optimizer_step_was_skipped
 
     def grad_norm_is_ours(self) -> bool:
         """Whether a non-finite gradient norm is ours to skip: in fp16 it is the loss
         scaler's overflow, which the scaler skips (`scaler_skipped`) and handles."""
-        return not self.fp16
+        return not self.topology.fp16
 
     def nonfinite_weights(self, model) -> int:
         """Non-finite values in the trainable weights, counted over all processes: under
         ZeRO-3 and FSDP each process counts the shard it holds, and the counts are summed
         (one all-reduce); elsewhere every process holds the same whole weights."""
         total = nonfinite_count([_local(p) for p in model.parameters() if p.requires_grad])
-        if self.sharded:
+        if self.topology.sharded:
             total = self.accelerator.reduce(total.to(self.accelerator.device), reduction="sum")
         return int(total)
 

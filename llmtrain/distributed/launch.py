@@ -16,6 +16,7 @@ from accelerate.utils import DistributedType, parse_flag_from_env
 from ..config import Config
 from ..errors import ConfigError, UserError
 from ..observe.metrics import tracker_name
+from .topology import Topology
 
 
 def process_group_backend() -> str | None:
@@ -65,7 +66,7 @@ def setup_accelerator(cfg: Config):
                 "(no GPU found); for DDP on CPU set ACCELERATE_USE_CPU=1 before accelerate launch"
             ]
         )
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if Topology.of(accelerator).deepspeed:
         configure_deepspeed(accelerator, cfg)
         # DeepSpeed calls torch.distributed functions that torch has renamed; torch warns on
         # every call, burying the training log under advice meant for DeepSpeed's authors.
@@ -182,7 +183,9 @@ def local_processes() -> int:
 
 
 def check_topology(accelerator) -> None:
-    """Refuse launches that would silently not be what was asked for."""
+    """Refuse launches that would silently not be what was asked for. Reads what
+    Accelerate made of the launch (`distributed_type`) rather than a `Topology`: it runs
+    before that is settled, and settles it (`fsdp_on_cpu`)."""
     kind = accelerator.distributed_type
     if accelerator.mixed_precision == "fp16" and accelerator.scaler is None and kind != DistributedType.DEEPSPEED:
         # Accelerate makes fp16's autocast and loss scaler for GPUs only (DeepSpeed scales
@@ -243,12 +246,6 @@ def fsdp_on_cpu(accelerator) -> None:
         raise RuntimeError("Accelerate no longer keeps its state where distributed.launch.fsdp_on_cpu sets FSDP")
 
 
-def zero3(accelerator) -> bool:
-    """Whether the run is under DeepSpeed ZeRO-3."""
-    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
-    return plugin is not None and plugin.zero_stage == 3
-
-
 def configure_deepspeed(accelerator, cfg: Config) -> None:
     """Make the recipe's batch settings DeepSpeed's: "auto" (or absent) values are filled
     in from train.*; an explicit value that differs is an error naming both settings."""
@@ -270,7 +267,7 @@ def configure_deepspeed(accelerator, cfg: Config) -> None:
                 "set train.compile=false, or use DDP or FSDP2"
             ]
         )
-    if cfg.model.quantization != "none" and plugin.zero_stage == 3:
+    if cfg.model.quantization != "none" and Topology.of(accelerator).zero3:
         raise ConfigError(
             [
                 f"model.quantization: {cfg.model.quantization} weights cannot be partitioned by DeepSpeed ZeRO-3; "

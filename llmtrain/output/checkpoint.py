@@ -21,6 +21,7 @@ import yaml
 from .. import safefs
 from ..config.load import BoundedLoader
 from ..core.state import TrainState
+from ..distributed.topology import Topology
 from ..errors import CheckpointError, describe
 from ..files import load_json, read_own
 
@@ -564,7 +565,7 @@ def load(accelerator, path: Path, cfg, state: TrainState, settings: dict, model=
         )
     check_weight_format(path, cfg)
     relaid = any(was.get(k) != now[k] for k in LAYOUT_KEYS)
-    if relaid and was.get("world_size") != now["world_size"] and is_deepspeed(accelerator):
+    if relaid and was.get("world_size") != now["world_size"] and Topology.of(accelerator).deepspeed:
         raise CheckpointError(
             f"checkpoint.resume: {path} was written by {was.get('world_size')} DeepSpeed processes, whose optimizer "
             f"state is partitioned per process and cannot be resharded to {now['world_size']} here; resume on "
@@ -617,12 +618,6 @@ def load(accelerator, path: Path, cfg, state: TrainState, settings: dict, model=
     from safetensors.torch import load_file
 
     return load_file(str(rollout))  # tensors only: nothing in it is unpickled
-
-
-def is_deepspeed(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
-    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
 
 
 def check_trained_weights(model, path: Path) -> None:

@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType
 
 from .. import safefs
 from ..data.rows import end_of_turn_ids, stop_ids
-from ..distributed.launch import zero3
+from ..distributed.topology import Topology
 from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
 from .checkpoint import STATE_FILE, WriteFailed, complete_checkpoints, publish, write_failed
 
@@ -64,8 +63,8 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
     """Everything final/ holds, into `tmp`; the main process writes. Returns what failed
     when writing a weight shard failed. Past the gathers, nothing here is a collective, so
     a write that raises on the main process cannot leave the others waiting in one."""
-    main, sharded, half = accelerator.is_main_process, is_sharded(accelerator), half_engine(accelerator)
-    whole = sharded or half  # written weight by weight, gathered (and from float32 masters)
+    main, topology = accelerator.is_main_process, Topology.of(accelerator)
+    whole = topology.sharded or topology.half_engine  # written weight by weight, gathered (and from float32 masters)
     list_end_of_turn(model, tokenizer)
     merge = export.merge_lora is True  # "auto" is resolved by the recipe's Config; alone it is the adapter
     if hasattr(model, "peft_config"):
@@ -93,7 +92,7 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
         if error:
             return error
         if main:
-            write_model_config(model, tmp, torch.float32 if half else model.dtype)
+            write_model_config(model, tmp, torch.float32 if topology.half_engine else model.dtype)
     elif main:
         model.save_pretrained(tmp, max_shard_size=export.shard_bytes())
     if main:
@@ -265,22 +264,11 @@ def drop_tied_copies(model, state_dict: dict) -> None:
             first[id(param)] = name
 
 
-def half_engine(accelerator) -> bool:
-    """Whether DeepSpeed trains half-precision copies of the weights (bf16 or fp16 mixed
-    precision), keeping the float32 masters in its optimizer."""
-    return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision in ("bf16", "fp16")
-
-
-def is_sharded(accelerator) -> bool:
-    """Whether each process holds only a shard of the weights (ZeRO-3 or FSDP)."""
-    return accelerator.distributed_type == DistributedType.FSDP or zero3(accelerator)
-
-
 def model_for_sampling(accelerator, model, final: Path, base):
     """The trained model on the main process: the in-memory one, or, when it is sharded
     across processes (generation on one rank would wait for the others forever), the
     exported final/ loaded back (an adapter onto the base loaded as training loaded it)."""
-    if not is_sharded(accelerator):
+    if not Topology.of(accelerator).sharded:
         return accelerator.unwrap_model(model)
     from transformers import AutoModelForCausalLM
 

@@ -284,6 +284,7 @@ SAME_RUN = (
 def changed_settings(saved_yaml: str, cfg) -> list[str]:
     """'key: old -> new' for each setting that alters the run and differs from the
     config a checkpoint or export was written with."""
+
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in tree.items():

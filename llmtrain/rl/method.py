@@ -49,7 +49,7 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
                 with accelerator.autocast():
                     return token_logps(frozen, batch, g.temperature, frozen_head, chunk_positions(frozen_head, logits))
 
-        synced = backend.sharded and accelerator.num_processes > 1
+        synced = backend.topology.sharded and accelerator.num_processes > 1
         generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
         return Rollouts(
             cfg, accelerator, prepared, tokenizer, train_set, eval_set, objective, generator, rewards, reference, beat

@@ -96,9 +96,13 @@ def recipe(*overrides):
 
 
 def ds_accelerator(ds_config: dict, world: int = 2):
-    plugin = SimpleNamespace(deepspeed_config=ds_config)
+    plugin = SimpleNamespace(deepspeed_config=ds_config, zero_stage=ds_config["zero_optimization"]["stage"])
     return SimpleNamespace(
-        state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=world, gradient_accumulation_steps=1
+        distributed_type=DistributedType.DEEPSPEED,
+        mixed_precision="no",
+        state=SimpleNamespace(deepspeed_plugin=plugin),
+        num_processes=world,
+        gradient_accumulation_steps=1,
     )
 
 
@@ -127,6 +131,17 @@ def test_conflicting_deepspeed_value_names_both_settings(monkeypatch):
     msg = str(err.value)
     assert "train.grad_accum_steps=4 conflicts with gradient_accumulation_steps=8 in ds.json" in msg
     assert "micro_batch" not in msg  # equal values are no conflict
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_quantized_weights_are_refused_under_zero3_only(stage):
+    cfg = recipe("model.quantization=nf4", "model.lora.enabled=true")
+    acc = ds_accelerator({"zero_optimization": {"stage": stage}})
+    if stage == 2:
+        configure_deepspeed(acc, cfg)
+        return
+    with pytest.raises(ConfigError, match="cannot be partitioned by DeepSpeed ZeRO-3"):
+        configure_deepspeed(acc, cfg)
 
 
 @pytest.mark.slow

@@ -197,7 +197,12 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
 
     # The same global batch on 1 process: DeepSpeed's partitions cannot follow.
     cfg.data.streaming, cfg.train.micro_batch_size, cfg.data.num_workers = False, 8, 0
-    deepspeed = SimpleNamespace(num_processes=1, distributed_type=DistributedType.DEEPSPEED)
+    deepspeed = SimpleNamespace(
+        num_processes=1,
+        distributed_type=DistributedType.DEEPSPEED,
+        mixed_precision="no",
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)),
+    )
     with pytest.raises(CheckpointError, match=r"written by 2 DeepSpeed processes.*cannot be resharded to 1"):
         load(deepspeed, path, cfg, TrainState(), position_settings(cfg, 1))
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llmtrain.config import ExportConfig, load_config
+from llmtrain.distributed.topology import Topology
 from llmtrain.errors import CheckpointError, UserError
 from llmtrain.output import export
 from llmtrain.output.export import save_final
@@ -21,6 +22,7 @@ def fake_accelerator(model):
     return SimpleNamespace(
         is_main_process=True,
         distributed_type="NO",
+        mixed_precision="no",
         unwrap_model=lambda m: m,
         wait_for_everyone=lambda: None,
     )
@@ -37,7 +39,13 @@ def model(tiny_model):
 def as_if_sharded(monkeypatch):
     """Take the path of a model sharded over processes (write_weights) in this one process,
     where each gathered weight is the parameter itself."""
-    monkeypatch.setattr(export, "is_sharded", lambda accelerator: True)
+    pretend_sharded(monkeypatch)
+
+
+def pretend_sharded(monkeypatch):
+    """Export as under FSDP2 (each process holding a shard), whatever the accelerator."""
+    fsdp = Topology(deepspeed=False, zero_stage=None, fsdp=True, mixed_precision="no")
+    monkeypatch.setattr(export, "Topology", SimpleNamespace(of=lambda accelerator: fsdp))
 
 
 SHARD = 100_000  # bytes; the tiny model's 461 KB of weights make 5 shards
@@ -50,7 +58,7 @@ def test_a_model_bigger_than_max_shard_size_is_written_in_shards_with_an_index(
     from transformers import AutoModelForCausalLM
 
     if sharded:
-        monkeypatch.setattr(export, "is_sharded", lambda accelerator: True)
+        pretend_sharded(monkeypatch)
     want = tmp_path / "save_pretrained"
     model.save_pretrained(want, max_shard_size=SHARD)
     final = save_final(
@@ -95,7 +103,8 @@ def test_the_exported_model_keeps_the_base_models_cache_setting(
     base = tmp_path / "base"
     model.config.use_cache = base_cache
     model.save_pretrained(base)
-    monkeypatch.setattr(export, "is_sharded", lambda accelerator: sharded)
+    if sharded:
+        pretend_sharded(monkeypatch)
     model.config.use_cache = False  # as model.load_model leaves it
     out = tmp_path / "out"
     out.mkdir()
@@ -120,7 +129,8 @@ def test_a_base_model_ending_turns_otherwise_than_sequences_stops_at_the_end_of_
 
     from llmtrain.data.rows import end_of_turn_ids, stop_ids
 
-    monkeypatch.setattr(export, "is_sharded", lambda accelerator: sharded)
+    if sharded:
+        pretend_sharded(monkeypatch)
     base = copy.deepcopy(tokenizer)
     base.eos_token = "<unk>"  # a base model's own end of sequence
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
