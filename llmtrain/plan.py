@@ -50,6 +50,7 @@ from .preference.reward import REWARD_PAIRS
 from .preference.unpaired import preference_data
 from .rl.prompts import grpo_prompts
 from .rl.rewards import REWARD_MODEL, check_grpo
+from .rl.rollout import RolloutSettings
 from .train import check_lengths
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained tokens ⟧
@@ -371,7 +372,7 @@ def plan(argv: list[str]) -> None:
         sampler = EpochSampler(len(examples), t.seed, mix=getattr(examples, "mix", None))
         steps_per_epoch = t.steps_per_epoch(len(sampler), world)
         if isinstance(cfg, GRPOConfig):  # whole generation rounds, each trained grpo.num_iterations times
-            steps_per_epoch = len(sampler) // t.global_batch(world) * cfg.grpo.num_iterations
+            steps_per_epoch = RolloutSettings.from_config(cfg).steps_per_epoch(len(sampler), world)
     counts = count_params(cfg, mcfg, launch.zero_stage == 3)
     total, trainable, mcfg, _, quantized = counts
     global_seqs = t.global_batch(world)

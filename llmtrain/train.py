@@ -186,10 +186,10 @@ def setup(
             loss, metrics = evaluate(model, eval_loader, objective, accelerator, empty, watchdog.beat)
             return {"eval_loss": loss} | {f"eval_{k}": v for k, v in metrics.items()}
 
-    elif source is not None and eval_set is not None:
+    elif source is not None and data.evaluates:
 
         def evaluator() -> dict[str, float]:
-            return data.evaluate(eval_set, state.step)
+            return data.evaluate(state.step)
 
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:
@@ -297,9 +297,8 @@ def report(run: Run, window: Window, result: StepResult) -> None:
         row = {"step": state.step, "epoch": state.epoch, "loss": result.loss, "lr": result.lr}
         row |= {"grad_norm": result.grad_norm, run.objective.unit: result.count}
         run.log.log(row | result.metrics | run.data.metrics | figures)
-        for line in run.data.samples_shown:  # completions an RL run shows, once per generation round
+        for line in getattr(run.data, "shown", list)():  # completions an RL run shows, once per round
             run.accelerator.print(line)
-        run.data.samples_shown = []
     if run.progress is not None:
         run.progress.update(1)
         bar = {"loss": f"{result.loss:.4f}"}

@@ -18,13 +18,14 @@ from pathlib import Path
 
 from llmtrain.cli import run_cli
 from llmtrain.config import GRPOConfig
-from llmtrain.core.objective import chunk_positions
+from llmtrain.core.logps import label_logps
+from llmtrain.core.objective import chunk_positions, model_inputs
 from llmtrain.model import chunkable_head, disable_dropout, load_model, reference_config, whole_models
 from llmtrain.recipe import Parts, Recipe, run
-from llmtrain.rl.loss import GRPOLoss, token_logps
+from llmtrain.rl.loss import GRPOLoss
 from llmtrain.rl.prompts import grpo_prompts, prompt_columns
 from llmtrain.rl.rewards import check_grpo, load_rewards
-from llmtrain.rl.rollout import Rollouts
+from llmtrain.rl.rollout import Rollouts, RolloutSettings
 from llmtrain.rl.sampling import HFGenerator
 
 
@@ -37,7 +38,15 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     head = chunkable_head(model) if logits else None
     chunk = chunk_positions(head, logits)
     objective = GRPOLoss(
-        g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
+        g.loss_type,
+        g.epsilon,
+        g.epsilon_high,
+        g.beta,
+        g.temperature,
+        g.max_completion_length,
+        chunk,
+        head,
+        estimator=g.scale_rewards,
     )
     frozen = None
     if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
@@ -55,15 +64,28 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
 
         elif frozen is not None:
             frozen_head = chunkable_head(frozen) if logits else None
+            frozen_chunk = chunk_positions(frozen_head, logits)
 
             def reference(batch):
                 with accelerator.autocast():
-                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk_positions(frozen_head, logits))
+                    inputs = model_inputs(frozen, batch)
+                    return label_logps(frozen, inputs, batch["labels"], frozen_head, frozen_chunk, g.temperature)
 
         synced = backend.sharded and accelerator.num_processes > 1
         generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
+        settings = RolloutSettings.from_config(cfg)
         return Rollouts(
-            cfg, accelerator, prepared, tokenizer, train_set, objective, generator, rewards, reference, beat
+            settings,
+            accelerator,
+            prepared,
+            tokenizer,
+            train_set,
+            objective,
+            generator,
+            rewards,
+            reference,
+            beat,
+            eval_set,
         )
 
     return Parts(objective, source=source)
