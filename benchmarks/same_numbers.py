@@ -8,9 +8,10 @@
 Runs the shipped demo configs on CPU with their fixed seeds (the demo model and data are
 built offline on first use), each method on one process and on two: SFT packed, and padded
 with LoRA and gradient accumulation; DPO packed against the frozen reference, and with LoRA;
-a reward model packed, and padded with accumulation; KTO full, and with LoRA; ORPO packed, and
-padded; GRPO with its demo's accumulation, and with LoRA. For each it prints a sha256 of the metrics rows without the wall-clock fields and one of
-every tensor in final/ (name, dtype, shape and bytes). Takes a few minutes on 2 cores.
+a reward model packed, and padded with accumulation; KTO full, and with LoRA; ORPO packed,
+and padded; GRPO with its demo's accumulation, and with LoRA. For each it prints a sha256 of
+the metrics rows without the wall-clock fields and one of every tensor in final/ (name,
+dtype, shape and bytes). Takes about five minutes on 2 idle cores.
 """
 
 import hashlib

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.objective import Loss, loss_head, model_inputs, trained_head
+from ..core.logps import label_logps
+from ..core.objective import Loss, loss_head, model_inputs
 from ..data.rows import IGNORE
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
@@ -125,35 +126,13 @@ def row_logps(
     return sums.index_add(0, which, token_logps), counts.index_add(0, which, torch.ones_like(which))
 
 
-def _chunk_logps(hidden, weight, bias, labels):
-    logits = F.linear(hidden, weight, bias).float()
-    return -F.cross_entropy(logits, labels, reduction="none")
-
-
-def label_logps_head(head: torch.nn.Linear, labels: torch.Tensor, chunk: int):
-    """A context in which `head` returns the log-probability of each trained position's
-    label (row-major order) instead of logits, `chunk` positions at a time
-    (`objective.trained_head`)."""
-    return trained_head(head, labels, chunk, _chunk_logps, torch.cat)
-
-
 def answer_logps(
     model, inputs: dict, labels: torch.Tensor, head, chunk: int, answers: torch.Tensor | None = None, n=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer (`row_logps`): the summed log-prob of its trained tokens and their number,
-    from the model's forward on `inputs`: inside the output layer `head`, `chunk` positions
-    at a time, or from whole logits without a head."""
-    if head is None:
-        return row_logps(whole_logits_logps(model(**inputs).logits, labels), labels, answers, n)
-    with label_logps_head(head, labels, chunk):
-        return row_logps(model(**inputs).logits, labels, answers, n)
-
-
-def whole_logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The same from whole logits [rows, T, vocab] (heads the chunked path cannot stand in for)."""
-    trained = labels != IGNORE
-    picked = logits[trained].float()
-    return picked.log_softmax(-1).gather(1, labels[trained][:, None]).squeeze(1)
+    from the model's forward on `inputs` (core/logps.label_logps: inside the output layer
+    `head`, `chunk` positions at a time, or from whole logits without a head)."""
+    return row_logps(label_logps(model, inputs, labels, head, chunk), labels, answers, n)
 
 
 class PreferenceLoss:

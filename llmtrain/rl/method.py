@@ -6,27 +6,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.logps import label_logps
 from ..core.method import Method, Parts, PlanFigures
-from ..core.objective import chunk_positions
+from ..core.objective import chunk_positions, model_inputs
 from ..model import WEIGHT_SUFFIXES, chunkable_head, disable_dropout, load_model, reference_config, whole_models
 from .config import GRPOConfig
-from .loss import GRPOLoss, token_logps
+from .loss import GRPOLoss
 from .prompts import grpo_prompts, prompt_columns
 from .rewards import REWARD_MODEL, check_grpo, load_rewards
-from .rollout import Rollouts
+from .rollout import Rollouts, RolloutSettings
 from .sampling import HFGenerator
 
 
 def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
-    """The GRPO loss, and the rollouts that generate its micro-batches from the prepared
-    model; with grpo.beta, the reference (adapters off with LoRA, else a frozen copy)."""
+    """The GRPO loss (its advantage estimator: grpo.scale_rewards), and the rollouts that
+    generate its micro-batches from the prepared model; with grpo.beta, the reference
+    (adapters off with LoRA, else a frozen copy)."""
     disable_dropout(model)
     g, logits = cfg.grpo, cfg.train.loss_chunk_logits
     rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: grpo_prompts
     head = chunkable_head(model) if logits else None
     chunk = chunk_positions(head, logits)
     objective = GRPOLoss(
-        g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length, chunk, head
+        g.loss_type,
+        g.epsilon,
+        g.epsilon_high,
+        g.beta,
+        g.temperature,
+        g.max_completion_length,
+        chunk,
+        head,
+        estimator=g.scale_rewards,
     )
     frozen = None
     if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
@@ -44,15 +54,28 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
 
         elif frozen is not None:
             frozen_head = chunkable_head(frozen) if logits else None
+            frozen_chunk = chunk_positions(frozen_head, logits)
 
             def reference(batch):
                 with accelerator.autocast():
-                    return token_logps(frozen, batch, g.temperature, frozen_head, chunk_positions(frozen_head, logits))
+                    inputs = model_inputs(frozen, batch)
+                    return label_logps(frozen, inputs, batch["labels"], frozen_head, frozen_chunk, g.temperature)
 
         synced = backend.topology.sharded and accelerator.num_processes > 1
         generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
+        settings = RolloutSettings.from_config(cfg)
         return Rollouts(
-            cfg, accelerator, prepared, tokenizer, train_set, eval_set, objective, generator, rewards, reference, beat
+            settings,
+            accelerator,
+            prepared,
+            tokenizer,
+            train_set,
+            objective,
+            generator,
+            rewards,
+            reference,
+            beat,
+            eval_set,
         )
 
     return Parts(objective, source)
@@ -93,7 +116,7 @@ def position(cfg) -> dict:
 
 def steps_per_epoch(cfg, prompts: int, world: int) -> int:
     """Whole generation rounds of a pass, each trained grpo.num_iterations times (Rollouts)."""
-    return prompts // cfg.train.global_batch(world) * cfg.grpo.num_iterations
+    return RolloutSettings.from_config(cfg).steps_per_epoch(prompts, world)
 
 
 def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:

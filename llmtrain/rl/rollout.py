@@ -1,17 +1,23 @@
 """Rollouts: the training micro-batches of recipes/grpo.py, generated from the policy as
-the loop draws them (the loop's `data`, in place of batches.TrainBatches).
+the loop draws them (the loop's data source, beside core/source.LoaderBatches).
 
 A pass over the prompts is a seeded order (batches.EpochSampler: seed and pass only). Its
 generation rounds take P = train.micro_batch_size x train.grad_accum_steps x processes
-prompts each, in order, whatever the layout; the last incomplete round is left out. In a
-round each process generates grpo.num_generations completions for each of its prompts
+prompts each, in order, whatever the layout; the last incomplete round is left out
+(`RolloutSettings.steps_per_epoch`, which `llmtrain plan` reads too). In a round each
+process generates grpo.num_generations completions for each of its prompts
 (sampling.sample_seed: a seed per completion, so layout and resume never change one),
 scores them, and the rewards of the whole global batch go to every process for the
-advantages (groups are never split). The round's micro-batches (train.micro_batch_size
-prompts' completions each) then feed grpo.num_iterations optimizer steps; from the
-second on, the loss compares with the log-probs the completions were sampled with, and a
-checkpoint taken within the round keeps the round (`saved`), so a resumed run trains on
-the very completions the interrupted one had.
+advantages (groups are never split), which the objective's estimator computes
+(loss.GRPOLoss.advantages). The round's micro-batches (train.micro_batch_size prompts'
+completions each) then feed grpo.num_iterations optimizer steps; from the second on, the
+loss compares with the log-probs the completions were sampled with, and a checkpoint taken
+within the round keeps the round (`saved`), so a resumed run trains on the very
+completions the interrupted one had.
+
+Rollouts reads no config: its settings are a RolloutSettings (`from_config` names the keys).
+What the loop uses of it is the data source's protocol (core/source.Batches): items,
+steps_per_epoch, metrics, epoch, empty_batch, saved, restore, evaluates, evaluate, shown.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +35,53 @@ from ..data.batches import Collator, EpochSampler
 from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift
 from ..errors import DataError, RewardError
-from .loss import advantages, nanstd
+from .advantages import nanstd
 from .prompts import as_rewards_see_all, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What the rollouts take from the run's settings; `from_config` reads them from the
+    grpo, train and data sections."""
+
+    group: int  # grpo.num_generations: completions per prompt
+    iterations: int  # grpo.num_iterations: optimizer steps on each generation round
+    micro: int  # train.micro_batch_size: prompts per micro-batch
+    accum: int  # train.grad_accum_steps: micro-batches per process and step
+    seed: int  # train.seed: the order of each pass, and each completion's sampling seed
+    total_steps: Callable[[int], int]  # train.total_steps: the run's steps from the steps per pass
+    shuffle: bool = True  # data.shuffle: a seeded order per pass, or the data's
+    reward_weights: tuple[float, ...] = ()  # grpo.reward_weights, one per reward function; empty: 1 each
+    log_completions: int = 0  # grpo.log_completions: prompts whose first completion is printed per round
+
+    @classmethod
+    def from_config(cls, cfg) -> RolloutSettings:
+        g, t = cfg.grpo, cfg.train
+        return cls(
+            group=g.num_generations,
+            iterations=g.num_iterations,
+            micro=t.micro_batch_size,
+            accum=t.grad_accum_steps,
+            seed=t.seed,
+            total_steps=t.total_steps,
+            shuffle=cfg.data.shuffle,
+            reward_weights=tuple(g.reward_weights),
+            log_completions=g.log_completions,
+        )
+
+    def per_round(self, world: int) -> int:
+        """Prompts per generation round on `world` processes: one optimizer step's."""
+        return self.micro * self.accum * world
+
+    def rounds(self, prompts: int, world: int) -> int:
+        """Generation rounds in a pass over `prompts` prompts: whole ones only."""
+        return prompts // self.per_round(world)
+
+    def steps_per_epoch(self, prompts: int, world: int) -> int:
+        """Optimizer steps in a pass over `prompts` prompts: each round's `iterations`."""
+        return self.rounds(prompts, world) * self.iterations
 
 
 @dataclass
@@ -48,13 +98,27 @@ class Sample:
 
 
 class Rollouts:
+    """The loop's data source for GRPO (see the module docstring): rounds of completions
+    generated by `generator` from `model` (the prepared policy), scored by `rewards`, with
+    advantages from `objective` (loss.GRPOLoss), reference log-probs from `reference`
+    (batch -> flat log-probs, or None) and the held-out reward on `eval_set` (or None).
+    `beat` tells the watchdog what a long wait is doing."""
+
     def __init__(
-        self, cfg, accelerator, model, tokenizer, prompts, eval_set, objective, generator, rewards, reference, beat
+        self,
+        settings: RolloutSettings,
+        accelerator,
+        model,
+        tokenizer,
+        prompts,
+        objective,
+        generator,
+        rewards,
+        reference,
+        beat,
+        eval_set=None,
     ):
-        g, t = cfg.grpo, cfg.train
-        self.items = "prompts"
-        self.eval_set, self.evaluates = eval_set, eval_set is not None
-        self.cfg, self.accelerator, self.model, self.tokenizer = cfg, accelerator, model, tokenizer
+        self.settings, self.accelerator, self.model, self.tokenizer = settings, accelerator, model, tokenizer
         self.objective, self.generator, self.rewards, self.reference, self.beat = (
             objective,
             generator,
@@ -62,32 +126,34 @@ class Rollouts:
             reference,
             beat,
         )
-        self.group, self.iterations = g.num_generations, g.num_iterations
-        self.micro, self.accum, self.world = t.micro_batch_size, t.grad_accum_steps, accelerator.num_processes
+        self.items = "prompts"  # what a micro-batch of train.micro_batch_size holds
+        self.group, self.iterations = settings.group, settings.iterations
+        self.micro, self.accum, self.world = settings.micro, settings.accum, accelerator.num_processes
         self.local = self.micro * self.accum  # prompts per process and round
-        self.per_round = self.local * self.world
+        self.per_round = settings.per_round(self.world)
         mix = prompts.mix if isinstance(prompts, Mixture) else None
         self.prompts = prompts.examples if isinstance(prompts, Mixture) else prompts
-        self.sampler = EpochSampler(len(self.prompts), t.seed, cfg.data.shuffle, mix)
+        self.sampler = EpochSampler(len(self.prompts), settings.seed, settings.shuffle, mix)
         self.columns = prompt_columns(self.prompts)  # every row's, for the reward functions
+        self.eval_set, self.evaluates = eval_set, eval_set is not None
         self.eval_columns: set[str] | None = None
         self.labels = reward_labels([r.name for r in rewards])  # each reward's name in the metrics
-        self.rounds = len(self.sampler) // self.per_round
+        self.rounds = settings.rounds(len(self.sampler), self.world)
         if self.rounds == 0:
             raise DataError(
                 f"data.train: {len(self.sampler)} prompts per pass, fewer than one step's {self.per_round} "
                 f"(train.micro_batch_size={self.micro} x train.grad_accum_steps={self.accum} x {self.world} "
                 "process(es)); give more prompts or lower those"
             )
-        self.steps_per_epoch = self.rounds * self.iterations
-        weights = g.reward_weights or [1.0] * len(rewards)
+        self.steps_per_epoch = settings.steps_per_epoch(len(self.sampler), self.world)
+        weights = settings.reward_weights or [1.0] * len(rewards)
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self.collator = Collator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.metrics: dict[str, float] = {}  # the current round's, logged with each of its steps
-        self.samples_shown: list[str] = []
+        self.to_show: list[str] = []  # printed with the next logged row (`shown`)
         self.current: tuple[int, int, list[Sample]] | None = None  # (epoch, round, this process's samples)
         self.restored: tuple[int, int, list[Sample]] | None = None
-        self.total_steps = t.total_steps(self.steps_per_epoch)  # for the rewards' trainer_state
+        self.total_steps = settings.total_steps(self.steps_per_epoch)  # for the rewards' trainer_state
 
     # --- the loop's view -----------------------------------------------------------------
 
@@ -151,7 +217,7 @@ class Rollouts:
             for k, ex in enumerate(examples[m : m + self.micro]):
                 for j in range(self.group):
                     prompts.append(list(ex["prompt_ids"]))
-                    seeds.append(sample_seed(self.cfg.train.seed, epoch, first + m + k, j))
+                    seeds.append(sample_seed(self.settings.seed, epoch, first + m + k, j))
                     positions.append((first + m + k, j))
             out = self.generator.generate(self.model_for_generation(), prompts, seeds)
             samples += [Sample(p, j, ids, c) for (p, j), ids, c in zip(positions, prompts, out.ids)]
@@ -168,7 +234,7 @@ class Rollouts:
         if everyone[:, k].any():  # a reward function failed somewhere: all stop, with its line
             raise RewardError(next(m for m in gather_object([failure]) if m))
         rewards = everyone[:, :k]
-        adv, total, zero_spread = advantages(rewards, self.weights, self.group, self.cfg.grpo.scale_rewards)
+        adv, total, zero_spread = self.objective.advantages(rewards, self.weights, self.group)
         mine = slice(rank * len(samples), (rank + 1) * len(samples))
         for s, a in zip(samples, adv[mine].tolist()):
             s.advantage = a
@@ -209,20 +275,20 @@ class Rollouts:
         }
         return {k: v for k, v in out.items() if not math.isnan(v)}
 
+    def shown(self) -> list[str]:
+        """The lines to print with the next logged row (a round's completions), once."""
+        lines, self.to_show = self.to_show, []
+        return lines
+
     def show(self, examples: list[dict], texts: list[str], total: torch.Tensor) -> None:
         """The first completion of each of the first grpo.log_completions prompts, for the log."""
-        self.samples_shown = []
-        for k in range(min(self.cfg.grpo.log_completions, len(examples))):
+        self.to_show = []
+        for k in range(min(self.settings.log_completions, len(examples))):
             i = k * self.group
             question = asked(json.loads(examples[k]["prompt"]))
-            self.samples_shown.append(f"completion> {question!r} -> {texts[i]!r} (reward {float(total[i]):.3g})")
+            self.to_show.append(f"completion> {question!r} -> {texts[i]!r} (reward {float(total[i]):.3g})")
 
     # --- evaluation ----------------------------------------------------------------------
-
-    def shown(self) -> list[str]:
-        """The completions `show` picked, once."""
-        lines, self.samples_shown = self.samples_shown, []
-        return lines
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out reward at `step`: one greedy completion per evaluation prompt, scored

@@ -97,7 +97,7 @@ def test_a_path_in_a_name_expands_each_part():
 
 @pytest.mark.parametrize("name", sorted(TREES))
 def test_an_unset_variable_in_any_path_key_is_one_problem_naming_it(name):
-    for key, kind, many in schema_paths(TREES[name]):
+    for key, _, many in schema_paths(TREES[name]):
         value = "$LLMTRAIN_NOT_SET_ANYWHERE/x"
         with pytest.raises(ConfigError) as e:
             load_config(None, [*required(name), f"{key}=[{value}]" if many else f"{key}={value}"], TREES[name])
@@ -129,7 +129,7 @@ def test_every_asset_key_is_named_and_takes_the_demos_names():
 
 
 def test_a_name_no_filesystem_takes_is_refused_in_any_path_key():
-    for key, kind, many in schema_paths(TREES["grpo"]):
+    for key, _, many in schema_paths(TREES["grpo"]):
         value = "x" * 5000
         with pytest.raises(ConfigError) as e:
             load_config(None, [*required("grpo"), f"{key}=[{value}]" if many else f"{key}={value}"], TREES["grpo"])

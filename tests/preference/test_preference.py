@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from llmtrain.core.logps import label_logps
 from llmtrain.data.rows import IGNORE
-from llmtrain.preference.loss import AnswerLogps, label_logps_head, pair_losses, row_logps, whole_logits_logps
+from llmtrain.preference.loss import AnswerLogps, pair_losses, row_logps
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,13 @@ def plain_loss(kind, beta, gamma, sft, policy, reference, i, pairs):
 def test_losses_match_a_plain_implementation(model, kind, sft):
     pairs, beta, gamma = 3, 0.3, 0.4
     batch = pair_batch(model.config.vocab_size, pairs)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**inputs).logits
+        sums, tokens = row_logps(label_logps(model, inputs, batch["labels"]), batch["labels"])
     policy_plain = plain_answer_logps(logits, batch["labels"])
     reference_plain = [(lp - 0.1 * (i + 1), n) for i, (lp, n) in enumerate(policy_plain)]  # any other model's
 
-    sums, tokens = row_logps(whole_logits_logps(logits, batch["labels"]), batch["labels"])
     policy = AnswerLogps.from_rows(sums, tokens)
     reference = AnswerLogps.from_rows(
         torch.tensor([lp for lp, _ in reference_plain]), torch.tensor([n for _, n in reference_plain])
@@ -107,12 +109,11 @@ def test_the_chunked_head_gives_the_log_probs_and_gradients_of_whole_logits(mode
         return pair_losses("simpo", 2.0, policy, None, 0.5, 0.2)[0].sum()
 
     model.zero_grad()
-    whole = whole_logits_logps(model(**kwargs).logits, batch["labels"])
+    whole = label_logps(model, kwargs, batch["labels"])
     loss_of(whole).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    with label_logps_head(model.get_output_embeddings(), batch["labels"], chunk):
-        chunked = model(**kwargs).logits
+    chunked = label_logps(model, kwargs, batch["labels"], model.get_output_embeddings(), chunk)
     loss_of(chunked).backward()
     assert torch.allclose(chunked, whole.detach(), atol=1e-5)
     for name, p in model.named_parameters():
@@ -132,8 +133,8 @@ def test_the_objective_sums_its_pairs_with_their_reference_log_probs(model):
     out = objective(model, batch)
     assert objective.count(batch) == 3
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    sums, tokens = row_logps(whole_logits_logps(logits, batch["labels"]), batch["labels"])
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        sums, tokens = row_logps(label_logps(model, inputs, batch["labels"]), batch["labels"])
     loss, chosen, rejected = pair_losses(
         "sigmoid", 0.2, AnswerLogps.from_rows(sums, tokens), AnswerLogps.from_rows(ref, tokens)
     )

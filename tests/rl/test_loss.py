@@ -1,7 +1,9 @@
-"""The GRPO loss and advantages (llmtrain/rl/loss.py): against a plain per-token
-implementation on a real model's logits, and against TRL's GRPOTrainer code on the same
-log-probs; the step's normalisation is a sum over units divided by the global count."""
+"""The GRPO loss (llmtrain/rl/loss.py) and its advantage estimators (rl/advantages.py):
+every row of LOSS_TYPES against a plain per-token implementation on a real model's logits
+and against TRL's GRPOTrainer code on the same log-probs (the step's normalisation is a sum
+over units divided by the global count); every estimator against a plain computation."""
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -10,9 +12,8 @@ import torch
 
 from llmtrain.data.rows import IGNORE
 from llmtrain.errors import RewardError
-from llmtrain.rl.loss import GRPOLoss, advantages, nanstd
-
-LOSS_TYPES = ["grpo", "dr_grpo", "dapo"]
+from llmtrain.rl.advantages import ESTIMATORS, estimate, nanstd
+from llmtrain.rl.loss import LOSS_TYPES, GRPOLoss
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,9 @@ def plain_loss(logp, batch, loss_type, eps_low, eps_high, beta, max_len):
         return ((per_token * mask).sum(1) / mask.sum(1)).mean()
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (mask.shape[0] * max_len)
-    return (per_token * mask).sum() / mask.sum()
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum()
+    raise AssertionError(f"no plain formula for the loss type {loss_type!r}: write one here")
 
 
 def with_old_and_ref(model, batch, temperature):
@@ -78,7 +81,7 @@ def with_old_and_ref(model, batch, temperature):
     return batch
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_the_objective_is_the_papers_loss_summed_over_its_units(model, loss_type, chunk):
     """On a tiny Llama's real logits, with importance ratios that clip on both sides and a
@@ -106,12 +109,19 @@ def test_the_objective_is_the_papers_loss_summed_over_its_units(model, loss_type
     assert 0 < float(out.metrics["clip_ratio"]) < count and float(out.metrics["kl"]) > 0
 
 
+def test_an_unknown_loss_type_or_estimator_is_refused():
+    with pytest.raises(ValueError, match=r"unknown GRPO loss type 'gspo'; one of \['dapo', 'dr_grpo', 'grpo'\]"):
+        GRPOLoss("gspo")
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'rloo'; one of \['batch', 'group', 'none'\]"):
+        GRPOLoss("dapo", estimator="rloo")
+
+
 def test_micro_batches_add_up_to_the_whole_batch(model):
     """Split in two, the units' sums add up to the whole batch's, for every loss type: the
     shared step divides the sum by the global count, so any split gives one loss."""
     batch = with_old_and_ref(model, rollout_batch(model.config.vocab_size), 1.0)
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
-    for loss_type in LOSS_TYPES:
+    for loss_type in sorted(LOSS_TYPES):
         objective = GRPOLoss(loss_type, 0.2, 0.0, 0.1, 1.0, 8)
         with torch.no_grad():
             whole = objective(model, batch)
@@ -135,40 +145,96 @@ def test_an_empty_batch_counts_nothing_and_reaches_every_weight(model):
 # --- advantages ----------------------------------------------------------------------------
 
 
+def plain_advantages(rewards, weights, group: int, estimator: str) -> list[float]:
+    """Each completion's advantage in float64 scalar arithmetic: its weighted reward (NaN
+    terms left out; unscored: advantage 0) minus its group's mean, over the spread of its
+    group (group), of the batch (batch) or 1 (none), + 1e-4 where divided."""
+
+    def std(xs):
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan")
+
+    totals = []
+    for row in rewards.tolist():
+        terms = [r * w for r, w in zip(row, weights.tolist()) if not math.isnan(r)]
+        totals.append(sum(terms) if terms else float("nan"))
+    scored = [t for t in totals if not math.isnan(t)]
+    out = []
+    for i, t in enumerate(totals):
+        mine = [x for x in totals[i - i % group : i - i % group + group] if not math.isnan(x)]
+        if math.isnan(t):
+            out.append(0.0)
+            continue
+        centred = t - sum(mine) / len(mine)
+        if estimator == "none":
+            out.append(centred)
+        else:
+            spread = std(mine) if estimator == "group" else std(scored)
+            out.append(0.0 if math.isnan(spread) else centred / (spread + 1e-4))
+    return out
+
+
+def test_every_estimator_matches_a_plain_computation():
+    """Weighted sums with unscored terms and an unscored completion; a group with no spread."""
+    nan = float("nan")
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.rand(12, 3, generator=g) * 4 - 1
+    rewards[1, 2] = rewards[6, 0] = nan
+    rewards[4] = nan  # no function scored it
+    rewards[8:12] = 0.5  # one group of equal rewards
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    assert sorted(ESTIMATORS) == ["batch", "group", "none"]  # a new one: give plain_advantages its formula
+    for name in ESTIMATORS:
+        adv, total, zero = estimate(rewards, weights, 4, name)
+        assert adv.tolist() == pytest.approx(plain_advantages(rewards, weights, 4, name), rel=1e-5, abs=1e-6), name
+        assert zero.tolist() == [False, False, True] and total[4].isnan()
+        same, _, _ = GRPOLoss(estimator=name).advantages(rewards, weights, 4)  # the objective supplies its own
+        assert torch.equal(same, adv)
+
+
 def test_advantages_compare_each_completion_with_its_group():
     rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [1.0, float("nan")], [0.0, 0.0], [2.0, 1.0], [2.0, 1.0]])
     weights = torch.tensor([1.0, 2.0])
-    adv, total, zero = advantages(rewards, weights, group=2, scale="group")
+    adv, total, zero = estimate(rewards, weights, group=2, estimator="group")
     assert total.tolist() == [2.0, 1.0, 1.0, 0.0, 4.0, 4.0]  # NaN terms left out of the weighted sum
     std = torch.tensor([2.0, 1.0]).std()  # sample std of a group of two
     torch.testing.assert_close(adv[:2], torch.tensor([0.5, -0.5]) / (std + 1e-4))
     assert zero.tolist() == [False, False, True] and adv[4:].tolist() == [0.0, 0.0]
-    none, _, _ = advantages(rewards, weights, group=2, scale="none")
+    none, _, _ = estimate(rewards, weights, group=2, estimator="none")
     assert none[:4].tolist() == [0.5, -0.5, 0.5, -0.5]
-    batch, _, _ = advantages(rewards, weights, group=2, scale="batch")
+    batch, _, _ = estimate(rewards, weights, group=2, estimator="batch")
     torch.testing.assert_close(batch[:2], torch.tensor([0.5, -0.5]) / (total.std() + 1e-4))
 
 
 def test_unscored_completions_get_no_advantage_and_stay_out_of_their_group():
     nan = float("nan")
     rewards = torch.tensor([[nan], [1.0], [0.0], [1.0]])
-    adv, total, zero = advantages(rewards, torch.ones(1), group=4, scale="none")
+    adv, total, zero = estimate(rewards, torch.ones(1), group=4, estimator="none")
     assert adv[0] == 0.0 and total[0].isnan()
     torch.testing.assert_close(adv[1:], torch.tensor([1 / 3, -2 / 3, 1 / 3]))
     assert not zero.any()
-    lone, _, zero = advantages(torch.tensor([[nan], [nan], [1.0], [nan]]), torch.ones(1), 2, "group")
+    lone, _, zero = estimate(torch.tensor([[nan], [nan], [1.0], [nan]]), torch.ones(1), 2, "group")
     assert lone.tolist() == [0.0, 0.0, 0.0, 0.0] and zero.tolist() == [True, True]  # one score: no spread
 
 
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_rewards_that_overflow_the_advantages_are_one_error_not_a_step_that_learns_nothing(scale):
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_rewards_that_overflow_the_advantages_are_one_error_not_a_step_that_learns_nothing(estimator):
     """Rewards of 1e20 sum fine in float32 but their spread squares past its range: the
     advantages come out NaN, then 0 (a step with no gradient), or with scale=none finite but
     beside a reward_std of inf."""
     rewards = torch.tensor([[1e20], [0.0], [1.0], [0.0]])
     with pytest.raises(RewardError, match=r"^grpo.rewards: rewards as large as 1e\+20 \(times grpo.reward_weights\)"):
-        advantages(rewards, torch.ones(1), group=2, scale=scale)
-    advantages(rewards / 1e10, torch.ones(1), group=2, scale=scale)  # 1e10 is fine
+        estimate(rewards, torch.ones(1), group=2, estimator=estimator)
+    estimate(rewards / 1e10, torch.ones(1), group=2, estimator=estimator)  # 1e10 is fine
+
+
+def test_a_batch_spread_that_overflows_is_refused_where_every_group_is_even():
+    """Groups of equal rewards have no spread, but the batch's spread squares 1e20: the
+    batch estimator's own divisor is checked too."""
+    rewards = torch.tensor([[1e20], [1e20], [0.0], [0.0]])
+    with pytest.raises(RewardError, match=r"^grpo.rewards: rewards as large as 1e\+20"):
+        estimate(rewards, torch.ones(1), group=2, estimator="batch")
+    estimate(rewards, torch.ones(1), group=2, estimator="group")
 
 
 def test_nanstd_is_the_sample_standard_deviation_without_nans():
@@ -250,7 +316,7 @@ def trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len):
     return trainer
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 def test_losses_match_trl(loss_type):
     """The same per-token log-probs (float64), old and reference log-probs and advantages
     through TRL's GRPOTrainer._compute_loss and through GRPOLoss; TRL's layout (left-padded

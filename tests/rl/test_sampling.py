@@ -102,9 +102,10 @@ def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, to
     tokens the log-probs they have alone, so the policy that sampled is the one scored."""
     from transformers import AutoModelForCausalLM
 
+    from llmtrain.core.logps import label_logps
+    from llmtrain.core.objective import model_inputs
     from llmtrain.data.batches import Collator
     from llmtrain.data.rows import IGNORE, shift
-    from llmtrain.rl.loss import token_logps
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(zoo(arch), dtype=torch.float32).eval()
@@ -120,8 +121,11 @@ def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, to
         examples = [{"input_ids": p + c, "labels": shift([IGNORE] * len(p) + c)} for p, c in rows]
         return Collator(tokenizer.pad_token_id)(examples)
 
+    def token_logps(b):
+        return label_logps(model, model_inputs(model, b), b["labels"])
+
     with torch.no_grad():
-        one = token_logps(model, batch([(a, alone)]), 1.0)
+        one = token_logps(batch([(a, alone)]))
         other = gen.generate(model, [b], [4]).ids[0]
-        both = token_logps(model, batch([(b, other), (a, alone)]), 1.0)
+        both = token_logps(batch([(b, other), (a, alone)]))
     torch.testing.assert_close(both[len(other) :], one, rtol=1e-4, atol=1e-5, msg=arch)

@@ -1,0 +1,90 @@
+"""Advantage estimators: how a global batch's rewards become each completion's advantage.
+
+The batch holds groups of `group` consecutive completions of one prompt each, whole on
+every process (rl/rollout.py). `estimate` does what every estimator shares:
+
+    total_i = sum_f w_f r_if               (NaN terms left out; NaN when no function scored i)
+    A_i = (total_i - mean of its group) / scale_i        (NaN, that is unscored: A_i = 0)
+
+A completion no function scored stays out of its group's mean and spread. Rewards whose
+weighted sums or spreads overflow float32 are one error (`RewardError`), not a step of NaN
+or zero advantages. An estimator (`ESTIMATORS`, named by grpo.scale_rewards) supplies only
+scale_i, the divisor of the centred rewards, or None to leave them as they are:
+
+    group   its group's spread (sample standard deviation) + 1e-4     (GRPO)
+    batch   the whole global batch's spread + 1e-4
+    none    no scaling                                                (Dr. GRPO)
+
+To add one: write `scale(grouped, spread) -> [completions] divisors, or None` from the
+[groups, group] weighted totals and each group's spread ([groups, 1]), add it to
+ESTIMATORS under its name, and add the name to grpo.scale_rewards' Literal
+(config/schema.py). The objective (loss.GRPOLoss) holds the estimator's name, and the
+rollouts ask it for the advantages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import RewardError
+
+EPS = 1e-4  # keeps a group whose rewards barely differ from dividing by almost 0
+
+Scale = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+def _group(grouped: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    return spread.expand_as(grouped).reshape(-1) + EPS
+
+
+def _batch(grouped: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    total = grouped.view(-1)
+    return nanstd(total).expand_as(total) + EPS
+
+
+def _none(grouped: torch.Tensor, spread: torch.Tensor) -> None:
+    return None
+
+
+ESTIMATORS: dict[str, Scale] = {"group": _group, "batch": _batch, "none": _none}
+
+
+def estimate(rewards: torch.Tensor, weights: torch.Tensor, group: int, estimator: str):
+    """(advantage per completion, its weighted reward, whether its group's rewards have no
+    spread) from [completions, functions] rewards (NaN: unscored) of a whole global batch,
+    groups of `group` consecutive completions, by the estimator named `estimator`."""
+    scale = ESTIMATORS[estimator]
+    unscored = rewards.isnan().all(1)
+    total = (rewards * weights).nansum(1)
+    total[unscored] = float("nan")
+    grouped = total.view(-1, group)
+    mean = grouped.nanmean(1, keepdim=True)
+    spread = nanstd(grouped, 1, keepdim=True)
+    adv = (grouped - mean).view(-1)
+    divisor = scale(grouped, spread)
+    # Advantages and metrics NaN or inf otherwise.
+    if total.isinf().any() or spread.isinf().any() or (divisor is not None and divisor.isinf().any()):
+        largest = float(rewards.nan_to_num(0).abs().max())
+        raise RewardError(
+            f"grpo.rewards: rewards as large as {largest:.3g} (times grpo.reward_weights) overflow the float32 "
+            "arithmetic of the advantages (weighted sums and spreads); return rewards of a smaller scale, such as 0 "
+            "to 1"
+        )
+    if divisor is not None:
+        adv = adv / divisor
+    flat = spread.view(-1)
+    zero_spread = torch.isclose(flat, torch.zeros_like(flat)) | flat.isnan()
+    return torch.nan_to_num(adv, nan=0.0), total, zero_spread
+
+
+def nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """The sample standard deviation (n - 1) ignoring NaN; NaN for fewer than two values."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    mean = x.nanmean(dim, keepdim=True)
+    n = (~x.isnan()).sum(dim, keepdim=True)
+    var = ((x - mean) ** 2).nansum(dim, keepdim=True) / (n - 1).clamp(min=1)
+    var = torch.where(n > 1, var, torch.full_like(var, float("nan")))
+    return (var.sqrt() if keepdim else var.sqrt().squeeze(dim)).to(x.dtype)
