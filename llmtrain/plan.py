@@ -38,6 +38,7 @@ from .model import (
     WEIGHT_SUFFIXES,
     attention_backend,
     check_model,
+    check_reference,
     check_vocab,
     chunkable_head,
     hub_kwargs,
@@ -45,7 +46,6 @@ from .model import (
     load_tokenizer,
     meta_model,
 )
-from .preference.reference import check_reference
 from .preference.reward import REWARD_PAIRS
 from .preference.unpaired import preference_data
 from .rl.prompts import grpo_prompts

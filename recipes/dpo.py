@@ -20,11 +20,19 @@ from llmtrain.cli import run_cli
 from llmtrain.config import DPOConfig
 from llmtrain.core.objective import chunk_positions
 from llmtrain.errors import warn
-from llmtrain.model import chunkable_head, disable_dropout, load_model, pad_id, reference_config, whole_models
+from llmtrain.model import (
+    check_reference,
+    chunkable_head,
+    disable_dropout,
+    load_model,
+    pad_id,
+    reference_config,
+    whole_models,
+)
 from llmtrain.preference.kto import KTOLoss
 from llmtrain.preference.loss import PreferenceLoss
 from llmtrain.preference.pairs import PairCollator
-from llmtrain.preference.reference import ReferencePass, check_reference
+from llmtrain.preference.reference import ReferencePass
 from llmtrain.preference.unpaired import UnpairedCollator, preference_data
 from llmtrain.recipe import Parts, Recipe, run
 
