@@ -1,10 +1,11 @@
 import json
+import typing
 
 import pytest
 
 from llmtrain.config import DataConfig
 from llmtrain.data.build import ROWS
-from llmtrain.data.rows import IGNORE, process_row
+from llmtrain.data.rows import IGNORE, REQUIRED, process_row
 from llmtrain.errors import DataError
 from tests.conftest import templated
 
@@ -16,6 +17,13 @@ def trained_text(tokenizer, example) -> str:
 
 def row(tokenizer, data, fmt, **cfg):
     return process_row(data, fmt, tokenizer, DataConfig(**cfg))
+
+
+def test_data_format_offers_auto_and_every_row_format_rows_reads():
+    """config's DataConfig.format and rows.REQUIRED (the formats, in data.format=auto's
+    order) name the same formats: a format added to one is added to the other."""
+    offered = typing.get_args(typing.get_type_hints(DataConfig)["format"])
+    assert sorted(offered) == sorted(["auto", *REQUIRED])
 
 
 CHAT = {
