@@ -34,7 +34,7 @@ kind's key also holds the pipeline's own "llmtrain-data-vN". History:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import DataConfig
 from .prepare import prepare
@@ -55,7 +55,7 @@ class DataKind:
     # 'truncated'), or the reason the row is dropped; raises rows.RowError for a malformed row
     # (rows.NothingToTrain for one with nothing to train). `process` is its head.
     make: Callable
-    empty: dict  # a dropped row's columns besides its status, in the example's order
+    empty: dict = field(hash=False)  # a dropped row's columns besides its status, in the example's order
     # The packed view of its examples: (rows, width, sizes per source or None) -> a Dataset;
     # None for a kind that is never packed (its recipe refuses data.packing).
     packed: type | None
