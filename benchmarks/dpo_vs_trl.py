@@ -214,12 +214,12 @@ def data_counts(setup: dict) -> dict:
     from transformers import AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.preference.pairs import process_pair
+    from llmtrain.preference.pairs import PAIRS
 
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
     cfg = DataConfig(max_seq_len=setup["seq"])
     rows = [json.loads(line) for line in Path(setup["data"]).read_text().splitlines()]
-    done = [process_pair(row, tokenizer, cfg) for row in rows]
+    done = [PAIRS.process(row, tokenizer, cfg) for row in rows]
     bad = sorted({d["status"] for d in done if d["status"] != "ok"})
     if bad:
         raise RuntimeError(f"the benchmark's pairs must fit max length whole; found {bad}: raise TEMPLATE_ROOM")

@@ -68,14 +68,14 @@ def accuracy(final: str, eval_file: str) -> float:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.preference.pairs import process_pair
+    from llmtrain.preference.pairs import PAIRS
 
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
     right = total = 0
     with torch.no_grad():
         for line in Path(eval_file).read_text().splitlines():
-            row = process_pair(json.loads(line), tokenizer, DataConfig(max_seq_len=SEQ))
+            row = PAIRS.process(json.loads(line), tokenizer, DataConfig(max_seq_len=SEQ))
             if row["status"] not in ("ok", "truncated"):
                 continue
             c, r = (model(input_ids=torch.tensor([row[f"{s}_input_ids"]])).logits[0, 0] for s in ("chosen", "rejected"))

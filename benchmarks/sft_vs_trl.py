@@ -167,10 +167,10 @@ def prepared_rows(setup: dict):
     from transformers import AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.data.prepare import prepare_split
+    from llmtrain.data.build import ROWS
 
     tokenizer = AutoTokenizer.from_pretrained(setup["model"])
-    return prepare_split("data.train", [setup["data"]], tokenizer, DataConfig(max_seq_len=setup["seq"]))[0]
+    return ROWS.prepare("data.train", [setup["data"]], tokenizer, DataConfig(max_seq_len=setup["seq"]))[0]
 
 
 def data_tokens(setup: dict) -> tuple[int, int]:

@@ -39,7 +39,7 @@ MAX_ROW_BYTES = 64 << 20  # one row: a line of JSON Lines, a CSV row, an object 
 MAX_JSON_BYTES = 1 << 30  # a .json array, which is read whole (JSON Lines is read a line at a time)
 TOO_DEEP = "JSON nested too deeply to read; flatten the row"
 RAW, LINE = "__raw", "__line"
-BAD = "__bad_line"  # the key of a parsed row that is a line's fault, not a row (see data.Source.parse)
+BAD = "__bad_line"  # the key of a parsed row that is a line's fault, not a row (see data/sources.Source.parse)
 
 
 class BadLine(str):

@@ -9,7 +9,7 @@ import pytest
 
 from llmtrain.config import DataConfig
 from llmtrain.data.rows import IGNORE, process_row
-from llmtrain.preference.pairs import process_pair
+from llmtrain.preference.pairs import PAIRS
 from tests.conftest import ROOT
 
 
@@ -47,7 +47,7 @@ def test_row_lengths_spread_like_instruction_data():
 
 
 def test_dpo_pairs_train_the_tokens_trl_trains(tokenizer):
-    """llmtrain's pairs (pairs.process_pair) against TRL's DPOTrainer tokenization (its
+    """llmtrain's pairs (pairs.PAIRS.process) against TRL's DPOTrainer tokenization (its
     _prepare_dataset; the collator then joins prompt and answer, the completion mask on
     the answer): the same sequences, and the same answer tokens trained."""
     pytest.importorskip("trl")
@@ -64,7 +64,7 @@ def test_dpo_pairs_train_the_tokens_trl_trains(tokenizer):
     theirs = DPOTrainer._prepare_dataset(trainer, datasets.Dataset.from_list(rows), tokenizer, args, "train")
     assert len(theirs) == len(rows)
     for row, trl_row in zip(rows, theirs):
-        ours = process_pair(row, tokenizer, DataConfig(max_seq_len=256))
+        ours = PAIRS.process(row, tokenizer, DataConfig(max_seq_len=256))
         assert ours["status"] == "ok"
         prompt = len(trl_row["prompt_ids"])
         for side in ("chosen", "rejected"):
@@ -78,7 +78,7 @@ def test_dpo_pairs_spread_and_fit_the_max_length(tokenizer):
     """Lengths with a long tail and answers of their own lengths, and no pair over the
     maximum length (the two systems would truncate it differently)."""
     for seq in (256, 512):
-        done = [process_pair(r, tokenizer, DataConfig(max_seq_len=seq)) for r in dpo_bench.make_pairs(200, 0, seq)]
+        done = [PAIRS.process(r, tokenizer, DataConfig(max_seq_len=seq)) for r in dpo_bench.make_pairs(200, 0, seq)]
         assert {d["status"] for d in done} == {"ok"}
         longest = sorted(max(len(d["chosen_input_ids"]), len(d["rejected_input_ids"])) for d in done)
         assert longest[-1] <= seq and longest[190] > 1.5 * longest[100]  # a long tail

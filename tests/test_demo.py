@@ -55,17 +55,17 @@ def test_unpaired_rows_are_the_pairs_answers_labelled_in_two_blocks(tokenizer):
     """Every chosen answer (label true), then every rejected one (label false), each after
     its pair's prompt, as KTO reads them (the same tokens as the pair's answers)."""
     from llmtrain.config import DataConfig
-    from llmtrain.preference.pairs import process_pair
-    from llmtrain.preference.unpaired import process_unpaired
+    from llmtrain.preference.pairs import PAIRS
+    from llmtrain.preference.unpaired import UNPAIRED
 
     pairs = make_pairs(9, seed=3)
     rows = unpaired_rows(pairs)
     assert [r["label"] for r in rows] == [True] * 9 + [False] * 9
     cfg = DataConfig(max_seq_len=256)
     for i, pair in enumerate(pairs):
-        tokens = process_pair(pair, tokenizer, cfg)
+        tokens = PAIRS.process(pair, tokenizer, cfg)
         for row, side in ((rows[i], "chosen"), (rows[9 + i], "rejected")):
-            out = process_unpaired(row, tokenizer, cfg)
+            out = UNPAIRED.process(row, tokenizer, cfg)
             assert (out["input_ids"], out["labels"]) == (tokens[f"{side}_input_ids"], tokens[f"{side}_labels"])
 
 

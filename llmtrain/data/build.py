@@ -1,5 +1,6 @@
 """The one training-set builder: a recipe's training and evaluation sets from data.train
-and data.eval, for any kind of example (`DataKind`: SFT rows, preference pairs).
+and data.eval, for any kind of example (kind.DataKind: SFT rows, `ROWS` here, preference
+pairs, KTO rows, prompts).
 
 Each split is tokenized once (the main process first; the others read its cache), then
 data.eval_fraction is held out and sources are taken by their fractions (mixture), and
@@ -10,35 +11,23 @@ with the same kinds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
+from ..config import DataConfig
 from ..distributed.launch import main_first
+from .kind import DataKind
 from .mixture import names, packer, sources, split_and_mix, training_set
 from .packing import PackedDataset
-from .prepare import prepare_split
+from .prepare import check_source
+from .rows import EMPTY, process_row
 from .stream import StreamedRows
 
 
-@dataclass(frozen=True)
-class DataKind:
-    """What a recipe's examples are, as far as building its data sets goes."""
-
-    prepare: Callable  # (key, names, tokenizer, DataConfig) -> (datasets.Dataset, DataStats) for one split
-    # The packed view of its examples: (rows, width, sizes per source or None) -> a Dataset;
-    # None for a kind that is never packed (its recipe refuses data.packing).
-    packed: type | None
-    width: int = 1  # a packed sequence's length, in data.max_seq_len
-    unit: str = "rows"  # what one example is called in the lines the builder prints
-    batched: tuple[str, str] = ("sequences", "sequences")  # what a batch holds, unpacked and packed
-    index: str = ""  # a column numbering the examples (training 0..n-1, evaluation after), or none
-    # What each split's examples become once held out and numbered, before any mixture:
-    # (rows, data.max_seq_len) -> a Dataset whose example i may read other rows of its split
-    # (preference/unpaired.KLCompletions), or None to keep the rows.
-    view: Callable | None = None
+def sft_example(row: dict, tokenizer, cfg: DataConfig) -> dict:
+    """An SFT row's example, read as data.format says (each row's own format under auto)."""
+    return process_row(row, cfg.format, tokenizer, cfg)
 
 
-ROWS = DataKind(prepare_split, PackedDataset)
+# SFT rows (recipes/finetune.py): process_row's, packed into sequences of data.max_seq_len.
+ROWS = DataKind(check_source, "", sft_example, EMPTY, PackedDataset)
 
 
 def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):

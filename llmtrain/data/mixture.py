@@ -97,7 +97,7 @@ def hold_out(rows, sizes: list[int], fraction: float, seed: int):
 
 def split_and_mix(cfg, rows, stats, tokenizer, prepare, what: str = "rows"):
     """What the training and evaluation sets are made of, given data.train's prepared
-    `rows` and `stats` (from `prepare`, data.prepare_split or pairs.prepare_pairs):
+    `rows` and `stats` (from `prepare`, the kind's: kind.DataKind.prepare):
     data.eval prepared too, or data.eval_fraction held out of the rows. Returns (training
     rows, Mix, evaluation rows or None, lines describing it all)."""
     entries = sources(cfg.data.train)

@@ -1,6 +1,7 @@
-"""A whole split: every source of data.train (or data.eval) loaded, checked, tokenized
-row by row into the datasets cache (keyed on content), stopped at the first row that
-must stop the run, filtered and counted (DataStats)."""
+"""A whole split of any kind of example (kind.DataKind: SFT rows, pairs, KTO rows, prompts):
+every source of data.train (or data.eval) loaded, its columns checked, tokenized row by row
+into the datasets cache (keyed on content and the kind's version), stopped at the first row
+that must stop the run, filtered and counted (DataStats), in one function, `prepare`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..config import DataConfig
 from ..errors import DataError, warn
 from ..files import LINE
 from ..template import MAX_TEMPLATE_CHARS, TemplateLimit, template_source
-from .rows import KEPT, REQUIRED, process_row, row_problem, several_formats
+from .rows import KEPT, REQUIRED, row_problem, several_formats
 from .sources import Source, detect_format, load_source
 
 MALFORMED = "malformed, data.bad_rows=skip"
@@ -119,14 +120,16 @@ def check_source(src: Source, tokenizer, cfg: DataConfig) -> None:
         )
 
 
-def _fingerprint(source: Source, fmt: str, tokenizer, cfg: DataConfig) -> str:
+def _fingerprint(source: Source, version: str, tokenizer, cfg: DataConfig) -> str:
     """A stable cache key, so every rank (and the next run) finds the tokenized rows that
-    the main process wrote instead of tokenizing again."""
+    the main process wrote instead of tokenizing again: the source's content, the kind's
+    `version` (data.format for SFT rows) and every setting that changes what a row becomes.
+    The versions' history is kind.py's note."""
     tok = tokenizer.backend_tokenizer.to_str() if getattr(tokenizer, "is_fast", False) else repr(tokenizer)
     h = hashlib.sha256()
     for part in (
         source.dataset._fingerprint,
-        fmt,
+        version,
         str(tokenizer.chat_template),
         cfg.loss_on,
         str(cfg.max_seq_len),
@@ -134,29 +137,25 @@ def _fingerprint(source: Source, fmt: str, tokenizer, cfg: DataConfig) -> str:
         cfg.system_prompt,
         tok,
         str(tokenizer.eos_token_id),
-        "llmtrain-data-v6",  # v6: rows say which formats they fill (process_row's fits)
+        "llmtrain-data-v6",
     ):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
 
 
-def prepare_split(key: str, names: list[str], tokenizer, cfg: DataConfig):
-    """Load, tokenize, filter and concatenate the sources of one split.
+def prepare(kind, key: str, names: list[str], tokenizer, cfg: DataConfig):
+    """One split of `kind`'s examples (a kind.DataKind): its sources loaded, their columns
+    checked, their rows tokenized (`tokenize_sources`), and the split checked by the kind.
 
-    Returns (datasets.Dataset with input_ids/labels, DataStats). Raises DataError for
-    malformed rows, over-long rows under data.overlong=error, or a split left empty."""
-
-    def check(src: Source) -> str:
-        check_source(src, tokenizer, cfg)
-        return src.format
-
-    def process(src: Source, row: dict) -> dict:
-        return process_row(row, src.format, tokenizer, cfg)
-
-    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
+    Returns (datasets.Dataset, DataStats). Raises DataError naming the file and line for a
+    malformed row or an over-long one under data.overlong=error, and for a split left with
+    no usable example."""
+    ds, stats = tokenize_sources(kind, key, names, tokenizer, cfg)
     if stats.kept == 0:
-        raise DataError(f"{key}: no usable rows: {stats.summary(key)}; {stats.fixes()}")
+        raise DataError(f"{key}: no usable {kind.unit}: {stats.summary(key)}; {stats.fixes(kind.pair_hints)}")
+    if kind.check_split is not None:
+        kind.check_split(key, ds)
     return ds, stats
 
 
@@ -169,23 +168,21 @@ def template_error(key: str, where: str, e: TemplateLimit, cfg: DataConfig, toke
     )
 
 
-def tokenize_sources(key: str, names: list[str], tokenizer, cfg: DataConfig, check, process):
-    """The sources of one split, each loaded, checked (`check(src)` raises DataError or
-    returns what the cache key adds for it), tokenized row by row (`process(src, row)`
-    gives a dict with a status as process_row's, and n_trained), stopped at the first
-    row that must stop the run (with its file line), filtered to the kept rows, and
-    concatenated. Returns (datasets.Dataset, DataStats); the caller decides what an
-    empty split means."""
+def tokenize_sources(kind, key: str, names: list[str], tokenizer, cfg: DataConfig):
+    """The sources of one split, each loaded, its columns checked (`kind.columns`), tokenized
+    row by row (`kind.process`) into the datasets cache, stopped at the first row that must
+    stop the run (with its file line), filtered to the kept rows, and concatenated. Returns
+    (datasets.Dataset, DataStats); the caller decides what an empty split means."""
     import datasets
 
     parts, stats = [], DataStats()
     for name in names:
         src = load_source(name, key)
-        tag = check(src)
+        kind.columns(src, tokenizer, cfg)
 
         def tokenized(row: dict, i: int, src: Source = src) -> dict:
             try:
-                return process(src, src.parse(row)) | ({LINE: row[LINE]} if src.raw else {})
+                return kind.process(src.parse(row), tokenizer, cfg) | ({LINE: row[LINE]} if src.raw else {})
             except TemplateLimit as e:
                 raise template_error(key, src.where(row, i), e, cfg, tokenizer) from None
 
@@ -193,7 +190,7 @@ def tokenize_sources(key: str, names: list[str], tokenizer, cfg: DataConfig, che
             tokenized,
             with_indices=True,
             remove_columns=[c for c in src.dataset.column_names if c != LINE],
-            new_fingerprint=_fingerprint(src, tag, tokenizer, cfg),
+            new_fingerprint=_fingerprint(src, kind.version or cfg.format, tokenizer, cfg),
             desc=f"tokenizing {Path(name).name}",
         )
         status = ds["status"]

@@ -8,6 +8,7 @@ means a packed sequence never trains a row's last token to predict the next row'
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import weakref
@@ -19,7 +20,6 @@ from ..files import BAD
 from ..template import MAX_RENDERED, TemplateLimit, install, time_limit
 
 IGNORE = -100
-FORMATS = ("text", "prompt_completion", "alpaca", "chat", "sharegpt")
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -436,7 +436,8 @@ def check_rendered(messages: list[dict], tools, text: str, render) -> None:
             raise RowError(f"the chat template drops {_a(m['role'])} message; {fix}")
 
 
-def _with_eos(ids: list[int], tokenizer) -> list[int]:
+def with_eos(ids: list[int], tokenizer) -> list[int]:
+    """`ids` ending with the tokenizer's end of sequence (a plain-text answer's end, trained)."""
     eos = tokenizer.eos_token_id
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
@@ -453,7 +454,7 @@ def tokenize_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> tuple[list[
             raise RowError("'text' must be a string")
         if not row["text"].strip():
             raise NothingToTrain("empty text")
-        ids = _with_eos(tokenizer(row["text"], add_special_tokens=True)["input_ids"], tokenizer)
+        ids = with_eos(tokenizer(row["text"], add_special_tokens=True)["input_ids"], tokenizer)
         return ids, list(ids)
     if fmt == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
@@ -462,7 +463,7 @@ def tokenize_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> tuple[list[
         if not completion.strip() and cfg.loss_on != "all":
             raise NothingToTrain("empty answer")
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        c = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
+        c = with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
         return p + c, (list(p) if cfg.loss_on == "all" else [IGNORE] * len(p)) + c
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
@@ -483,7 +484,8 @@ def process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
     `text` of its own, say), else ''."""
     fits = formats_filled(row) if fmt == "auto" else []
     read_as = fits[0] if fits else fmt  # auto's choice, made once here (row_format raises for none)
-    return _process_row(row, read_as, tokenizer, cfg) | {"fits": ",".join(fits) if len(fits) > 1 else ""}
+    out = processed(_row_example, EMPTY, row, read_as, tokenizer, cfg)
+    return out | {"fits": ",".join(fits) if len(fits) > 1 else ""}
 
 
 def several_formats(fits: str) -> str:
@@ -498,26 +500,49 @@ def several_formats(fits: str) -> str:
     )
 
 
-def _process_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict:
-    try:
-        ids, labels = tokenize_row(row, fmt, tokenizer, cfg)
-    except NothingToTrain as e:
-        return _dropped(str(e))
-    except RowError as e:
-        return _dropped(f"error: {e}")
-    status = "ok"
-    if len(ids) > cfg.max_seq_len:
-        if cfg.overlong != "truncate":
-            return _dropped(f"too long ({len(ids)} tokens)")
-        ids, labels, status = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len], "truncated"
+def _row_example(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict | str:
+    """process_row's example, or why the row is dropped (`processed`)."""
+    ids, labels = tokenize_row(row, fmt, tokenizer, cfg)
+    status = length_status(len(ids), cfg.max_seq_len, cfg)
+    if status not in KEPT:
+        return status
+    ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]  # cut on the right
     labels = shift(labels)
     if all(t == IGNORE for t in labels):
-        return _dropped("no trained tokens")
+        return "no trained tokens"
     n_trained = sum(1 for t in labels if t != IGNORE)
     return {"input_ids": ids, "labels": labels, "length": len(ids), "n_trained": n_trained, "status": status}
 
 
 KEPT = ("ok", "truncated")
+# What a dropped SFT row holds besides its status (`processed`).
+EMPTY = {"input_ids": [], "labels": [], "length": 0, "n_trained": 0}
+
+
+def processed(make, empty: dict, *args) -> dict:
+    """The one head of every kind's row processing: `make(*args)`, a row's example with its
+    `status` ('ok' or 'truncated'), or `empty` (the kind's columns of a dropped row, copied)
+    with the status of a row dropped: the reason `make` returned, or raised as
+    NothingToTrain, or 'error: ...' for a malformed row (RowError)."""
+    try:
+        out = make(*args)
+    except NothingToTrain as e:
+        out = str(e)
+    except RowError as e:
+        out = f"error: {e}"
+    return out if isinstance(out, dict) else copy.deepcopy(empty) | {"status": out}
+
+
+def length_status(length: int, width: int, cfg: DataConfig, tokens: str = "") -> str:
+    """The length policy every kind shares, for an example of `length` tokens that must fit in
+    `width`: 'ok'; 'truncated' under data.overlong=truncate (the kind cuts it, each its own
+    way); else why it is dropped, 'too long (`tokens`)' (its length in tokens unless given),
+    which `row_problem` makes an error under data.overlong=error."""
+    if length <= width:
+        return "ok"
+    if cfg.overlong == "truncate":
+        return "truncated"
+    return f"too long ({tokens or f'{length} tokens'})"
 
 
 def row_problem(status: str, cfg: DataConfig) -> str | None:
@@ -535,7 +560,3 @@ def row_problem(status: str, cfg: DataConfig) -> str | None:
             "raise data.max_seq_len or set data.overlong=truncate or drop"
         )
     return None
-
-
-def _dropped(status: str) -> dict:
-    return {"input_ids": [], "labels": [], "length": 0, "n_trained": 0, "status": status}

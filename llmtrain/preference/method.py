@@ -9,12 +9,20 @@ from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigure
 from ..core.objective import chunk_positions
 from ..core.source import loader_source
 from ..errors import warn
-from ..model import chunkable_head, disable_dropout, load_model, pad_id, reference_config, whole_models
+from ..model import (
+    check_reference,
+    chunkable_head,
+    disable_dropout,
+    load_model,
+    pad_id,
+    reference_config,
+    whole_models,
+)
 from .config import DPOConfig, RewardConfig
 from .kto import KTOLoss
 from .loss import PreferenceLoss
 from .pairs import PairCollator
-from .reference import ReferencePass, check_reference
+from .reference import ReferencePass
 from .reward import REWARD_PAIRS, RewardLoss, score_head
 from .unpaired import UnpairedCollator, preference_data
 

@@ -9,13 +9,14 @@ Shapes, told apart by their fields:
   and `rejected` lists of assistant messages (or one such message, or a string);
 - `chosen` and `rejected` whole conversations without a `prompt`: the prompt is their
   longest common prefix of messages (UltraFeedback's layout).
-Messages are read as SFT chat rows' are (`data.message`: content parts, tool calls and
-tool results, a `tools` column), and data.system_prompt goes first in a conversational
-prompt without a system message.
+Messages are read as SFT chat rows' are (`data/rows.message`: content parts, tool calls
+and tool results, a `tools` column), and data.system_prompt goes first in a conversational
+prompt without a system message (data/answers.py, shared with KTO rows).
 
 An over-long pair is cut from the left of its prompt (both sequences alike, keeping at
-least one prompt token), then its answers on the right, or dropped or refused, by
-data.overlong. A pair whose answers are identical or empty is dropped and counted.
+least one prompt token), then its answers on the right (data/answers.fit), or dropped or
+refused, by data.overlong. A pair whose answers are identical or empty is dropped and
+counted. `PAIRS` is the kind the one row pipeline (data/prepare.prepare) makes of them.
 """
 
 from __future__ import annotations
@@ -25,67 +26,12 @@ import math
 import torch
 
 from ..config import DataConfig
+from ..data.answers import answer_ids, answer_messages, as_messages, as_prompt, assistant_answer, conversation, fit
 from ..data.batches import Collator
-from ..data.build import DataKind
-from ..data.packing import join_rows, pack_sources
-from ..data.rows import (
-    IGNORE,
-    NothingToTrain,
-    RowError,
-    SystemPrompt,
-    _with_eos,
-    chat_ids,
-    check_line,
-    message,
-    number,
-    shift,
-)
-from ..errors import shown
-
-
-def _messages(value, what: str) -> list[dict]:
-    if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise RowError(f"'{what}' must be a string or a non-empty list of {{role, content}} messages")
-    messages = [message(m, i, what) for i, m in enumerate(value)]
-    return [{k: v for k, v in m.items() if k != "train" or not v} for m in messages]  # train: true is the default
-
-
-def _answer(messages: list[dict], what: str) -> list[dict]:
-    """An answer's messages, which hold the assistant's turn where there are any and end
-    with it: messages of other roles alone answer nothing (the row is malformed, not an
-    empty answer), and after the last assistant turn they would be read as its end."""
-    roles = [m["role"] for m in messages]
-    if messages and "assistant" not in roles:
-        raise RowError(f"'{what}' holds no assistant message (roles {roles}); an answer is the assistant's turn")
-    if messages and roles[-1] != "assistant":
-        raise RowError(
-            f"'{what}' ends with a {roles[-1]} message (roles {roles}); an answer ends with the assistant's turn"
-        )
-    return messages
-
-
-def _answer_messages(value, what: str, prompt: list[dict]) -> list[dict]:
-    """An answer given beside 'prompt': what follows it. Data sets that repeat the whole
-    conversation in each answer (UltraFeedback as HuggingFaceH4 publishes it, a 'prompt'
-    string beside whole 'chosen' and 'rejected' conversations) begin it with the prompt's
-    messages, which are taken off, as TRL does; any other user or system message before the
-    answer's assistant turn would make it the answer to another conversation (tool results
-    may come first, continuing a prompt that ends in a tool call)."""
-    messages = _messages(value, what)
-    if len(messages) > len(prompt) and messages[: len(prompt)] == prompt:
-        messages = messages[len(prompt) :]
-    roles = [m["role"] for m in _answer(messages, what)]
-    before = roles[: roles.index("assistant")]
-    if {"user", "system"} & set(before):
-        raise RowError(
-            f"'{what}' starts with {before} messages that are not the prompt's; give the answer alone beside "
-            "'prompt', or whole conversations without a 'prompt' column"
-        )
-    return messages
+from ..data.kind import DataKind
+from ..data.packing import PackedDataset, join_rows
+from ..data.rows import IGNORE, RowError, check_line, length_status, number, shift
+from ..errors import DataError, shown
 
 
 def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
@@ -99,82 +45,38 @@ def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[d
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
         return prompt, chosen, rejected
     if prompt is not None:
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        prompt = _messages(prompt, "prompt")
-        return prompt, _answer_messages(chosen, "chosen", prompt), _answer_messages(rejected, "rejected", prompt)
-    chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+        prompt = as_prompt(prompt)
+        return prompt, answer_messages(chosen, "chosen", prompt), answer_messages(rejected, "rejected", prompt)
+    chosen, rejected = as_messages(chosen, "chosen"), as_messages(rejected, "rejected")
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     if shared == 0:
         raise RowError("'chosen' and 'rejected' share no prompt: their first messages differ (or give 'prompt')")
-    return chosen[:shared], _answer(chosen[shared:], "chosen"), _answer(rejected[shared:], "rejected")
+    return chosen[:shared], assistant_answer(chosen[shared:], "chosen"), assistant_answer(rejected[shared:], "rejected")
 
 
-def _answer_ids(prompt, answer, tokenizer, tools=None) -> tuple[list[int], list[int], int]:
-    """(input_ids, labels before shifting, prompt length in tokens) of one answer."""
-    if isinstance(prompt, str):
-        p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        a = _with_eos(tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer) if answer else []
-        return p + a, [IGNORE] * len(p) + a, len(p)
-    if not answer or not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in answer):
-        return [], [], 0
-    ids, labels = chat_ids(prompt + answer, tokenizer, "assistant", train_from=len(prompt), tools=tools)
-    first = next(i for i, t in enumerate(labels) if t != IGNORE)
-    return ids, labels, first
-
-
-def conversation(row: dict, prompt, answers: tuple, tokenizer, cfg: DataConfig) -> tuple:
-    """(prompt, answers, tools) as a preference row is tokenized: plain-text prompt and
-    answers become one user and one assistant message each when the tokenizer has a chat
-    template; data.system_prompt goes first in a conversation that has no system message;
-    the row's `tools`, if any, must be a list."""
-    if isinstance(prompt, str) and tokenizer.chat_template:
-        prompt = [{"role": "user", "content": prompt}]
-        answers = tuple([{"role": "assistant", "content": a}] for a in answers)
-    if cfg.system_prompt and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
-        prompt = [SystemPrompt(role="system", content=cfg.system_prompt), *prompt]
-    tools = row.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise RowError("'tools' must be a list of tool definitions")
-    return prompt, answers, tools
-
-
-def _fit(ids: list[int], labels: list[int], cut: int, width: int) -> tuple[list[int], list[int]]:
-    ids, labels = ids[cut:], labels[cut:]
-    return ids[:width], labels[:width]
-
-
-def process_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
+def pair_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     """One row -> {chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels
-    (shifted), length, status}; status as for data.process_row ('ok', 'truncated', or why
-    the pair is dropped, 'error: ...' for a malformed row)."""
-    try:
-        prompt, chosen, rejected = pair_messages(row)
-        if chosen == rejected:
-            return _dropped("identical answers")
-        prompt, (chosen, rejected), tools = conversation(row, prompt, (chosen, rejected), tokenizer, cfg)
-        (ci, cl, cp), (ri, rl, rp) = (_answer_ids(prompt, a, tokenizer, tools) for a in (chosen, rejected))
-    except NothingToTrain as e:
-        return _dropped(str(e))
-    except RowError as e:
-        return _dropped(f"error: {e}")
+    (shifted), length, n_trained, status}, or why the pair is dropped (PAIRS.make)."""
+    prompt, chosen, rejected = pair_messages(row)
+    if chosen == rejected:
+        return "identical answers"
+    prompt, (chosen, rejected), tools = conversation(row, prompt, (chosen, rejected), tokenizer, cfg)
+    (ci, cl, cp), (ri, rl, rp) = (answer_ids(prompt, a, tokenizer, tools) for a in (chosen, rejected))
     if not ci or not ri or all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
-        return _dropped("an empty answer")
-    status, longest, width = "ok", max(len(ci), len(ri)), cfg.max_seq_len
-    if longest > width:
-        if cfg.overlong != "truncate":
-            return _dropped(f"too long ({longest} tokens)")
-        # Both sequences start with the same prompt tokens: cut them alike from the left,
-        # keeping one prompt token to predict the first answer token from.
-        cut = min(longest - width, min(cp, rp) - 1) if min(cp, rp) > 0 else 0
-        (ci, cl), (ri, rl), status = _fit(ci, cl, cut, width), _fit(ri, rl, cut, width), "truncated"
+        return "an empty answer"
+    width = cfg.max_seq_len
+    status = length_status(max(len(ci), len(ri)), width, cfg)
+    if status == "truncated":  # both sequences start with the same prompt tokens: cut alike
+        [(ci, cl), (ri, rl)], _ = fit([(ci, cl), (ri, rl)], min(cp, rp), width)
         if ci == ri and cl == rl:  # the answers differed only in what was cut off
-            return _dropped("identical answers after truncation")
+            return "identical answers after truncation"
+    elif status != "ok":
+        return status
     cl, rl = shift(cl), shift(rl)
     if all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
-        return _dropped("no trained tokens")
+        return "no trained tokens"
     return {
         "chosen_input_ids": ci,
         "chosen_labels": cl,
@@ -182,19 +84,6 @@ def process_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
         "rejected_labels": rl,
         "length": len(ci) + len(ri),
         "n_trained": sum(t != IGNORE for t in cl) + sum(t != IGNORE for t in rl),
-        "status": status,
-    }
-
-
-def _dropped(status: str) -> dict:
-    empty: list[int] = []
-    return {
-        "chosen_input_ids": empty,
-        "chosen_labels": empty,
-        "rejected_input_ids": empty,
-        "rejected_labels": empty,
-        "length": 0,
-        "n_trained": 0,
         "status": status,
     }
 
@@ -210,63 +99,35 @@ def pair_margin(row: dict) -> float:
     return float(value)
 
 
-def prepare_pairs(key: str, names: list[str], tokenizer, cfg: DataConfig, margins: bool = False):
-    """Load, tokenize, filter and concatenate the preference sources of one split, as
-    data.prepare_split does for SFT rows, with each pair's `margin` column when `margins`
-    (reward models). Returns (datasets.Dataset, DataStats); raises DataError naming the
-    file and line for a malformed row, an over-long one under data.overlong=error, or a
-    split left with no pair."""
-    from ..data.prepare import tokenize_sources
-    from ..errors import DataError
-
-    def check(src) -> str:
-        if not {"chosen", "rejected"} <= set(src.columns):
-            other = (
-                "recipes/dpo.py with dpo.loss=kto (they are unpaired rows)"
-                if {"prompt", "completion", "label"} <= set(src.columns)
-                else "recipes/finetune.py"
-            )
-            raise DataError(
-                f"{key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
-                f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
-                f"rows with {other}"
-            )
-        return "pairs-v4" + ("-margins-v2" if margins else "")  # v4: answers without an assistant turn are errors
-
-    def process(src, row: dict) -> dict:
-        if not margins:
-            return process_pair(row, tokenizer, cfg)
-        try:
-            margin = pair_margin(row)
-        except RowError as e:
-            return _dropped(f"error: {e}") | {"margin": 0.0}
-        return process_pair(row, tokenizer, cfg) | {"margin": margin}
-
-    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
-    if stats.kept == 0:
-        raise DataError(f"{key}: no usable pairs: {stats.summary(key)}; {stats.fixes(pairs=True)}")
-    return ds, stats
+def pair_columns(src, tokenizer, cfg: DataConfig) -> None:
+    """A source of pairs has 'chosen' and 'rejected' columns (PAIRS.columns)."""
+    if not {"chosen", "rejected"} <= set(src.columns):
+        other = (
+            "recipes/dpo.py with dpo.loss=kto (they are unpaired rows)"
+            if {"prompt", "completion", "label"} <= set(src.columns)
+            else "recipes/finetune.py"
+        )
+        raise DataError(
+            f"{src.key}: {src.name}: preference pairs need 'chosen' and 'rejected' (and 'prompt' unless they are "
+            f"whole conversations); found columns {sorted(src.columns)}; give pair rows, or train on these "
+            f"rows with {other}"
+        )
 
 
-class PackedPairs(torch.utils.data.Dataset):
+class PackedPairs(PackedDataset):
     """A view of tokenized pairs (with `pair_index`) as packed sequences of `capacity`
-    tokens: whole pairs (chosen, then rejected) best-fit packed together, each answer
-    sequence a sample of its own under the packed mask (attention.packed_mask), so
-    a pair never straddles sequences or micro-batches and no padding is computed. The
+    tokens: whole pairs (chosen, then rejected) best-fit packed together by their `length`,
+    each answer sequence a sample of its own under the packed mask (attention.packed_mask),
+    so a pair never straddles sequences or micro-batches and no padding is computed. The
     capacity is twice data.max_seq_len, so every pair fits."""
 
-    def __init__(self, pairs, capacity: int, sizes: list[int] | None = None):
-        self.pairs, self.capacity = pairs, capacity
-        self.bins, self.sizes = pack_sources(pairs["length"], capacity, sizes)
-
-    def __len__(self) -> int:
-        return len(self.bins)
-
-    def efficiency(self) -> float:
-        return sum(self.pairs["length"]) / (len(self.bins) * self.capacity)
+    @property
+    def pairs(self):
+        """The tokenized pairs (reference.data_key keys the reference log-probs on them)."""
+        return self.rows
 
     def __getitem__(self, j: int) -> dict:
-        rows = self.pairs[self.bins[j]]
+        rows = self.rows[self.bins[j]]
         docs = []
         for i in range(len(self.bins[j])):
             for side in ("chosen", "rejected"):
@@ -333,9 +194,28 @@ class PairCollator:
         }
 
 
+# What a dropped pair holds besides its status.
+EMPTY = {
+    "chosen_input_ids": [],
+    "chosen_labels": [],
+    "rejected_input_ids": [],
+    "rejected_labels": [],
+    "length": 0,
+    "n_trained": 0,
+}
+
 # Preference pairs for the one builder (build.build_datasets): whole pairs pack into
 # sequences of twice data.max_seq_len, so every pair fits, and each pair is numbered
 # (`pair_index`) for the reference log-probs computed once before training.
 PAIRS = DataKind(
-    prepare_pairs, PackedPairs, 2, "pairs", ("pairs", "packed sequences of whole pairs"), index="pair_index"
+    pair_columns,
+    "pairs-v4",
+    pair_example,
+    EMPTY,
+    PackedPairs,
+    2,
+    "pairs",
+    pair_hints=True,
+    batched=("pairs", "packed sequences of whole pairs"),
+    index="pair_index",
 )

@@ -26,64 +26,12 @@ from pathlib import Path
 import torch
 
 from .. import safefs
-from ..attention import text_config
 from ..core.window import Outcome, draw_window
-from ..errors import DataError, ModelError, describe, warn
+from ..errors import DataError, ModelError, warn
 from ..files import content_hash
-from ..model import hub_kwargs, ids_past, no_such_directory
 from ..output.checkpoint import attempt
 
 CACHE = "reference_logps.pt"
-
-
-def check_reference(cfg, tokenizer, section: str = "dpo") -> None:
-    """dpo.reference (or grpo.reference: `section`) must read the policy's token ids as the policy does, or every
-    log-ratio compares two different texts. Checked from the reference's config and
-    tokenizer (no weights) before any data or weights load: its vocabulary must hold
-    every id of the policy's tokenizer (a smaller one ends in an index error mid-pass),
-    and, where the reference directory has a tokenizer, that tokenizer must map tokens
-    to the same ids (a larger vocabulary is accepted only as padding of the same one)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    name, key = getattr(cfg, section).reference, f"{section}.reference"
-    if not name:
-        return
-    kw = {"trust_remote_code": cfg.model.trust_remote_code}
-    if error := no_such_directory(name, key):  # a path, not a hub name: the hub's name rules would answer
-        raise error
-    try:
-        rcfg = AutoConfig.from_pretrained(name, **kw)
-    except Exception as e:
-        raise ModelError(f"{key}: could not load a model config from '{name}' ({describe(e)})") from None
-    policy = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
-    ref_vocab = getattr(text_config(rcfg), "vocab_size", None)
-    if past := ids_past(tokenizer, ref_vocab):
-        raise ModelError(
-            f"{key}: '{name}' embeds {ref_vocab} tokens, but the policy's tokenizer has {past}; "
-            "the reference must be a model with the policy's tokenizer (usually the model you fine-tune)"
-        )
-    try:
-        ref_tok = AutoTokenizer.from_pretrained(name, **kw)
-    except Exception:  # a weights-only directory: nothing more to compare
-        ref_tok = None
-    if ref_tok is not None:
-        mine, theirs = tokenizer.get_vocab(), ref_tok.get_vocab()
-        differ = sorted(t for t in mine.keys() | theirs.keys() if mine.get(t) != theirs.get(t))
-        if differ:
-            example = ", ".join(repr(t) for t in differ[:3])
-            raise ModelError(
-                f"{key}: the tokenizer of '{name}' maps {len(differ)} tokens differently from the policy's "
-                f"(e.g. {example}); the reference must share the policy's tokenizer (usually it is the model you "
-                "fine-tune, before training)"
-            )
-        return
-    policy_vocab = text_config(policy).vocab_size
-    if ref_vocab != policy_vocab:
-        raise ModelError(
-            f"{key}: '{name}' has a vocabulary of {ref_vocab} tokens and no tokenizer to show it is the "
-            f"policy's ({policy_vocab} tokens); save the policy's tokenizer with the reference model "
-            "(tokenizer.save_pretrained) or use a reference with the policy's vocabulary"
-        )
 
 
 def model_files_key(name_or_path: str, revision: str = "") -> dict:

@@ -16,18 +16,18 @@ mean scores, their margin, and accuracy: how often the chosen answer scores high
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import transformers_model
+from ..config import DataConfig
 from ..core.objective import Loss, model_inputs
-from ..data.build import DataKind
 from ..errors import ModelError
 from ..model import SCORE_HEADS
-from .pairs import PackedPairs, prepare_pairs
+from .pairs import PAIRS, pair_margin
 
 METRICS = ("accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin")
 
@@ -113,12 +113,16 @@ class RewardLoss:
         return Loss(loss.sum(), metrics)
 
 
+def reward_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
+    """A pair's example (PAIRS.process) with its `margin` (pair_margin), which is checked
+    first (REWARD_PAIRS.make)."""
+    margin = pair_margin(row)
+    out = PAIRS.process(row, tokenizer, cfg)
+    status = out.pop("status")
+    return out | {"margin": margin, "status": status}
+
+
 # Preference pairs with their `margin` column, packed as DPO packs them.
-REWARD_PAIRS = DataKind(
-    partial(prepare_pairs, margins=True),
-    PackedPairs,
-    2,
-    "pairs",
-    ("pairs", "packed sequences of whole pairs"),
-    index="pair_index",
+REWARD_PAIRS = dataclasses.replace(
+    PAIRS, version="pairs-v4-margins-v2", make=reward_pair, empty=PAIRS.empty | {"margin": 0.0}
 )

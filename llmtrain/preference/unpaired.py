@@ -1,13 +1,15 @@
 """Unpaired preference rows for KTO (dpo.loss=kto): `{prompt, completion, label}`, TRL's
 unpaired preference format. `prompt` is a string or a list of messages, `completion` a
 string or assistant message(s), `label` true for a desirable completion, false for an
-undesirable one. Messages are read as a pair's are (pairs.py), with data.system_prompt
-and a `tools` column; a string prompt with a string completion is plain text followed by
-the completion and EOS for a tokenizer without a chat template.
+undesirable one. Messages are read as a pair's are (data/answers.py), with
+data.system_prompt and a `tools` column; a string prompt with a string completion is plain
+text followed by the completion and EOS for a tokenizer without a chat template.
 
 Each row is tokenized as a pair's answer is: labels (already shifted) on the completion
 only, end of turn included; an over-long row loses its prompt from the left (keeping one
-token), then its completion's end, or is dropped or refused (data.overlong).
+token), then its completion's end (data/answers.fit), or is dropped or refused
+(data.overlong). `UNPAIRED` is the kind the one row pipeline (data/prepare.prepare) makes
+of them.
 
 KTO's reference point is the policy's KL divergence from the reference, estimated on
 completions that do not answer their prompt: row i's KL completion is row i's prompt
@@ -28,11 +30,12 @@ import hashlib
 import torch
 
 from ..config import DataConfig
+from ..data.answers import answer_ids, answer_messages, as_prompt, conversation, fit
 from ..data.batches import Collator
-from ..data.build import DataKind
-from ..data.rows import IGNORE, NothingToTrain, RowError, check_line, flag, shift
-from ..errors import shown
-from .pairs import PAIRS, _answer_ids, _answer_messages, _fit, _messages, conversation
+from ..data.kind import DataKind
+from ..data.rows import IGNORE, RowError, check_line, flag, length_status, shift
+from ..errors import DataError, shown
+from .pairs import PAIRS
 
 COLUMNS = ("prompt", "completion", "label")
 
@@ -51,38 +54,30 @@ def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bo
         )
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt, completion, label
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    prompt = _messages(prompt, "prompt")
-    return prompt, _answer_messages(completion, "completion", prompt), label
+    prompt = as_prompt(prompt)
+    return prompt, answer_messages(completion, "completion", prompt), label
 
 
-def process_unpaired(row: dict, tokenizer, cfg: DataConfig) -> dict:
+def unpaired_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     """One row -> {input_ids, labels (shifted), prompt_tokens (where the completion starts
-    in input_ids), prompt_hash (of those tokens), desirable, length, n_trained, status};
-    status as for data.process_row ('ok', 'truncated', why the row is dropped, or
-    'error: ...' for a malformed row)."""
-    try:
-        prompt, completion, desirable = unpaired_messages(row)
-        prompt, (completion,), tools = conversation(row, prompt, (completion,), tokenizer, cfg)
-        ids, labels, start = _answer_ids(prompt, completion, tokenizer, tools)
-    except NothingToTrain as e:
-        return _dropped(str(e))
-    except RowError as e:
-        return _dropped(f"error: {e}")
+    in input_ids), prompt_hash (of those tokens), desirable, length, n_trained, status}, or
+    why the row is dropped (UNPAIRED.make)."""
+    prompt, completion, desirable = unpaired_messages(row)
+    prompt, (completion,), tools = conversation(row, prompt, (completion,), tokenizer, cfg)
+    ids, labels, start = answer_ids(prompt, completion, tokenizer, tools)
     if not ids or all(t == IGNORE for t in labels):
-        return _dropped("empty answer")
+        return "empty answer"
     if start < 1:  # plain text: nothing before the completion to predict its first token from
-        return _dropped("error: the prompt has no tokens; give a non-empty 'prompt'")
-    status, width = "ok", cfg.max_seq_len
-    if len(ids) > width:
-        if cfg.overlong != "truncate":
-            return _dropped(f"too long ({len(ids)} tokens)")
-        cut = min(len(ids) - width, start - 1)  # from the left of the prompt, keeping one token
-        (ids, labels), start, status = _fit(ids, labels, cut, width), start - cut, "truncated"
+        raise RowError("the prompt has no tokens; give a non-empty 'prompt'")
+    status = length_status(len(ids), cfg.max_seq_len, cfg)
+    if status == "truncated":
+        [(ids, labels)], cut = fit([(ids, labels)], start, cfg.max_seq_len)
+        start -= cut
+    elif status != "ok":
+        return status
     labels = shift(labels)
     if all(t == IGNORE for t in labels):
-        return _dropped("no trained tokens")
+        return "no trained tokens"
     return {
         "input_ids": ids,
         "labels": labels,
@@ -101,50 +96,20 @@ def prompt_hash(ids: list[int]) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def _dropped(status: str) -> dict:
-    empty: list[int] = []
-    return {
-        "input_ids": empty,
-        "labels": empty,
-        "prompt_tokens": 0,
-        "prompt_hash": 0,
-        "desirable": False,
-        "length": 0,
-        "n_trained": 0,
-        "status": status,
-    }
-
-
-def prepare_unpaired(key: str, names: list[str], tokenizer, cfg: DataConfig):
-    """Load, tokenize, filter and concatenate the unpaired sources of one split, as
-    pairs.prepare_pairs does for pairs. Returns (datasets.Dataset, DataStats); raises
-    DataError naming the file and line for a malformed row, an over-long one under
-    data.overlong=error, or a split left with no row."""
-    from ..data.prepare import tokenize_sources
-    from ..errors import DataError
-
-    def check(src) -> str:
-        if not set(COLUMNS) <= set(src.columns):
-            pairs = {"chosen", "rejected"} <= set(src.columns)
-            fix = (
-                "turn each pair into two rows ({prompt, completion: chosen, label: true} and {prompt, completion: "
-                "rejected, label: false}), or train on the pairs with another dpo.loss"
-                if pairs
-                else "give unpaired rows, or train on pairs with another dpo.loss"
-            )
-            raise DataError(
-                f"{key}: {src.name}: dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label' (true: "
-                f"desirable); found columns {sorted(src.columns)}; {fix}"
-            )
-        return "unpaired-v3"  # v2: CSV labels read from their text; v3: answers without an assistant turn are errors
-
-    def process(src, row: dict) -> dict:
-        return process_unpaired(row, tokenizer, cfg)
-
-    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
-    if stats.kept == 0:
-        raise DataError(f"{key}: no usable rows: {stats.summary(key)}; {stats.fixes(pairs=True)}")
-    return ds, stats
+def unpaired_columns(src, tokenizer, cfg: DataConfig) -> None:
+    """A source of KTO rows has 'prompt', 'completion' and 'label' columns (UNPAIRED.columns)."""
+    if not set(COLUMNS) <= set(src.columns):
+        pairs = {"chosen", "rejected"} <= set(src.columns)
+        fix = (
+            "turn each pair into two rows ({prompt, completion: chosen, label: true} and {prompt, completion: "
+            "rejected, label: false}), or train on the pairs with another dpo.loss"
+            if pairs
+            else "give unpaired rows, or train on pairs with another dpo.loss"
+        )
+        raise DataError(
+            f"{src.key}: {src.name}: dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label' (true: "
+            f"desirable); found columns {sorted(src.columns)}; {fix}"
+        )
 
 
 class KLCompletions(torch.utils.data.Dataset):
@@ -244,9 +209,21 @@ class UnpairedCollator:
 # reference log-probs computed once before training, each split given its KL completions;
 # never packed (config.DPOConfig refuses data.packing with dpo.loss=kto).
 UNPAIRED = DataKind(
-    prepare_unpaired,
+    unpaired_columns,
+    "unpaired-v3",
+    unpaired_example,
+    {
+        "input_ids": [],
+        "labels": [],
+        "prompt_tokens": 0,
+        "prompt_hash": 0,
+        "desirable": False,
+        "length": 0,
+        "n_trained": 0,
+    },
     None,
     unit="rows",
+    pair_hints=True,
     batched=("completions", "completions"),
     index="row_index",
     view=KLCompletions,

@@ -8,15 +8,17 @@ message, and the template is rendered with its generation prompt, so the model's
 completion is the assistant's answer (or, after a last message of the assistant's own, the
 rest of that message). A prompt must leave grpo.max_completion_length
 tokens within data.max_seq_len: a longer one is dropped, refused or cut from the left,
-by data.overlong.
+by data.overlong. `prompt_kind` is the kind the one row pipeline (data/prepare.prepare)
+makes of them.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 from ..config import DataConfig
-from ..data.build import DataKind
+from ..data.kind import DataKind
 from ..data.packing import PackedDataset
 from ..data.rows import (
     NothingToTrain,
@@ -25,12 +27,12 @@ from ..data.rows import (
     check_control_tokens,
     check_line,
     check_rendered,
+    length_status,
     message,
     render_chat,
 )
-from ..errors import RewardError
-
-PROMPT_COLUMNS = ("prompt_ids", "prompt", "columns")
+from ..errors import DataError, RewardError, warn
+from .rewards import load_rewards, usable_answer
 
 
 def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
@@ -100,28 +102,23 @@ def asked(prompt) -> str:
     return next((m["content"] for m in reversed(prompt) if m["role"] != "assistant"), prompt[-1]["content"])
 
 
-def process_prompt(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int) -> dict:
+def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int) -> dict | str:
     """One row -> {prompt_ids, prompt (JSON: the prompt as the reward functions see it: a
-    string as given, or the messages),
-    columns (JSON: the row's other fields), length, n_trained, status}; status as for
-    data.process_row."""
-    try:
-        prompt = prompt_messages(row, tokenizer, cfg)
-        tools = row.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RowError("'tools' must be a list of tool definitions")
-        ids = prompt_ids(prompt, tokenizer, tools)
-    except NothingToTrain as e:
-        return _dropped(str(e))
-    except RowError as e:
-        return _dropped(f"error: {e}")
+    string as given, or the messages), columns (JSON: the row's other fields), length,
+    n_trained, status}, or why the row is dropped (the prompt kind's make)."""
+    prompt = prompt_messages(row, tokenizer, cfg)
+    tools = row.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RowError("'tools' must be a list of tool definitions")
+    ids = prompt_ids(prompt, tokenizer, tools)
     if not ids:
-        return _dropped("empty prompt")
-    budget, status = cfg.max_seq_len - max_completion_length, "ok"
-    if len(ids) > budget:
-        if cfg.overlong != "truncate":
-            return _dropped(f"too long ({len(ids) + max_completion_length} tokens with the completion)")
-        ids, status = ids[len(ids) - budget :], "truncated"  # the end of a prompt is what it asks
+        return "empty prompt"
+    budget = cfg.max_seq_len - max_completion_length
+    status = length_status(len(ids), budget, cfg, f"{len(ids) + max_completion_length} tokens with the completion")
+    if status == "truncated":
+        ids = ids[len(ids) - budget :]  # the end of a prompt is what it asks
+    elif status != "ok":
+        return status
     columns = {k: v for k, v in row.items() if k != "prompt" and not k.startswith("__")}
     # The rewards see the prompt as the row gives it, a string or messages, as in TRL.
     shown = row["prompt"] if isinstance(row["prompt"], str) else prompt
@@ -135,45 +132,30 @@ def process_prompt(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
     }
 
 
-def _dropped(status: str) -> dict:
-    return {"prompt_ids": [], "prompt": "", "columns": "", "length": 0, "n_trained": 0, "status": status}
-
-
-def prepare_prompts(key: str, names: list[str], tokenizer, cfg: DataConfig, max_completion_length: int):
-    """Load, tokenize, filter and concatenate the prompt sources of one split, as
-    data.prepare_split does for SFT rows. Returns (datasets.Dataset, DataStats)."""
-    from ..data.prepare import tokenize_sources
-    from ..errors import DataError
-
-    def check(src) -> str:
-        if "prompt" not in src.columns:
-            raise DataError(
-                f"{key}: {src.name}: prompt rows need a 'prompt' column (a string or a list of messages), plus the "
-                f"columns your rewards read; found columns {sorted(src.columns)}"
-            )
-        return f"prompts-v2-{max_completion_length}"  # v2: a prefilled last assistant message is continued
-
-    def process(src, row: dict) -> dict:
-        return process_prompt(row, tokenizer, cfg, max_completion_length)
-
-    ds, stats = tokenize_sources(key, names, tokenizer, cfg, check, process)
-    if stats.kept == 0:
-        raise DataError(f"{key}: no usable prompts: {stats.summary(key)}; {stats.fixes()}")
-    return ds, stats
+def prompt_source_columns(src, tokenizer, cfg: DataConfig) -> None:
+    """A source of prompts has a 'prompt' column (the prompt kind's columns check)."""
+    if "prompt" not in src.columns:
+        raise DataError(
+            f"{src.key}: {src.name}: prompt rows need a 'prompt' column (a string or a list of messages), plus the "
+            f"columns your rewards read; found columns {sorted(src.columns)}"
+        )
 
 
 def prompt_kind(max_completion_length: int, check_split=None) -> DataKind:
-    """The DataKind of recipes/grpo.py's prompts (never packed: completions are generated).
+    """The DataKind of recipes/grpo.py's prompts (never packed: completions are generated),
+    which leave `max_completion_length` tokens of data.max_seq_len to the completion.
     `check_split(key, prompts)` sees each split as soon as it is read, before any weights
     load (the reward functions' parameters against its columns)."""
-
-    def prepare(key, names, tokenizer, cfg):
-        ds, stats = prepare_prompts(key, names, tokenizer, cfg, max_completion_length)
-        if check_split is not None:
-            check_split(key, ds)
-        return ds, stats
-
-    return DataKind(prepare, PackedDataset, unit="prompts", batched=("prompts", "prompts"))
+    return DataKind(
+        prompt_source_columns,
+        f"prompts-v2-{max_completion_length}",
+        partial(prompt_example, max_completion_length=max_completion_length),
+        {"prompt_ids": [], "prompt": "", "columns": "", "length": 0, "n_trained": 0},
+        PackedDataset,
+        unit="prompts",
+        batched=("prompts", "prompts"),
+        check_split=check_split,
+    )
 
 
 def grpo_prompts(cfg) -> DataKind:
@@ -181,8 +163,6 @@ def grpo_prompts(cfg) -> DataKind:
     reward functions (grpo.rewards) as soon as it is read, and, for the accuracy reward,
     its answers: none usable is an error (the reward would teach nothing), some missing a
     warning (their completions go unscored)."""
-    from ..errors import warn
-    from .rewards import load_rewards, usable_answer
 
     def check_split(key, prompts):
         columns, usable, rows = set(), 0, 0

@@ -31,7 +31,9 @@ from types import SimpleNamespace
 
 import torch
 
+from ..data.answers import answer_ids
 from ..errors import RewardError, describe, shown
+from ..model import check_reference, load_error
 
 STANDARD = ("prompts", "completions", "completion_ids")
 FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are held and combined in float32
@@ -117,8 +119,6 @@ class RewardModelScore:
         try:
             config = AutoConfig.from_pretrained(self.path)
         except Exception as e:
-            from ..model import load_error
-
             given = lambda path: f"grpo.rewards=[{REWARD_MODEL}{path}]"  # noqa: E731
             raise RewardError(str(load_error("a model config", self.path, e, where, given))) from None
         archs = getattr(config, "architectures", None) or []
@@ -155,15 +155,13 @@ class RewardModelScore:
         self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype="auto").to(device).eval()
 
     def ids(self, prompt, completion) -> list[int]:
-        from ..preference.pairs import _answer_ids
-
         if isinstance(completion, str) and (not isinstance(prompt, str) or self.tokenizer.chat_template):
             completion = [{"role": "assistant", "content": completion}]
         if isinstance(prompt, str) and self.tokenizer.chat_template:
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, str) and not isinstance(completion, str):
             completion = completion_text(completion)
-        ids = _answer_ids(prompt, completion, self.tokenizer)[0]
+        ids = answer_ids(prompt, completion, self.tokenizer)[0]
         return ids[-self.max_len :] if self.max_len else ids  # the score is read at the end
 
     @torch.no_grad()
@@ -332,8 +330,6 @@ def check_grpo(cfg, tokenizer) -> None:
     """recipes/grpo.py's start-up checks, before any data or weights load: grpo.reference
     reads the policy's token ids, and every reward function loads (its columns are checked
     once the data is read: prompts.grpo_prompts)."""
-    from ..preference.reference import check_reference
-
     check_reference(cfg, tokenizer, "grpo")
     load_rewards(cfg.reward_names(), None, cfg.grpo.format_pattern)
 

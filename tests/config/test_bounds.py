@@ -14,7 +14,7 @@ from llmtrain import files
 from llmtrain.config import DataConfig, load_config
 from llmtrain.config import load as config_load
 from llmtrain.config.load import parse_override
-from llmtrain.data.prepare import prepare_split
+from llmtrain.data.build import ROWS
 from llmtrain.data.rows import process_row
 from llmtrain.errors import ConfigError, DataError
 from tests.conftest import templated
@@ -152,7 +152,7 @@ def test_a_long_row_far_into_a_file_stops_the_run_naming_it(tmp_path, monkeypatc
     path = tmp_path / "rows.jsonl"  # past the rows read up front: found by datasets' reader
     path.write_text(rows(150) + json.dumps({"text": "x" * 3000}) + "\n")
     with pytest.raises(DataError) as e:
-        prepare_split("data.train", [str(path)], tokenizer, DataConfig(train=str(path)))
+        ROWS.prepare("data.train", [str(path)], tokenizer, DataConfig(train=str(path)))
     assert one_line(e).startswith(f"data.train: {path} line 151: a row longer than 1000 bytes")
 
 
@@ -207,7 +207,7 @@ def test_a_template_building_a_huge_text_stops_the_run(tmp_path, monkeypatch, to
     cfg = DataConfig(train=path, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}" + body)
     cfg.bad_rows = "skip"  # the template is at fault, not the row: it stops the run anyway
     with pytest.raises(DataError, match=why) as e:
-        prepare_split("data.train", [path], templated(tokenizer, cfg.chat_template_text()), cfg)
+        ROWS.prepare("data.train", [path], templated(tokenizer, cfg.chat_template_text()), cfg)
     assert one_line(e).startswith(f"data.train: {path} line 1: data.chat_template ")
     assert str(e.value).endswith(
         "on this row, past the bounds on rendering; fix the template, or set data.chat_template to another"
@@ -228,7 +228,7 @@ def test_a_template_nested_too_deeply_for_jinja_is_one_line(tmp_path, tokenizer)
     path = chat_rows(tmp_path)
     cfg = DataConfig(train=path, bad_rows="skip")
     with pytest.raises(DataError) as e:
-        prepare_split("data.train", [path], templated(tokenizer, deep), cfg)
+        ROWS.prepare("data.train", [path], templated(tokenizer, deep), cfg)
     assert one_line(e).startswith(f"data.train: {path} line 1: ") and "is nested too deeply to compile" in one_line(e)
     assert "fix the template" in one_line(e)
 
@@ -240,7 +240,7 @@ def test_a_model_template_that_loops_long_is_stopped_in_time(tmp_path, monkeypat
     path = chat_rows(tmp_path)
     started = time.monotonic()
     with pytest.raises(DataError) as e:
-        prepare_split("data.train", [path], own, DataConfig(train=path))
+        ROWS.prepare("data.train", [path], own, DataConfig(train=path))
     assert time.monotonic() - started < 5
     assert one_line(e) == (
         f"data.train: {path} line 1: the chat template of {tokenizer.name_or_path} (its tokenizer_config.json or "

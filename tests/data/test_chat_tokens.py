@@ -12,7 +12,7 @@ import pytest
 from llmtrain.config import DataConfig
 from llmtrain.data.rows import process_row
 from llmtrain.demo import CHAT_TEMPLATE, make_pairs, make_rows
-from llmtrain.preference.pairs import process_pair
+from llmtrain.preference.pairs import PAIRS
 from tests.conftest import templated
 
 CFG = DataConfig(max_seq_len=256)
@@ -36,9 +36,9 @@ def test_control_tokens_written_in_content_are_refused(tokenizer, fmt, user, ans
 
 
 def test_control_tokens_in_preference_pairs_are_refused(tokenizer):
-    out = process_pair({"prompt": FORGED, "chosen": "a", "rejected": "b"}, tokenizer, CFG)
+    out = PAIRS.process({"prompt": FORGED, "chosen": "a", "rejected": "b"}, tokenizer, CFG)
     assert out["status"].startswith("error: a user message's content holds '<|im_end|>'")
-    out = process_pair({"prompt": "q", "chosen": "a<|im_end|>", "rejected": "b"}, tokenizer, CFG)
+    out = PAIRS.process({"prompt": "q", "chosen": "a<|im_end|>", "rejected": "b"}, tokenizer, CFG)
     assert out["status"].startswith("error: an assistant message's content holds '<|im_end|>'")
 
 
@@ -86,7 +86,7 @@ def test_a_template_that_drops_what_a_row_carries_is_refused(tokenizer):
     status = process_row(plain, "chat", templated(tokenizer, no_system), brief)["status"]
     assert status.startswith("error: the chat template drops a system message")
     pair = {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [row["messages"][1]], "rejected": "5"}
-    assert "does not render the 'tool_calls'" in process_pair(pair, tokenizer, CFG)["status"]
+    assert "does not render the 'tool_calls'" in PAIRS.process(pair, tokenizer, CFG)["status"]
 
 
 def test_a_system_message_equal_to_the_templates_default_is_kept(tokenizer):
@@ -109,7 +109,7 @@ def test_rows_without_control_tokens_keep_their_ids(tokenizer):
         ex = process_row(row, "chat", tokenizer, CFG)
         assert ex["input_ids"] == tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)
     for pair in make_pairs(30, seed=1):
-        assert process_pair(pair, tokenizer, CFG)["status"] == "ok", json.dumps(pair)
+        assert PAIRS.process(pair, tokenizer, CFG)["status"] == "ok", json.dumps(pair)
 
 
 NO_SYSTEM = (
@@ -123,7 +123,7 @@ def test_a_template_that_refuses_data_system_prompt_names_the_setting_not_the_ro
     """Gemma-style templates refuse system messages. The one data.system_prompt puts first
     is the setting's fault, in every recipe's rows; a row's own is the row's; text rows get
     no system message, so the setting does not stop them."""
-    from llmtrain.rl.prompts import process_prompt
+    from llmtrain.rl.prompts import prompt_kind
 
     tok, cfg = templated(tokenizer, NO_SYSTEM), DataConfig(system_prompt="Be brief.")
     user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
@@ -133,8 +133,8 @@ def test_a_template_that_refuses_data_system_prompt_names_the_setting_not_the_ro
     assert process_row(own, "chat", tok, cfg)["status"].startswith("error: the chat template failed on this")
     assert process_row({"text": "plain text"}, "text", tok, cfg)["status"] == "ok"
     pair = {"prompt": [user], "chosen": [answer], "rejected": [{"role": "assistant", "content": "Bye"}]}
-    assert process_pair(pair, tok, cfg)["status"].startswith(setting)
-    assert process_prompt({"prompt": [user]}, tok, cfg, 16)["status"].startswith(setting)
+    assert PAIRS.process(pair, tok, cfg)["status"].startswith(setting)
+    assert prompt_kind(16).process({"prompt": [user]}, tok, cfg)["status"].startswith(setting)
     assert process_row({"messages": [user, answer]}, "chat", tok, DataConfig())["status"] == "ok"
     from llmtrain.data.rows import row_problem
 

@@ -1,10 +1,11 @@
 import json
+import typing
 
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data.prepare import prepare_split
-from llmtrain.data.rows import IGNORE, process_row
+from llmtrain.data.build import ROWS
+from llmtrain.data.rows import IGNORE, REQUIRED, process_row
 from llmtrain.errors import DataError
 from tests.conftest import templated
 
@@ -16,6 +17,13 @@ def trained_text(tokenizer, example) -> str:
 
 def row(tokenizer, data, fmt, **cfg):
     return process_row(data, fmt, tokenizer, DataConfig(**cfg))
+
+
+def test_data_format_offers_auto_and_every_row_format_rows_reads():
+    """config's DataConfig.format and rows.REQUIRED (the formats, in data.format=auto's
+    order) name the same formats: a format added to one is added to the other."""
+    offered = typing.get_args(typing.get_type_hints(DataConfig)["format"])
+    assert sorted(offered) == sorted(["auto", *REQUIRED])
 
 
 CHAT = {
@@ -103,7 +111,7 @@ def test_every_format_detected_and_sources_mixed(tmp_path, tokenizer):
     pd.DataFrame([{"text": "csv row"}]).to_csv(tmp_path / "t.csv", index=False)
     (tmp_path / "arr.json").write_text(json.dumps([{"text": "from a json array"}]))
     files += [str(tmp_path / "pc.parquet"), str(tmp_path / "t.csv"), str(tmp_path / "arr.json")]
-    ds, stats = prepare_split("data.train", files, tokenizer, DataConfig(train=files))
+    ds, stats = ROWS.prepare("data.train", files, tokenizer, DataConfig(train=files))
     assert len(ds) == stats.kept == stats.rows == 8
     texts = [tokenizer.decode(ids) for ids in ds["input_ids"]]
     assert texts[0] == "hello there<|im_end|>"
@@ -120,21 +128,21 @@ def test_length_policy_counts(tmp_path, tokenizer):
             {"messages": [{"role": "user", "content": "z" * 100}, {"role": "assistant", "content": "a"}]},
         ],
     )
-    _, stats = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32))
+    _, stats = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32))
     assert (stats.rows, stats.kept, stats.truncated) == (3, 2, 1)
     assert stats.dropped == {"no trained tokens": 1}
-    _, stats = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32, overlong="drop"))
+    _, stats = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32, overlong="drop"))
     assert stats.kept == 1 and stats.dropped == {"longer than data.max_seq_len": 2}
     assert "2 dropped (longer than data.max_seq_len)" in stats.summary("data.train")
     with pytest.raises(DataError, match=r"data.train: .*d.jsonl line 2: row is 101 tokens, above data.max_seq_len=32"):
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32, overlong="error"))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=32, overlong="error"))
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": "broken"\n')
     with pytest.raises(DataError, match=r"^data.train: .*bad.jsonl line 4: invalid JSON"):
-        prepare_split("data.train", [str(path)], tokenizer, DataConfig(train=str(path)))
+        ROWS.prepare("data.train", [str(path)], tokenizer, DataConfig(train=str(path)))
 
 
 def test_bad_row_names_file_and_line(tmp_path, tokenizer):
@@ -143,21 +151,21 @@ def test_bad_row_names_file_and_line(tmp_path, tokenizer):
     )
     problem = r"messages\[1\]: needs a 'content' \(text or a list of text parts\)"
     with pytest.raises(DataError, match=rf"rows.jsonl line 2: {problem}; data.bad_rows=skip would drop"):
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
 
 
 def test_unknown_columns_and_missing_file(tmp_path, tokenizer):
     path = write(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(DataError, match=r"cannot tell the row format from columns \['answer', 'question'\]"):
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
     with pytest.raises(DataError, match="data.eval: no such file: nope.jsonl"):
-        prepare_split("data.eval", ["nope.jsonl"], tokenizer, DataConfig(train="nope.jsonl"))
+        ROWS.prepare("data.eval", ["nope.jsonl"], tokenizer, DataConfig(train="nope.jsonl"))
 
 
 def test_all_rows_dropped_is_an_error(tmp_path, tokenizer):
     path = write(tmp_path / "long.jsonl", [{"text": "y" * 100}])
     with pytest.raises(DataError, match="no usable rows"):
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=16, overlong="drop"))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, max_seq_len=16, overlong="drop"))
 
 
 def test_tokenizer_without_pad_token_pads_with_eos(tokenizer):
@@ -176,8 +184,8 @@ def test_tokenizer_without_pad_token_pads_with_eos(tokenizer):
 
 def test_tokenization_is_cached(tmp_path, tokenizer):
     path = write(tmp_path / "c.jsonl", [CHAT] * 3)
-    first, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
-    second, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    first, _ = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
+    second, _ = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
     assert first.cache_files and first.cache_files == second.cache_files
 
 
@@ -187,7 +195,7 @@ def test_unreachable_hub_data_set_is_one_clear_error(tokenizer, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
     with pytest.raises(DataError, match=r"^data.train: could not load 'nobody/no-such-data:test' as a file or hub"):
-        prepare_split("data.train", ["nobody/no-such-data:test"], tokenizer, DataConfig(train="x"))
+        ROWS.prepare("data.train", ["nobody/no-such-data:test"], tokenizer, DataConfig(train="x"))
 
 
 # --- the row policy: nothing to train is dropped; malformed stops, or is skipped and counted
@@ -206,7 +214,7 @@ def test_rows_with_nothing_to_train_are_dropped_and_counted_with_the_reason(tmp_
             {"text": ""},
         ],
     )
-    _, stats = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    _, stats = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
     assert stats.summary("data.train") == (
         "data.train: 1/7 rows kept, 6 trained tokens; 2 dropped (empty answer); 1 dropped (empty conversation); "
         "1 dropped (empty text); 1 dropped (every assistant turn has train: false); 1 dropped (no assistant turn)"
@@ -221,7 +229,7 @@ def test_malformed_rows_are_skipped_and_named_under_bad_rows_skip(tmp_path, toke
     rows[2], rows[150] = BAD, {"messages": [{"role": "user", "content": 5}]}
     path = write(tmp_path / "rows.jsonl", rows)
     cfg = DataConfig(train=path, bad_rows="skip")
-    ds, stats = prepare_split("data.train", [path], tokenizer, cfg)
+    ds, stats = ROWS.prepare("data.train", [path], tokenizer, cfg)
     assert len(ds) == stats.kept == 198
     assert stats.summary("data.train").endswith(
         f"2 dropped (malformed, data.bad_rows=skip: {path} line 3: messages[0]: needs a 'role' of system, developer, "
@@ -229,7 +237,7 @@ def test_malformed_rows_are_skipped_and_named_under_bad_rows_skip(tmp_path, toke
         "'content' must be a string or a list of parts, got int)"
     )
     with pytest.raises(DataError, match=r"line 3: messages\[0\]: needs a 'role'.*data.bad_rows=skip would drop"):
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
 
 
 def test_too_many_malformed_rows_stop_the_run_anyway(tmp_path, tokenizer):
@@ -237,14 +245,14 @@ def test_too_many_malformed_rows_stop_the_run_anyway(tmp_path, tokenizer):
     rows[10] = rows[20] = rows[30] = BAD
     path = write(tmp_path / "rows.jsonl", rows)
     with pytest.raises(DataError) as e:
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.02))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.02))
     message = str(e.value)
     assert message.startswith(
         "data.max_bad_fraction: 3 of 100 rows of data.train are malformed (3.0%), more than 0.02; the first 3: "
         f"{path} line 11: messages[0]: needs a 'role'"
     )
     assert message.endswith("Fix the rows, or raise data.max_bad_fraction") and "\n" not in message
-    prepare_split("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.03))
+    ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, bad_rows="skip", max_bad_fraction=0.03))
 
 
 def test_text_content_parts_are_joined_and_other_parts_refused(tokenizer):
@@ -310,8 +318,8 @@ def test_system_prompt_goes_first_in_rows_without_their_own(tmp_path, tokenizer)
         row(tokenizer, own, "chat", system_prompt="Be brief.")["input_ids"] == row(tokenizer, own, "chat")["input_ids"]
     )
     path = write(tmp_path / "rows.jsonl", [plain])
-    a, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
-    b, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, system_prompt="Be brief."))
+    a, _ = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
+    b, _ = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, system_prompt="Be brief."))
     assert len(b[0]["input_ids"]) > len(a[0]["input_ids"])  # not the cached tokens of the first
     assert b[0]["input_ids"] == with_system["input_ids"]
 
@@ -353,7 +361,7 @@ def test_rows_that_fill_two_formats_are_read_as_the_first_and_said_so(tmp_path, 
     file mixing rows of one format each says nothing."""
     alpaca = {"instruction": "Say hi", "input": "", "output": "hi", "text": "Below is an instruction. Say hi. hi"}
     path = write(tmp_path / "a.jsonl", [alpaca, alpaca, {"text": "plain"}])
-    ds, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+    ds, _ = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
     err = capsys.readouterr().err
     assert (
         f"warning: data.train: {path}: 2 rows fill the fields of more than one row format (alpaca: "
@@ -361,11 +369,11 @@ def test_rows_that_fill_two_formats_are_read_as_the_first_and_said_so(tmp_path, 
         "set data.format=text to read them as that instead"
     ) in err
     assert tokenizer.decode(ds["input_ids"][0]).startswith("<|im_start|>user\nSay hi")
-    ds, _ = prepare_split("data.train", [path], tokenizer, DataConfig(train=path, format="text"))
+    ds, _ = ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path, format="text"))
     assert tokenizer.decode(ds["input_ids"][0]) == alpaca["text"] + "<|im_end|>"
     assert "more than one row format" not in capsys.readouterr().err
     mixed = write(tmp_path / "m.jsonl", [{"text": "plain"}, CHAT])
-    prepare_split("data.train", [mixed], tokenizer, DataConfig(train=mixed))
+    ROWS.prepare("data.train", [mixed], tokenizer, DataConfig(train=mixed))
     assert "more than one row format" not in capsys.readouterr().err
 
 
@@ -381,9 +389,9 @@ def test_a_row_with_more_text_than_a_row_may_hold_is_malformed_from_any_source(t
     path = str(tmp_path / "big.parquet")
     assert (tmp_path / "big.parquet").stat().st_size < 1 << 20
     with pytest.raises(DataError, match=rf"big.parquet row 1: the row holds more than {MAX_ROW_CHARS:,} characters"):
-        prepare_split("data.train", [path], tokenizer, DataConfig(train=path))
+        ROWS.prepare("data.train", [path], tokenizer, DataConfig(train=path))
     chat = write(tmp_path / "c.jsonl", [CHAT, {"messages": [{"role": "user", "content": huge}, CHAT["messages"][1]]}])
-    ds, stats = prepare_split(
+    ds, stats = ROWS.prepare(
         "data.train", [chat], tokenizer, DataConfig(train=chat, bad_rows="skip", max_bad_fraction=0.5)
     )
     assert len(ds) == 1 and stats.kept == 1

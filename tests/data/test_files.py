@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data.prepare import prepare_split
+from llmtrain.data.build import ROWS
 from llmtrain.data.sources import load_source
 from llmtrain.errors import DataError
 from llmtrain.files import read_rows
@@ -105,9 +105,9 @@ def test_a_jsonl_line_that_is_not_a_row_is_a_malformed_row(tmp_path, tokenizer, 
     path.write_bytes(content)
     config = DataConfig(train=str(path))
     with pytest.raises(DataError, match=rf"^data.train: {tmp_path}/{message}.*data.bad_rows=skip would drop"):
-        prepare_split("data.train", [str(path)], tokenizer, config)
+        ROWS.prepare("data.train", [str(path)], tokenizer, config)
     config = DataConfig(train=str(path), bad_rows="skip", max_bad_fraction=0.5)
-    ds, stats = prepare_split("data.train", [str(path)], tokenizer, config)
+    ds, stats = ROWS.prepare("data.train", [str(path)], tokenizer, config)
     assert len(ds) == stats.kept == 1 and stats.rows == 2
     assert f"1 dropped (malformed, data.bad_rows=skip: {path} line {message.split(' line ')[1].split(':')[0]}" in (
         stats.summary("data.train")
@@ -211,7 +211,7 @@ def test_a_bad_row_in_a_csv_names_its_file_line(tmp_path, tokenizer):
     path = tmp_path / "pc.csv"
     path.write_text('prompt,completion\n"spans\ntwo lines",ok\n"fine",\n')
     with pytest.raises(DataError, match=rf"^data.train: {path} line 4: no known format fits this row's fields"):
-        prepare_split("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=256))
+        ROWS.prepare("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=256))
 
 
 def test_a_conversation_the_chat_template_refuses_is_an_error_naming_its_line(tmp_path, tokenizer):
@@ -234,7 +234,7 @@ def test_a_conversation_the_chat_template_refuses_is_an_error_naming_its_line(tm
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as e:
-        prepare_split("data.train", [str(path)], templated(tokenizer, template), DataConfig(max_seq_len=256))
+        ROWS.prepare("data.train", [str(path)], templated(tokenizer, template), DataConfig(max_seq_len=256))
     assert str(e.value) == (
         f"data.train: {path} line 2: the chat template failed on this conversation (TemplateError: Conversation "
         "roles must alternate user/assistant); fix the row or set data.chat_template; data.bad_rows=skip would "

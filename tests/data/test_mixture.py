@@ -10,9 +10,9 @@ import torch
 
 from llmtrain.config import DataConfig, DataSource, load_config
 from llmtrain.data.batches import EpochSampler
+from llmtrain.data.build import ROWS
 from llmtrain.data.mixture import Mix, Mixture, hold_out, split_and_mix, training_set
 from llmtrain.data.packing import PackedDataset, pack_sources
-from llmtrain.data.prepare import prepare_split
 from llmtrain.data.stream import StreamedRows
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.errors import ConfigError, DataError
@@ -145,8 +145,8 @@ def test_the_summary_names_each_sources_rows_tokens_and_share(tmp_path, tokenize
     train = [DataSource(a, 0.5), b]
     cfg = load_config(None, ["model.name_or_path=m", "output_dir=o", "data.train=x", "data.eval_fraction=0.1"])
     cfg.data.train = train
-    rows, stats = prepare_split("data.train", [a, b], tokenizer, cfg.data)
-    rows, mix, held, lines = split_and_mix(cfg, rows, stats, tokenizer, prepare_split)
+    rows, stats = ROWS.prepare("data.train", [a, b], tokenizer, cfg.data)
+    rows, mix, held, lines = split_and_mix(cfg, rows, stats, tokenizer, ROWS.prepare)
     assert mix == Mix((18, 9), (0.5, 1.0)) and len(held) == 3 and len(rows) == 27
     assert lines[0].startswith("data.train: 30/30 rows kept")
     assert lines[1].startswith(

@@ -60,14 +60,14 @@ def plain_scores(final: Path, eval_file: Path) -> tuple[list[float], list[float]
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.preference.pairs import process_pair
+    from llmtrain.preference.pairs import PAIRS
 
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
     chosen, rejected = [], []
     with torch.no_grad():
         for line in eval_file.read_text().splitlines():
-            row = process_pair(json.loads(line), tokenizer, DataConfig())
+            row = PAIRS.process(json.loads(line), tokenizer, DataConfig())
             if row["status"] != "ok":
                 continue
             chosen.append(float(model(input_ids=torch.tensor([row["chosen_input_ids"]])).logits[0, 0]))

@@ -12,7 +12,7 @@ import torch
 from llmtrain.config import DataConfig
 from llmtrain.data.rows import IGNORE
 from llmtrain.preference.kto import KTOLoss, kto_losses
-from llmtrain.preference.unpaired import KLCompletions, UnpairedCollator, prepare_unpaired, process_unpaired
+from llmtrain.preference.unpaired import UNPAIRED, KLCompletions, UnpairedCollator
 from tests.conftest import rows_dataset
 
 CFG = DataConfig(max_seq_len=256)
@@ -34,8 +34,8 @@ def trained_text(tokenizer, labels) -> str:
 
 
 def numbered(tokenizer, rows, cfg=CFG):
-    """The rows tokenized as prepare_unpaired keeps them, numbered as build_datasets numbers them."""
-    out = [process_unpaired(r, tokenizer, cfg) for r in rows]
+    """The rows tokenized as UNPAIRED.prepare keeps them, numbered as build_datasets numbers them."""
+    out = [UNPAIRED.process(r, tokenizer, cfg) for r in rows]
     assert all(o["status"] in ("ok", "truncated") for o in out), [o["status"] for o in out]
     return rows_dataset([o | {"row_index": i} for i, o in enumerate(out)], f"kto-test-{len(rows)}-{cfg.max_seq_len}")
 
@@ -44,10 +44,10 @@ def numbered(tokenizer, rows, cfg=CFG):
 
 
 def test_a_row_is_tokenized_as_a_pairs_answer_with_its_label(tokenizer):
-    from llmtrain.preference.pairs import process_pair
+    from llmtrain.preference.pairs import PAIRS
 
-    out = process_unpaired(ROWS[0], tokenizer, CFG)
-    pair = process_pair({"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}, tokenizer, CFG)
+    out = UNPAIRED.process(ROWS[0], tokenizer, CFG)
+    pair = PAIRS.process({"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}, tokenizer, CFG)
     assert out["input_ids"] == pair["chosen_input_ids"] and out["labels"] == pair["chosen_labels"]
     assert out["desirable"] is True and out["status"] == "ok"
     assert trained_text(tokenizer, out["labels"]).startswith("4")
@@ -70,7 +70,7 @@ def test_a_row_is_tokenized_as_a_pairs_answer_with_its_label(tokenizer):
             "label": False,
         }
     )
-    outs = [process_unpaired(r, tokenizer, CFG) for r in same]
+    outs = [UNPAIRED.process(r, tokenizer, CFG) for r in same]
     assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
@@ -89,7 +89,7 @@ def test_a_row_is_tokenized_as_a_pairs_answer_with_its_label(tokenizer):
     ],
 )  # fmt: skip
 def test_malformed_and_empty_rows_are_reported(tokenizer, row, status):
-    assert process_unpaired(row, tokenizer, CFG)["status"].startswith(status)
+    assert UNPAIRED.process(row, tokenizer, CFG)["status"].startswith(status)
 
 
 def test_a_malformed_row_stops_the_run_naming_its_file_and_line(tokenizer, tmp_path):
@@ -99,24 +99,24 @@ def test_a_malformed_row_stops_the_run_naming_its_file_and_line(tokenizer, tmp_p
     rows = [ROWS[0], {"prompt": "a", "completion": "b", "label": None}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as e:
-        prepare_unpaired("data.train", [str(path)], tokenizer, CFG)
+        UNPAIRED.prepare("data.train", [str(path)], tokenizer, CFG)
     assert str(e.value).startswith(f"data.train: {path} line 2: a KTO row needs 'prompt', 'completion' and 'label'")
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
     with pytest.raises(DataError) as e:
-        prepare_unpaired("data.train", [str(pairs)], tokenizer, CFG)
+        UNPAIRED.prepare("data.train", [str(pairs)], tokenizer, CFG)
     assert "dpo.loss=kto reads unpaired rows with 'prompt', 'completion' and 'label'" in str(e.value)
     assert "turn each pair into two rows" in str(e.value)
 
 
 def test_unpaired_rows_given_as_pairs_point_to_kto(tokenizer, tmp_path):
     from llmtrain.errors import DataError
-    from llmtrain.preference.pairs import prepare_pairs
+    from llmtrain.preference.pairs import PAIRS
 
     path = tmp_path / "kto.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     with pytest.raises(DataError, match=r"train on these rows with recipes/dpo.py with dpo.loss=kto \(they are"):
-        prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+        PAIRS.prepare("data.train", [str(path)], tokenizer, CFG)
 
 
 def test_csv_labels_are_read_from_their_text(tokenizer, tmp_path):
@@ -136,22 +136,22 @@ def test_csv_labels_are_read_from_their_text(tokenizer, tmp_path):
             assert (text.strip().lower() == "true") == r["label"]
             writer.writerow([r["prompt"], r["completion"], text])
     columns = ["input_ids", "labels", "desirable"]
-    read = [prepare_unpaired("data.train", [str(p)], tokenizer, CFG)[0] for p in (jsonl, table)]
+    read = [UNPAIRED.prepare("data.train", [str(p)], tokenizer, CFG)[0] for p in (jsonl, table)]
     assert [read[0][c] for c in columns] == [read[1][c] for c in columns]
     assert read[1]["desirable"] == [True, False, True]
     table.write_text(table.read_text().replace("False", "yes"))
     with pytest.raises(DataError, match=r"kto.csv line 3: 'label' must be true .* got 'yes'"):
-        prepare_unpaired("data.train", [str(table)], tokenizer, CFG)
+        UNPAIRED.prepare("data.train", [str(table)], tokenizer, CFG)
 
 
 def test_an_overlong_row_loses_its_prompt_from_the_left(tokenizer):
     row = {"prompt": "x" * 60 + "What is 2 + 2?", "completion": "4", "label": True}
-    whole = process_unpaired(row, tokenizer, CFG)
-    cut = process_unpaired(row, tokenizer, DataConfig(max_seq_len=30, overlong="truncate"))
+    whole = UNPAIRED.process(row, tokenizer, CFG)
+    cut = UNPAIRED.process(row, tokenizer, DataConfig(max_seq_len=30, overlong="truncate"))
     assert cut["status"] == "truncated" and len(cut["input_ids"]) == 30
     assert cut["input_ids"] == whole["input_ids"][-30:] and cut["labels"] == whole["labels"][-30:]
     assert cut["prompt_tokens"] == whole["prompt_tokens"] - (len(whole["input_ids"]) - 30)
-    assert process_unpaired(row, tokenizer, DataConfig(max_seq_len=30, overlong="drop"))["status"].startswith(
+    assert UNPAIRED.process(row, tokenizer, DataConfig(max_seq_len=30, overlong="drop"))["status"].startswith(
         "too long"
     )
 
@@ -164,13 +164,13 @@ def test_a_rows_kl_sequence_is_its_prompt_with_the_next_rows_completion(tokenize
     assert len(view) == len(ROWS)
     for i in range(len(ROWS)):
         item = view[i]
-        alone = process_unpaired(ROWS[i], tokenizer, CFG)
+        alone = UNPAIRED.process(ROWS[i], tokenizer, CFG)
         assert (item["input_ids"], item["labels"], item["row_index"]) == (alone["input_ids"], alone["labels"], i)
         assert item["desirable"] == ROWS[i]["label"]
         mixed = dict(ROWS[i], completion=ROWS[(i + 1) % len(ROWS)]["completion"])
         if isinstance(mixed["prompt"], str) and not isinstance(mixed["completion"], str):
             mixed["prompt"] = [{"role": "user", "content": mixed["prompt"]}]
-        expected = process_unpaired(mixed, tokenizer, CFG)
+        expected = UNPAIRED.process(mixed, tokenizer, CFG)
         assert item["kl_input_ids"] == expected["input_ids"], i
         assert item["kl_labels"] == expected["labels"], i
 

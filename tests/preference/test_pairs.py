@@ -6,7 +6,7 @@ import pytest
 
 from llmtrain.config import DataConfig
 from llmtrain.data.rows import IGNORE
-from llmtrain.preference.pairs import pair_messages, process_pair
+from llmtrain.preference.pairs import PAIRS, pair_messages
 from tests.conftest import templated
 from tests.data.test_data import TOOLS_TEMPLATE
 
@@ -31,7 +31,7 @@ def check_pair(tokenizer, out, chosen: str, rejected: str):
 
 
 def test_string_pairs_go_through_the_chat_template_with_the_end_of_turn_trained(tokenizer):
-    out = process_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, tokenizer, CFG)
+    out = PAIRS.process({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, tokenizer, CFG)
     check_pair(tokenizer, out, "4", "5")
     chosen_trained = [t for t in out["chosen_labels"] if t != IGNORE]
     assert len(chosen_trained) > 1  # the answer and the template's end of turn
@@ -46,7 +46,7 @@ def test_conversational_pairs_train_only_what_follows_the_prompt(tokenizer):
         {"role": "user", "content": "2+2="},
     ]
     row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
-    out = process_pair(row, tokenizer, CFG)
+    out = PAIRS.process(row, tokenizer, CFG)
     check_pair(tokenizer, out, "4", "5")
     assert "2" not in trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"])
 
@@ -75,7 +75,7 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
     # UltraFeedback as HuggingFaceH4 publishes it: a prompt beside whole conversations, which
     # repeat it (taken off, as TRL does, not rendered twice).
     shapes.append({**shapes[2], "prompt": user})
-    outs = [process_pair(row, tokenizer, CFG) for row in shapes]
+    outs = [PAIRS.process(row, tokenizer, CFG) for row in shapes]
     assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
@@ -103,7 +103,7 @@ def test_the_three_shapes_give_the_same_tokens_for_the_same_pair(tokenizer):
     ],
 )  # fmt: skip
 def test_pairs_with_nothing_to_compare_are_dropped_and_malformed_ones_are_errors(tokenizer, row, status):
-    assert process_pair(row, tokenizer, CFG)["status"].startswith(status)
+    assert PAIRS.process(row, tokenizer, CFG)["status"].startswith(status)
 
 
 def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
@@ -115,7 +115,7 @@ def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
         "rejected": [{"role": "assistant", "content": "8"}],
     }
     plain = {"prompt": "3+4=", "chosen": "7", "rejected": "8"}
-    assert process_pair(parts, tokenizer, CFG) == process_pair(plain, tokenizer, CFG)
+    assert PAIRS.process(parts, tokenizer, CFG) == PAIRS.process(plain, tokenizer, CFG)
 
     call = {"type": "function", "function": {"name": "add", "arguments": "3,4"}}
     row = {
@@ -124,37 +124,38 @@ def test_pair_messages_are_read_as_chat_rows_are(tokenizer):
         "rejected": [{"role": "assistant", "content": "8"}],
         "tools": [{"name": "add"}],
     }
-    out = process_pair(row, templated(tokenizer, TOOLS_TEMPLATE), CFG)
+    out = PAIRS.process(row, templated(tokenizer, TOOLS_TEMPLATE), CFG)
     assert out["status"] == "ok", out["status"]
     assert trained_text(tokenizer, out["chosen_input_ids"], out["chosen_labels"]) == "<call>add(3,4)</call><|im_end|>\n"
     assert tokenizer.decode(out["chosen_input_ids"]).startswith("<|im_start|>system\ntools: add<|im_end|>")
 
     bad = dict(plain, chosen=[{"role": "bot", "content": "7"}])
-    assert process_pair(bad, tokenizer, CFG)["status"].startswith("error: chosen[0]: needs a 'role' of system")
+    assert PAIRS.process(bad, tokenizer, CFG)["status"].startswith("error: chosen[0]: needs a 'role' of system")
 
     system = DataConfig(max_seq_len=256, system_prompt="be brief")
-    out = process_pair(plain, tokenizer, system)
+    out = PAIRS.process(plain, tokenizer, system)
     assert tokenizer.decode(out["chosen_input_ids"]).startswith("<|im_start|>system\nbe brief<|im_end|>")
-    assert process_pair(plain, tokenizer, CFG)["chosen_input_ids"] != out["chosen_input_ids"]
+    assert PAIRS.process(plain, tokenizer, CFG)["chosen_input_ids"] != out["chosen_input_ids"]
 
 
 def test_an_over_long_pair_loses_its_prompt_from_the_left_first(tokenizer):
     row = {"prompt": "x" * 80, "chosen": "good answer", "rejected": "bad"}
-    full = process_pair(row, tokenizer, CFG)
+    full = PAIRS.process(row, tokenizer, CFG)
     width = max(len(full["chosen_input_ids"]), len(full["rejected_input_ids"])) - 30
-    out = process_pair(row, tokenizer, DataConfig(max_seq_len=width))
+    out = PAIRS.process(row, tokenizer, DataConfig(max_seq_len=width))
     assert out["status"] == "truncated"
     assert max(len(out["chosen_input_ids"]), len(out["rejected_input_ids"])) <= width
     for side in ("chosen", "rejected"):  # the answers are whole
         assert [t for t in out[f"{side}_labels"] if t != IGNORE] == [t for t in full[f"{side}_labels"] if t != IGNORE]
-    assert process_pair(row, tokenizer, DataConfig(max_seq_len=width, overlong="drop"))["status"].startswith("too long")
+    assert PAIRS.process(row, tokenizer, DataConfig(max_seq_len=width, overlong="drop"))["status"].startswith(
+        "too long"
+    )
 
 
 def test_a_file_of_pairs_is_prepared_with_lines_in_its_errors_and_counts(tmp_path, tokenizer):
     import json
 
     from llmtrain.errors import DataError
-    from llmtrain.preference.pairs import prepare_pairs
 
     rows = [
         {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
@@ -163,23 +164,23 @@ def test_a_file_of_pairs_is_prepared_with_lines_in_its_errors_and_counts(tmp_pat
     ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ds, stats = prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+    ds, stats = PAIRS.prepare("data.train", [str(path)], tokenizer, CFG)
     assert len(ds) == 2 and stats.summary("data.train").startswith("data.train: 2/3 rows kept")
     assert "1 dropped (identical answers)" in stats.summary("data.train")
     path.write_text(path.read_text() + '{"prompt": "x", "chosen": 1, "rejected": "y"}\n')
     with pytest.raises(DataError, match=rf"^data.train: {path} line 4: 'chosen' must be a string"):
-        prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+        PAIRS.prepare("data.train", [str(path)], tokenizer, CFG)
     sft = tmp_path / "sft.jsonl"
     sft.write_text('{"text": "a"}\n')
     with pytest.raises(DataError, match=r"preference pairs need 'chosen' and 'rejected'"):
-        prepare_pairs("data.train", [str(sft)], tokenizer, CFG)
+        PAIRS.prepare("data.train", [str(sft)], tokenizer, CFG)
 
 
 def test_the_collator_keeps_each_pair_in_one_batch_chosen_rows_first(tokenizer):
     from llmtrain.preference.pairs import PairCollator
 
     pairs = [
-        process_pair({"prompt": p, "chosen": c, "rejected": r}, tokenizer, CFG) | {"pair_index": i}
+        PAIRS.process({"prompt": p, "chosen": c, "rejected": r}, tokenizer, CFG) | {"pair_index": i}
         for i, (p, c, r) in enumerate((("1+1=", "2", "three"), ("2+2=", "four", "5")))
     ]
     batch = PairCollator(0)(pairs)
@@ -196,11 +197,10 @@ def test_the_collator_keeps_each_pair_in_one_batch_chosen_rows_first(tokenizer):
 def demo_pairs(tmp_path_factory, tokenizer):
     """12 of the demo's pairs (all three shapes), tokenized and numbered."""
     from llmtrain.demo import make_pairs, write_jsonl
-    from llmtrain.preference.pairs import prepare_pairs
 
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     write_jsonl(make_pairs(12, seed=5), path)
-    ds, _ = prepare_pairs("data.train", [str(path)], tokenizer, CFG)
+    ds, _ = PAIRS.prepare("data.train", [str(path)], tokenizer, CFG)
     return ds.add_column("pair_index", list(range(len(ds))))
 
 

@@ -21,13 +21,13 @@ def sets(tmp_path_factory, tokenizer):
     """7 train pairs and 4 eval pairs, numbered 0..6 and 7..10."""
     from llmtrain.config import DataConfig
     from llmtrain.demo import make_pairs, write_jsonl
-    from llmtrain.preference.pairs import prepare_pairs
+    from llmtrain.preference.pairs import PAIRS
 
     root = tmp_path_factory.mktemp("ref")
     out, first = [], 0
     for name, n, seed in (("train", 7, 1), ("eval", 4, 2)):
         write_jsonl(make_pairs(n, seed), root / f"{name}.jsonl")
-        ds, _ = prepare_pairs(f"data.{name}", [str(root / f"{name}.jsonl")], tokenizer, DataConfig(max_seq_len=256))
+        ds, _ = PAIRS.prepare(f"data.{name}", [str(root / f"{name}.jsonl")], tokenizer, DataConfig(max_seq_len=256))
         out.append(ds.add_column("pair_index", list(range(first, first + len(ds)))))
         first += len(ds)
     return out
@@ -233,7 +233,7 @@ def references(tmp_path_factory, tiny_model):
 
 @pytest.mark.parametrize("name", ["same", "padded", "weights_only"])
 def test_a_reference_with_the_policys_token_ids_is_accepted(references, tiny_model, tokenizer, name):
-    from llmtrain.preference.reference import check_reference
+    from llmtrain.model import check_reference
 
     cfg = load_config(
         None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"dpo.reference={references[name]}"], DPOConfig
@@ -256,7 +256,7 @@ def test_a_reference_that_reads_other_token_ids_is_one_error_before_anything_loa
     tokenizer, or a bigger vocabulary that cannot be shown to be the policy's, trained
     against log-probs of other texts without a word."""
     from llmtrain.errors import UserError
-    from llmtrain.preference.reference import check_reference
+    from llmtrain.model import check_reference
 
     cfg = load_config(
         None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"dpo.reference={references[name]}"], DPOConfig
@@ -272,7 +272,7 @@ def test_a_reference_that_reads_other_token_ids_is_one_error_before_anything_loa
 def test_a_reference_path_that_is_no_directory_says_so(tiny_model, tokenizer, tmp_path, section):
     """Not the hub's rules for repository names, which a path never meets."""
     from llmtrain.errors import UserError
-    from llmtrain.preference.reference import check_reference
+    from llmtrain.model import check_reference
     from llmtrain.rl.config import GRPOConfig
 
     missing = tmp_path / "sft" / "final"

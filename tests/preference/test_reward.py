@@ -12,8 +12,8 @@ from llmtrain.config import DataConfig
 from llmtrain.demo import make_pairs
 from llmtrain.errors import DataError
 from llmtrain.model import pad_id
-from llmtrain.preference.pairs import PackedPairs, PairCollator, prepare_pairs, process_pair
-from llmtrain.preference.reward import RewardLoss, score_head
+from llmtrain.preference.pairs import PAIRS, PackedPairs, PairCollator
+from llmtrain.preference.reward import REWARD_PAIRS, RewardLoss, score_head
 from tests.architectures import ARCHITECTURES
 from tests.conftest import rows_dataset
 
@@ -28,7 +28,7 @@ def reward_model(path, tokenizer, attn="sdpa"):
 
 
 def pairs(tokenizer, n=5, margins=None):
-    rows = [process_pair(p, tokenizer, DataConfig(max_seq_len=96)) for p in make_pairs(n, seed=3)]
+    rows = [PAIRS.process(p, tokenizer, DataConfig(max_seq_len=96)) for p in make_pairs(n, seed=3)]
     rows = [r for r in rows if r["status"] == "ok"]
     for i, r in enumerate(rows):
         r["pair_index"] = i
@@ -112,10 +112,10 @@ def test_a_bad_margin_is_one_error_naming_the_line(tokenizer, tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError, match=r"pairs.jsonl line 2: 'margin' must be a finite number, got 'large'"):
-        prepare_pairs("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=96, bad_rows="error"), margins=True)
+        REWARD_PAIRS.prepare("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=96, bad_rows="error"))
     rows[1]["margin"] = 1.5
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ds, _ = prepare_pairs("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=96), margins=True)
+    ds, _ = REWARD_PAIRS.prepare("data.train", [str(path)], tokenizer, DataConfig(max_seq_len=96))
     assert ds["margin"][1] == 1.5 and ds["margin"][0] == 0.0
 
 
@@ -134,9 +134,9 @@ def test_csv_margins_are_read_from_their_text(tokenizer, tmp_path):
 
     cfg = DataConfig(max_seq_len=96, bad_rows="error")
     write(["1.5", "", "-2", " 3 "])
-    ds, _ = prepare_pairs("data.train", [str(path)], tokenizer, cfg, margins=True)
+    ds, _ = REWARD_PAIRS.prepare("data.train", [str(path)], tokenizer, cfg)
     assert ds["margin"] == [1.5, 0.0, -2.0, 3.0]
     for bad in ("large", "nan"):
         write(["1.5", bad, "-2", "3"])
         with pytest.raises(DataError, match=rf"pairs.csv line 3: 'margin' must be a finite number, got '{bad}'"):
-            prepare_pairs("data.train", [str(path)], tokenizer, cfg, margins=True)
+            REWARD_PAIRS.prepare("data.train", [str(path)], tokenizer, cfg)

@@ -141,7 +141,7 @@ def test_a_reward_model_scores_completions_as_transformers_scores_the_rendered_p
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.preference.pairs import process_pair
+    from llmtrain.preference.pairs import PAIRS
 
     (reward,) = load_rewards([f"reward_model:{reward_model_dir}"], {"answer"})
     prompts = ["What is 2 + 2?", [{"role": "user", "content": "Uppercase: cat"}], "What is 3 + 1?", "Say hi"]
@@ -151,7 +151,9 @@ def test_a_reward_model_scores_completions_as_transformers_scores_the_rendered_p
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
     for i in range(3):
         other = "x" if completions[i] != "x" else "y"
-        row = process_pair({"prompt": prompts[i], "chosen": completions[i], "rejected": other}, tokenizer, DataConfig())
+        row = PAIRS.process(
+            {"prompt": prompts[i], "chosen": completions[i], "rejected": other}, tokenizer, DataConfig()
+        )
         with torch.no_grad():
             want = float(model(input_ids=torch.tensor([row["chosen_input_ids"]])).logits[0, 0])
         assert got[i] == pytest.approx(want, rel=1e-4, abs=1e-6), i
