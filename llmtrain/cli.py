@@ -13,7 +13,6 @@ from pathlib import Path
 
 from .config import Config, load_config
 from .config.validate import DEMO_NAMES
-from .data.mixture import names
 from .distributed.launch import process_group_backend
 from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
@@ -41,7 +40,7 @@ def parse_args(
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
     cfg = load_config(args.config, args.overrides, schema, sections)
-    own = [cfg.model.name_or_path, *names(cfg.data.train)]
+    own = [cfg.model.name_or_path, *cfg.data.names()]
     if args.config == default_config and any(name not in DEMO_NAMES for name in own):
         from accelerate import PartialState
 

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 from . import safefs
+from .config.schema import as_list
 from .config.validate import DEMO_NAMES, PathKey, map_paths, named
-from .data.sources import as_list
 
 DEMO_VERSION = "v3"
 CHAT_TEMPLATE = (

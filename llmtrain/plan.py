@@ -26,7 +26,7 @@ from .cli import user_errors
 from .config import load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
 from .data.batches import EpochSampler
-from .data.mixture import names, packer, sources, split_and_mix, training_set
+from .data.mixture import packer, split_and_mix, training_set
 from .data.stream import StreamedRows
 from .errors import ConfigError, DataError, describe
 from .files import read_own
@@ -287,7 +287,6 @@ def plan(argv: list[str]) -> None:
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(
             "data.train",
-            sources(cfg.data.train),
             tokenizer,
             dataclasses.replace(cfg.data, shuffle=False),
             t.seed,
@@ -304,12 +303,12 @@ def plan(argv: list[str]) -> None:
         lengths, steps_per_epoch = [len(r["input_ids"]) for r in ds], None
         data_lines.append(f"streamed; the first rows read: {stream.stats.summary('data.train')}")
         data_lines += stream.source_lines()
-        if names(cfg.data.eval):  # its bad rows and missing files are found now, not at the first evaluation
+        if cfg.data.names("eval"):  # its bad rows and missing files are found now, not at the first evaluation
             data_lines.append(
-                kind.prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)[1].summary("data.eval")
+                kind.prepare("data.eval", cfg.data.names("eval"), tokenizer, cfg.data)[1].summary("data.eval")
             )
     else:
-        ds, stats = kind.prepare("data.train", names(cfg.data.train), tokenizer, cfg.data)
+        ds, stats = kind.prepare("data.train", cfg.data.names(), tokenizer, cfg.data)
         ds, mix, _, data_lines = split_and_mix(cfg, ds, stats, tokenizer, kind.prepare, kind.unit)
         lengths = ds["length"]
         pack = packer(kind.packed, kind.width * cfg.data.max_seq_len, "", "", lambda line: None)

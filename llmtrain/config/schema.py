@@ -36,6 +36,11 @@ from .validate import (
 )
 
 
+def as_list(value) -> list:
+    """A key that takes one entry or a list of them (data.train, data.eval), as a list."""
+    return [value] if isinstance(value, str) and value else list(value or [])
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = False
@@ -163,6 +168,14 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle the training rows (or packed sequences) every epoch, seeded by train.seed;
     false keeps the order of the files (a curriculum)."""
+
+    def sources(self) -> list[DataSource]:
+        """data.train's entries, each a DataSource (a plain path or hub name takes fraction 1)."""
+        return [v if isinstance(v, DataSource) else DataSource(v) for v in as_list(self.train)]
+
+    def names(self, split: str = "train") -> list[str]:
+        """The paths or hub names of data.train (split 'train') or data.eval ('eval')."""
+        return [v.path if isinstance(v, DataSource) else v for v in as_list(getattr(self, split))]
 
     def chat_template_text(self) -> str | None:
         """The template to put on the tokenizer: data.chat_template's text (read from its

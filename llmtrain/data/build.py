@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..config import DataConfig
 from ..distributed.launch import main_first
 from .kind import DataKind
-from .mixture import names, packer, sources, split_and_mix, training_set
+from .mixture import packer, split_and_mix, training_set
 from .packing import PackedDataset
 from .prepare import check_source
 from .rows import EMPTY, process_row
@@ -39,10 +39,8 @@ def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
 
     with main_first(accelerator):
         if data.streaming:
-            entries = sources(data.train)
             train_set = StreamedRows(
                 "data.train",
-                entries,
                 tokenizer,
                 data,
                 cfg.train.seed,
@@ -50,15 +48,15 @@ def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
                 accelerator.num_processes,
             )
             accelerator.print(
-                f"data.train: streaming {len(entries)} source(s); rows are tokenized"
+                f"data.train: streaming {len(data.sources())} source(s); rows are tokenized"
                 f"{' and packed' if data.packing else ''} as they are read"
             )
             eval_set = None
-            if names(data.eval):
-                eval_set, stats = kind.prepare("data.eval", names(data.eval), tokenizer, data)
+            if data.names("eval"):
+                eval_set, stats = kind.prepare("data.eval", data.names("eval"), tokenizer, data)
                 accelerator.print(stats.summary("data.eval"))
         else:
-            rows, stats = kind.prepare("data.train", names(data.train), tokenizer, data)
+            rows, stats = kind.prepare("data.train", data.names(), tokenizer, data)
             rows, mix, eval_set, lines = split_and_mix(cfg, rows, stats, tokenizer, kind.prepare, kind.unit)
             for line in lines:
                 accelerator.print(line)

@@ -16,17 +16,6 @@ import torch
 
 from ..config import DataConfig, DataSource
 from ..errors import DataError, warn
-from .sources import as_list
-
-
-def sources(value) -> list[DataSource]:
-    """data.train's entries, a plain path as fraction 1."""
-    return [v if isinstance(v, DataSource) else DataSource(v) for v in as_list(value)]
-
-
-def names(value) -> list[str]:
-    """The paths or hub names of data.train or data.eval."""
-    return [s.path for s in sources(value)]
 
 
 @dataclass(frozen=True)
@@ -100,7 +89,7 @@ def split_and_mix(cfg, rows, stats, tokenizer, prepare, what: str = "rows"):
     `rows` and `stats` (from `prepare`, the kind's: kind.DataKind.prepare):
     data.eval prepared too, or data.eval_fraction held out of the rows. Returns (training
     rows, Mix, evaluation rows or None, lines describing it all)."""
-    entries = sources(cfg.data.train)
+    entries = cfg.data.sources()
     sizes = [kept for _, kept, _ in stats.per_source]
     lines = [stats.summary("data.train")]
     eval_rows = None
@@ -111,8 +100,8 @@ def split_and_mix(cfg, rows, stats, tokenizer, prepare, what: str = "rows"):
             f"{cfg.data.eval_fraction:g}, seeded by train.seed), {sum(eval_rows['n_trained'])} trained tokens; "
             f"{len(rows)} {what} left in data.train"
         )
-    elif names(cfg.data.eval):
-        eval_rows, eval_stats = prepare("data.eval", names(cfg.data.eval), tokenizer, cfg.data)
+    elif cfg.data.names("eval"):
+        eval_rows, eval_stats = prepare("data.eval", cfg.data.names("eval"), tokenizer, cfg.data)
         lines.append(eval_stats.summary("data.eval"))
     mix = Mix(tuple(sizes), tuple(e.fraction for e in entries))
     if len(entries) > 1 or mix.mixed:

@@ -38,10 +38,6 @@ class Source:
         return TextRow(parsed) if self.text else parsed
 
 
-def as_list(x) -> list[str]:
-    return [x] if isinstance(x, str) and x else list(x or [])
-
-
 def load_source(name: str, key: str, streaming: bool = False) -> Source:
     """A file or hub data set as a datasets.Dataset, or with `streaming` as an
     IterableDataset read while it is iterated. Local .jsonl/.json/.csv files are read by

@@ -24,11 +24,10 @@ import sys
 
 import torch
 
-from ..config import DataConfig, DataSource
+from ..config import DataConfig
 from ..errors import DataError, describe, warn
 from ..files import user_cause
 from ..template import TemplateLimit
-from .mixture import sources
 from .packing import join_rows
 from .prepare import DataStats, check_source, template_error
 from .rows import KEPT, process_row, row_problem, several_formats
@@ -44,7 +43,6 @@ class StreamedRows(torch.utils.data.IterableDataset):
     def __init__(
         self,
         key: str,
-        entries: list[str | DataSource],  # data.train's entries
         tokenizer,
         cfg: DataConfig,
         seed: int,
@@ -58,7 +56,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.report = report
         self.seed, self.epoch = seed, 0
         self.several_warned: set[tuple[str, str]] = set()  # (source, formats) said once (rows)
-        self.entries = entries = sources(entries)
+        self.entries = entries = cfg.sources()  # data.train's
         self.streams: list[tuple[Source, object]] = []
         for entry in entries:
             src = load_source(entry.path, key, streaming=True)

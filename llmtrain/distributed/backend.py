@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 
+from ..model import is_quantized
 from .topology import Topology
 
 
@@ -27,8 +28,6 @@ class Backend:
     def place(self, model):
         """The model on the process's device, unless the backend places it in `prepare`
         or it was loaded quantized, straight onto the device (model.quantization)."""
-        from ..model import is_quantized
-
         return model if self.topology.places_weights or is_quantized(model) else model.to(self.accelerator.device)
 
     def loss_scale(self, count: int) -> float:

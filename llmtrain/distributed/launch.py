@@ -16,6 +16,7 @@ from accelerate.utils import DistributedType, parse_flag_from_env
 from ..config import Config
 from ..errors import ConfigError, UserError
 from ..observe.metrics import tracker_name
+from .stop import launched_by_launcher, proc_strings
 from .topology import Topology
 
 
@@ -93,8 +94,6 @@ def use_cpu_cores(device_type: str) -> int | None:
     set is passed on to processes this one starts. Written by hand because the workers
     cannot tell Accelerate's default from a user's choice without reading the launcher's
     environment and command line. Returns the threads set, or None where nothing changed."""
-    from .stop import launched_by_launcher, proc_strings
-
     if device_type != "cpu" or os.environ.get("OMP_NUM_THREADS") != "1" or torch.get_num_threads() != 1:
         return None
     parent = os.getppid()

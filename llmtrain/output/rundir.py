@@ -414,10 +414,8 @@ def identity(recipe: str, cfg) -> dict:
     by the config and pinned by their revision, so only files are fingerprinted; streamed
     files by size and modification time only (data.streaming is for corpora too large to
     read an extra time at every start)."""
-    from ..data.mixture import names
-
     data = {}
-    for name in names(cfg.data.train):
+    for name in cfg.data.names():
         try:
             if not Path(name).is_file():
                 continue

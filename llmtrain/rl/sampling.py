@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from ..data.rows import stop_ids
+from ..distributed.backend import root_unsharded
 
 MASK64 = (1 << 64) - 1
 
@@ -115,8 +116,6 @@ class HFGenerator:
         )
         processors = [] if seeds is None else [SeededSampling(seeds, self.temperature, self.top_k, self.top_p)]
         from transformers import LogitsProcessorList
-
-        from ..distributed.backend import root_unsharded
 
         was_training = model.training
         model.eval()

@@ -257,7 +257,7 @@ def test_a_streamed_row_past_a_template_bound_stops_the_stream_naming_it(tmp_pat
     body = "{% for m in messages %}{{ m.content * 10**6 }}{% endfor %}"  # 'hi' a million times: 2 million characters
     cfg = DataConfig(train=path, chat_template=body, shuffle=False, bad_rows="skip")
     with pytest.raises(DataError) as e:
-        list(StreamedRows("data.train", [path], templated(tokenizer, body), cfg, seed=7, rank=0, world=1))
+        list(StreamedRows("data.train", templated(tokenizer, body), cfg, seed=7, rank=0, world=1))
     assert one_line(e).startswith(f"data.train: {path} line 1: data.chat_template builds a text of more than 1000000")
 
 

@@ -250,7 +250,7 @@ def test_a_streamed_file_names_the_line_of_a_row_it_cannot_read(tmp_path, tokeni
     path = tmp_path / "late.csv"
     good = "".join(f'"question {i}\nspans two lines",answer {i}\n' for i in range(150))
     path.write_bytes(f"prompt,completion\n{good}".encode() + b"bad,caf\xe9\n")
-    stream = StreamedRows("data.train", [str(path)], tokenizer, DataConfig(train="x", shuffle=False), 0, 0, 1)
+    stream = StreamedRows("data.train", tokenizer, DataConfig(train=str(path), shuffle=False), 0, 0, 1)
     with pytest.raises(DataError, match=rf"^data.train: {path} line 302: not UTF-8 text \(byte 0xe9\)"):
         list(stream)
 

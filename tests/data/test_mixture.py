@@ -169,11 +169,10 @@ def test_streamed_sources_are_drawn_in_proportion_to_their_fractions(tmp_path, t
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     write_jsonl([{"text": f"a{i}"} for i in range(400)], a)
     write_jsonl([{"text": f"b{i}"} for i in range(400)], b)
-    config = DataConfig(train="x", max_seq_len=32, shuffle=False)
-    entries = [DataSource(str(a), 3.0), DataSource(str(b), 1.0)]
+    config = DataConfig(train=[DataSource(str(a), 3.0), DataSource(str(b), 1.0)], max_seq_len=32, shuffle=False)
 
     def read(e=0, rank=0):
-        stream = StreamedRows("data.train", entries, tokenizer, config, seed=7, rank=rank, world=1)
+        stream = StreamedRows("data.train", tokenizer, config, seed=7, rank=rank, world=1)
         stream.set_epoch(e)
         return texts(stream, tokenizer)
 
@@ -185,7 +184,7 @@ def test_streamed_sources_are_drawn_in_proportion_to_their_fractions(tmp_path, t
     assert read() == first and read(e=1) != first  # the same draw again (resume), another each pass
 
     # Per-source counts of what was read so far, as llmtrain plan shows for a stream's start
-    stream = StreamedRows("data.train", entries, tokenizer, config, seed=7, rank=0, world=1)
+    stream = StreamedRows("data.train", tokenizer, config, seed=7, rank=0, world=1)
     start = list(islice(stream.rows(), 200))
     source = [t[0] for t in texts(start, tokenizer)]
     n_a = source.count("a")

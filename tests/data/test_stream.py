@@ -2,6 +2,7 @@
 and the real recipe on two DDP processes (same losses as prepared data; uneven ranks; a
 stop on a bad row that keeps a checkpoint and resumes to the same run)."""
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -35,7 +36,8 @@ def cfg(**kw) -> DataConfig:
 def shares(path: Path, tokenizer, config: DataConfig, world: int = 2, epoch: int = 0) -> list[list[tuple]]:
     out = []
     for rank in range(world):
-        stream = StreamedRows("data.train", [str(path)], tokenizer, config, seed=7, rank=rank, world=world)
+        given = dataclasses.replace(config, train=str(path))
+        stream = StreamedRows("data.train", tokenizer, given, seed=7, rank=rank, world=world)
         stream.set_epoch(epoch)
         out.append([tuple(e["input_ids"]) for e in stream])
     return out
@@ -65,7 +67,7 @@ def test_sources_are_read_in_turn(tmp_path, tokenizer):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     write_jsonl([{"text": f"a{i}"} for i in range(3)], a)
     write_jsonl([{"text": f"b{i}"} for i in range(1)], b)
-    stream = StreamedRows("data.train", [str(a), str(b)], tokenizer, cfg(shuffle=False), seed=7, rank=0, world=1)
+    stream = StreamedRows("data.train", tokenizer, cfg(train=[str(a), str(b)], shuffle=False), seed=7, rank=0, world=1)
     texts = [tokenizer.decode(e["input_ids"], skip_special_tokens=True) for e in stream]
     assert texts == ["a0", "b0", "a1", "a2"]
 
@@ -132,9 +134,8 @@ def test_a_streamed_malformed_row_is_skipped_under_bad_rows_skip_until_too_many_
     write_jsonl(rows, path)
     stream = StreamedRows(
         "data.train",
-        [str(path)],
         tokenizer,
-        cfg(shuffle=False, bad_rows="skip", max_bad_fraction=0.05),
+        cfg(train=str(path), shuffle=False, bad_rows="skip", max_bad_fraction=0.05),
         seed=7,
         rank=0,
         world=1,
