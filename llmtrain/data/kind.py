@@ -1,7 +1,7 @@
 """What a recipe's examples are (`DataKind`): all the one row pipeline needs to make them
 from rows, and all the one builder (build.py) needs to hold out, pack and number them. Each
 method's wing declares its kinds (build.ROWS for SFT rows, preference/pairs.PAIRS,
-preference/reward.REWARD_PAIRS, preference/unpaired.UNPAIRED, rl/prompts.grpo_prompts) with
+preference/reward_model.REWARD_PAIRS, preference/unpaired.UNPAIRED, rl/prompts.grpo_prompts) with
 this module, which sits below the builder, the stream and the mixture.
 
 Every kind's rows go the same way (prepare.prepare): each source's columns checked

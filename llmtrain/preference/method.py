@@ -23,7 +23,7 @@ from .kto import KTOLoss
 from .loss import PreferenceLoss
 from .pairs import PairCollator
 from .reference import ReferencePass
-from .reward import REWARD_PAIRS, RewardLoss, score_head
+from .reward_model import REWARD_PAIRS, RewardLoss, score_head
 from .unpaired import UnpairedCollator, preference_data
 
 

@@ -16,9 +16,9 @@ scale_i, the divisor of the centred rewards, or None to leave them as they are:
     none    no scaling                                                (Dr. GRPO)
 
 To add one: write `scale(grouped, spread) -> [completions] divisors, or None` from the
-[groups, group] weighted totals and each group's spread ([groups, 1]), add it to
-ESTIMATORS under its name, and add the name to grpo.scale_rewards' Literal
-(config/schema.py). The objective (loss.GRPOLoss) holds the estimator's name, and the
+[groups, group] weighted totals and each group's spread ([groups, 1]) and add it to
+ESTIMATORS under its name: grpo.scale_rewards takes the table's names (rl/config.py). The
+objective (loss.GRPOLoss) holds the estimator's name, and the
 rollouts ask it for the advantages.
 """
 

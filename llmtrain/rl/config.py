@@ -1,5 +1,7 @@
 """recipes/grpo.py's config tree: Config plus the grpo section (group size, sampling,
-rewards, advantages, loss, KL), with the checks GRPO makes of the shared sections."""
+rewards, advantages, loss, KL), with the checks GRPO makes of the shared sections.
+grpo.loss_type and grpo.scale_rewards take the names of rl/loss.LOSS_TYPES and
+rl/advantages.ESTIMATORS, so a new loss type or estimator is one entry there."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Annotated, ClassVar, Literal
 
 from ..config import Config
 from ..config.validate import ASSET, AT_LEAST_1, PATHS_IN_NAME, POSITIVE, Bounds
+from .advantages import ESTIMATORS
+from .loss import LOSS_TYPES
 
 
 @dataclass
@@ -43,10 +47,10 @@ class GRPOSection:
     format_pattern: str = ""
     """The regular expression the built-in 'format' reward asks a whole completion to match
     (after stripping spaces at its ends)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: Literal[tuple(ESTIMATORS)] = "group"
     """Advantage = reward - its group's mean, divided by the group's standard deviation
     (group), the whole global batch's (batch), or not divided (none, as Dr. GRPO)."""
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: Literal[tuple(LOSS_TYPES)] = "dapo"
     """How per-token losses become the step's loss (docs/grpo.md): grpo, the mean over
     completions of each one's per-token mean; dr_grpo, the sum over tokens divided by
     completions x grpo.max_completion_length; dapo, the mean over every completion token

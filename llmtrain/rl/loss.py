@@ -24,8 +24,8 @@ per_token): a micro-batch's loss is sum_t (per_token(r_t, A_t, 1 - epsilon, 1 + 
 (clip_ratio, kl) are given per unit (UNIT_WEIGHTS). To add a loss type (GSPO, CISPO): write
 its per-token loss and, if none here fits, its token weights (functions of (mask, rows,
 dtype, L): the [rows, T] trained mask, each trained token's row, the loss's dtype and
-max_completion_length), add one LossType row to LOSS_TYPES under its name, and add the name
-to grpo.loss_type's Literal (config/schema.py).
+max_completion_length) and add one LossType row to LOSS_TYPES under its name: grpo.loss_type
+takes the table's names (rl/config.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from llmtrain.data.build import ROWS
 from llmtrain.demo import make_pairs, make_prompts, make_rows, unpaired_rows, write_jsonl
 from llmtrain.errors import DataError
 from llmtrain.preference.pairs import PAIRS
-from llmtrain.preference.reward import REWARD_PAIRS
+from llmtrain.preference.reward_model import REWARD_PAIRS
 from llmtrain.preference.unpaired import UNPAIRED
 from llmtrain.rl.prompts import prompt_kind
 from tests.conftest import templated

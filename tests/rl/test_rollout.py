@@ -8,7 +8,7 @@ import torch
 
 from llmtrain.config import DataConfig
 from llmtrain.rl.loss import GRPOLoss
-from llmtrain.rl.prompts import process_prompt
+from llmtrain.rl.prompts import prompt_kind
 from llmtrain.rl.rewards import Reward
 from llmtrain.rl.rollout import Rollouts, RolloutSettings
 from llmtrain.rl.sampling import Completions
@@ -51,7 +51,8 @@ def value(completions, **kwargs):
 def prompts(tokenizer, n: int):
     import datasets
 
-    rows = [process_prompt({"prompt": f"Say {i}", "id": i}, tokenizer, DataConfig(max_seq_len=64), 8) for i in range(n)]
+    kind, cfg = prompt_kind(8), DataConfig(max_seq_len=64)
+    rows = [kind.process({"prompt": f"Say {i}", "id": i}, tokenizer, cfg) for i in range(n)]
     return datasets.Dataset.from_list(rows)
 
 
@@ -83,7 +84,7 @@ def test_steps_per_pass_are_whole_rounds_times_iterations():
 
 
 def test_the_settings_are_read_from_the_config():
-    from llmtrain.config import GRPOConfig
+    from llmtrain.rl.config import GRPOConfig
 
     cfg = GRPOConfig()
     cfg.grpo.num_generations, cfg.grpo.num_iterations, cfg.grpo.reward_weights = 4, 3, [1.0, 0.5]

@@ -1,4 +1,4 @@
-"""Reward models (preference/reward.py): a sequence is scored where transformers' own
+"""Reward models (preference/reward_model.py): a sequence is scored where transformers' own
 sequence classifiers read it, padded or packed, on every kind of architecture; the loss is
 the Bradley-Terry loss with margins and centring; margins are checked per row."""
 
@@ -13,7 +13,7 @@ from llmtrain.demo import make_pairs
 from llmtrain.errors import DataError
 from llmtrain.model import pad_id
 from llmtrain.preference.pairs import PAIRS, PackedPairs, PairCollator
-from llmtrain.preference.reward import REWARD_PAIRS, RewardLoss, score_head
+from llmtrain.preference.reward_model import REWARD_PAIRS, RewardLoss, score_head
 from tests.architectures import ARCHITECTURES
 from tests.conftest import rows_dataset
 
@@ -60,7 +60,7 @@ def test_scores_are_read_where_transformers_reads_them_padded_and_packed(zoo, to
     padded = PairCollator(pad_id(tokenizer))(rows)
     packed_set = PackedPairs(rows_dataset(rows, f"reward-{name}"), capacity=256)
     packed = PairCollator(pad_id(tokenizer), 256, margins=True)([packed_set[j] for j in range(len(packed_set))])
-    from llmtrain.preference.reward import sequence_scores
+    from llmtrain.preference.reward_model import sequence_scores
 
     with torch.no_grad():
         got_padded = sequence_scores(model, padded, objective.score, 2 * len(rows), objective.pad_id)[0]
