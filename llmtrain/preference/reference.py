@@ -161,7 +161,7 @@ def check_finite(table: torch.Tensor, cfg, precision: str) -> None:
 
 
 class ReferencePass:
-    """`recipe.Parts.after_prepare` for a preference run that needs the table: reads it
+    """`core/method.Parts.after_prepare` for a preference run that needs the table: reads it
     from output_dir's cache or computes it, and gives it to the objective."""
 
     def __init__(self, cfg, objective, sets: list, collator, make_reference=None, index: str = "pair_index"):

@@ -207,7 +207,7 @@ class UnpairedCollator:
 
 # Unpaired rows for the one builder (build.build_datasets): numbered (`row_index`) for the
 # reference log-probs computed once before training, each split given its KL completions;
-# never packed (config.DPOConfig refuses data.packing with dpo.loss=kto).
+# never packed (preference/config.DPOConfig refuses data.packing with dpo.loss=kto).
 UNPAIRED = DataKind(
     unpaired_columns,
     "unpaired-v3",
