@@ -410,27 +410,29 @@ def recipe_named(config: Path, overrides: list[str]) -> str:
     return "finetune"
 
 
-HELP = """usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe finetune|dpo|grpo|reward]
+def usage() -> str:
+    """`llmtrain --help`: plan's usage, and every method's recipe from the method table."""
+    recipes = "".join(
+        f"  accelerate launch recipes/{m.name}.py [--config F] [key.sub=value ...]\n      {m.description}\n"
+        for m in METHODS.values()
+    )
+    return f"""usage: llmtrain plan [--config F] [--accelerate-config F] [--recipe {"|".join(METHODS)}]
                      [key.sub=value ...]
 
 commands:
   plan   what a run would do, without training: the data (rows kept and dropped, one
          rendered row), the model, memory per device, the launch and its batch sizes
 
-training runs through the recipes (see README.md):
-  accelerate launch recipes/finetune.py [--config F] [key.sub=value ...]   supervised fine-tuning
-  accelerate launch recipes/dpo.py [--config F] [key.sub=value ...]        preference tuning
-  accelerate launch recipes/grpo.py [--config F] [key.sub=value ...]       online RL from rewards
-  accelerate launch recipes/reward.py [--config F] [key.sub=value ...]     reward models
-  python recipes/finetune.py --prepare-only --config F                     tokenize into the cache
-  python -m llmtrain.demo score DIR                                        score a model on the demo task
+training runs through the recipes (see README.md), one per method:
+{recipes}  python recipes/finetune.py --prepare-only --config F     tokenize into the cache
+  python -m llmtrain.demo score DIR                         score a model on the demo task
 with no --config, the recipes run the offline demo."""
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["plan", "-h"], ["plan", "--help"]):
-        print(HELP)
+        print(usage())
         return
     if not argv or argv[0] != "plan":
         said = f"unknown command {argv[0]!r}; " if argv else ""
