@@ -1,26 +1,18 @@
-"""Shared fixtures: a tiny Llama + tokenizer built locally, data files, and a runner for
-the real recipe (one process, or two DDP processes on CPU through accelerate launch)."""
+"""The suite's fixtures: the recipes' environment (private caches; it starts and stops the
+fork server), a tiny Llama and its tokenizer built locally, the model zoo, a chat file, a
+base config, a finished run the tests read, and a planted link's target. Helpers the tests
+import (launching runs, reading them, shared rows) are in tests/support/."""
 
-import contextlib
-import json
 import os
-import select
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from llmtrain.demo import build_model_dir, make_rows, write_jsonl
-
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "finetune.py"
-DPO_RECIPE = ROOT / "recipes" / "dpo.py"
-REWARD_RECIPE = ROOT / "recipes" / "reward.py"
+from tests.support.architectures import build
+from tests.support.links import VICTIM_TEXT
+from tests.support.runs import BASE_CONFIG, FORKS, recipe_args, run_recipe
 
 
 @pytest.fixture(scope="session")
@@ -42,67 +34,6 @@ def cache_env(tmp_path_factory):
     FORKS.stop()
 
 
-class ForkServer:
-    """Runs one-process commands through tests/forkserver.py, which has imported the stack
-    once, when the command's environment is the one it started with (cache_env); see that
-    file for why this is the same run a subprocess would give."""
-
-    def __init__(self):
-        self.env, self.proc = None, None
-
-    # Read at run time, so a command may differ from the server's environment in these.
-    RUNTIME = {"ACCELERATE_USE_CPU"}
-
-    def serves(self, env: dict) -> bool:
-        def imported(e):
-            return {k: v for k, v in e.items() if k not in self.RUNTIME}
-
-        on = os.environ.get("LLMTRAIN_TEST_NO_FORK") != "1"
-        return on and self.env is not None and imported(env) == imported(self.env)
-
-    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "forkserver.py")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=self.env,
-                cwd=ROOT,
-                text=True,
-            )
-        with tempfile.TemporaryDirectory() as tmp:
-            out, err = Path(tmp) / "out", Path(tmp) / "err"
-            request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            pid = self._answer(60 + 60)["pid"]  # the first request waits for the imports
-            answer = self._answer(timeout)
-            if answer is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                self._answer(60)
-                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_text(), err.read_text())
-            return subprocess.CompletedProcess([sys.executable, *argv], answer["rc"], out.read_text(), err.read_text())
-
-    def _answer(self, timeout: float) -> dict | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("tests/forkserver.py died; run with LLMTRAIN_TEST_NO_FORK=1 to see the command alone")
-        return json.loads(line)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-            self.proc = None
-
-
-FORKS = ForkServer()
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer Llama with the demo's character tokenizer and chat template."""
@@ -113,10 +44,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory, tokenizer):
-    """name -> a saved tiny model of that architecture (tests/architectures.py), built on
-    first use with the tiny model's tokenizer."""
-    from tests.architectures import build
-
+    """name -> a saved tiny model of that architecture (tests/support/architectures.py),
+    built on first use with the tiny model's tokenizer."""
     root, built = tmp_path_factory.mktemp("zoo"), {}
 
     def get(name):
@@ -161,23 +90,6 @@ def finished_run(base_config, tiny_model, chat_file, cache_env, tmp_path_factory
     return out, args
 
 
-def copy_run(run: tuple[Path, list[str]], to: Path) -> list[str]:
-    """Copy a finished run (`finished_run`) to `to`; returns its arguments writing there."""
-    import shutil
-
-    source, args = run
-    shutil.copytree(source, to)
-    return [f"output_dir={to}" if a.startswith("output_dir=") else a for a in args]
-
-
-BASE_CONFIG = """\
-# Test runs: plain settings, no demo tuning, quiet output.
-log: {tracker: none, progress_bar: false}
-train: {schedule: constant, lr: 1.0e-3, seed: 7, epochs: 1}
-data: {max_seq_len: 256}
-"""
-
-
 @pytest.fixture(scope="session")
 def base_config(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cfg") / "base.yaml"
@@ -185,197 +97,13 @@ def base_config(tmp_path_factory) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def recipe_args(config, model, data, out, *extra: str) -> list[str]:
-    """A test run's recipe arguments: its config, model, training data and output directory,
-    then `extra` overrides."""
-    return ["--config", str(config), f"model.name_or_path={model}", f"data.train={data}", f"output_dir={out}", *extra]
-
-
-def launch_command(
-    args: list[str], topology: str = "cpu_ddp", nproc: int = 2, precision: str = "no", recipe: Path = RECIPE
-) -> list[str]:
-    """A recipe's command as the docs give it: `python recipes/<r>.py ...` for topology
-    "one", else `accelerate launch --config_file accelerate_configs/<topology>.yaml` (a
-    shipped config, by name) with this process count and precision."""
-    if topology == "one":
-        return [sys.executable, str(recipe), *args]
-    config = ROOT / "accelerate_configs" / f"{topology}.yaml"
-    flags = ["--config_file", str(config), "--num_processes", str(nproc), "--mixed_precision", precision]
-    port = ["--main_process_port", str(free_port())]
-    return [sys.executable, "-m", "accelerate.commands.launch", *flags, *port, str(recipe), *args]
-
-
-def launch_env(env: dict, topology: str) -> dict:
-    """A launch's environment: DeepSpeed picks its CPU accelerator itself; every other
-    multi-process CPU launch needs ACCELERATE_USE_CPU=1 (accelerate's launcher does not
-    pass the config's use_cpu on to the processes)."""
-    if topology == "one" or topology.startswith("ds_"):
-        return {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
-    return dict(env, ACCELERATE_USE_CPU="1")
-
-
-def run_python(command: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """subprocess.run(command, capture_output=True, text=True) for a `python ...` command,
-    through the fork server where it serves `env`."""
-    assert command[0] == sys.executable
-    if FORKS.serves(env):
-        return FORKS.run(command[1:], env, cwd, timeout)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-
-
-def launch(
-    args: list[str],
-    env: dict,
-    topology: str = "cpu_ddp",
-    nproc: int = 2,
-    precision: str = "no",
-    recipe: Path = RECIPE,
-    check: bool = True,
-    timeout: int = 600,
-) -> subprocess.CompletedProcess:
-    """Run a recipe (recipes/finetune.py unless told) as a user would, on one process
-    (topology "one") or through a shipped accelerate config; returns the CompletedProcess,
-    after checking it succeeded unless `check` is false."""
-    proc = run_python(launch_command(args, topology, nproc, precision, recipe), launch_env(env, topology), timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def run_recipe(args: list[str], env: dict, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
-    """`launch` on one process, or on `nproc` CPU processes under DDP (cpu_ddp.yaml)."""
-    return launch(args, env, "one" if nproc == 1 else "cpu_ddp", nproc, **kw)
-
-
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
-
-
-def train_rows(output_dir: Path) -> list[dict]:
-    return [r for r in metrics(output_dir) if "loss" in r]
-
-
-def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE, topology: str = "", **popen) -> subprocess.Popen:
-    """Start a recipe in the background as a real process (its own session, output on
-    stdout), on one process or `nproc` under DDP, or under the given topology; `popen`
-    goes to subprocess.Popen (a preexec_fn, say)."""
-    topology = topology or ("one" if nproc == 1 else "cpu_ddp")
-    return subprocess.Popen(
-        launch_command(args, topology, nproc, recipe=recipe),
-        env=launch_env(cache_env, topology),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        **popen,
-    )
-
-
-def wait_for(condition, proc, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every worker (torchrun starts workers in sessions of their
-    own, so killing the launcher's process group alone would leave them running)."""
-    import psutil
-
-    parent = psutil.Process(proc.pid)
-    procs = [parent, *parent.children(recursive=True)]
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-
-    def gone(p) -> bool:  # exited: a zombie has closed its files (and released its locks) too
-        try:
-            return p.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    # SIGKILL is delivered at once but a process takes a moment to exit; until it has, it
-    # holds its files, the output_dir lock among them, which the next run would find held.
-    deadline = time.time() + 30
-    while not all(gone(p) for p in procs) and time.time() < deadline:
-        time.sleep(0.01)
-
-
-def kill_run(proc: subprocess.Popen) -> None:
-    """SIGKILL a started run, every rank and the launcher, and wait until it is gone."""
-    kill_tree(proc)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    time.sleep(0.5)
-
-
-def rewind(out: Path, step: int, source: Path | None = None) -> None:
-    """Make `out` what a run killed right after checkpoint step-`step` leaves behind (a copy
-    of the finished run `source`, if given): final/ and every later checkpoint removed."""
-    import shutil
-
-    if source is not None:
-        shutil.copytree(source, out)
-    shutil.rmtree(out / "final")
-    for ckpt in (out / "checkpoints").glob("step-*"):
-        if int(ckpt.name.split("-")[1]) > step:
-            shutil.rmtree(ckpt)
-
-
-def rows_dataset(rows: list[dict], name: str):
-    """An in-memory Dataset of `rows` under a given fingerprint. Dataset.from_list computes
-    one by pickling the table with dill, which failed on the GPU machine (Python 3.12,
-    pyarrow 26: "Can't pickle <class 'MonthDayNano'>"); a test's rows need none."""
-    import datasets
-    import pyarrow as pa
-
-    return datasets.Dataset(pa.Table.from_pylist(rows), fingerprint=name)
-
-
-def packed_samples(packed, examples):
-    """(pack index, the sample's span in that pack, its input ids alone as a batch of one)
-    for every sample of a PackedDataset built from `examples`."""
-    import torch
-
-    for j, rows in enumerate(packed.bins):
-        start = 0
-        for i in rows:
-            ids = torch.tensor([examples[i]["input_ids"]])
-            yield j, slice(start, start + ids.shape[1]), ids
-            start += ids.shape[1]
-
-
-def final_weights(directory: Path) -> dict:
-    """Every weight a save_pretrained directory holds, from model.safetensors or from the
-    shards its model.safetensors.index.json lists (checked to cover them all)."""
-    from safetensors.torch import load_file
-
-    index = directory / "model.safetensors.index.json"
-    if not index.exists():
-        return load_file(directory / "model.safetensors")
-    weight_map = json.loads(index.read_text())["weight_map"]
-    weights = {}
-    for shard in sorted(set(weight_map.values())):
-        weights |= load_file(directory / shard)
-    assert weights.keys() == weight_map.keys()
-    return weights
-
-
-def templated(tokenizer, template: str):
-    """A copy of `tokenizer` carrying `template`: what model.load_tokenizer gives for a run
-    with data.chat_template set (the data code reads the template from the tokenizer)."""
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
+@pytest.fixture
+def victim(tmp_path):
+    """A file and a directory outside output_dir that a planted link points at."""
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "file").write_text(VICTIM_TEXT)
+    (outside / "dir" / "keep").write_text(VICTIM_TEXT)
+    out = tmp_path / "run"
+    out.mkdir()
+    return SimpleNamespace(out=out, file=outside / "file", dir=outside / "dir")

@@ -9,7 +9,7 @@ import torch
 
 from llmtrain.attention import choose, describe_pattern, layer_types
 from llmtrain.errors import AttentionError
-from tests.architectures import ARCHITECTURES
+from tests.support.architectures import ARCHITECTURES
 
 
 def llama():
@@ -455,7 +455,7 @@ def test_a_model_that_attends_both_ways_keeps_the_padding_mask_and_is_not_packed
     from transformers import Gemma3ForCausalLM
 
     from llmtrain.attention import padding_needs_mask
-    from tests.architectures import config
+    from tests.support.architectures import config
 
     mcfg = config("gemma3", tokenizer)
     mcfg.use_bidirectional_attention = True

@@ -10,7 +10,7 @@ import pytest
 from llmtrain.config import DataConfig
 from llmtrain.data.rows import IGNORE, process_row
 from llmtrain.preference.pairs import PAIRS
-from tests.conftest import ROOT
+from tests.support.runs import ROOT
 
 
 def load(name: str):
@@ -88,8 +88,6 @@ def test_dpo_pairs_spread_and_fit_the_max_length(tokenizer):
 def test_the_checksum_measurement_runs():
     import subprocess
     import sys
-
-    from tests.conftest import ROOT
 
     proc = subprocess.run(
         [sys.executable, "benchmarks/checkpoint_checksums.py", "--gib", "0.01"],

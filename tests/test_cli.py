@@ -7,6 +7,7 @@ import pytest
 
 from llmtrain import cli
 from llmtrain.errors import DataError
+from tests.support.runs import ROOT, free_port
 
 
 class Store:
@@ -95,8 +96,6 @@ def test_a_multi_process_run_ends_with_its_code_without_interpreter_teardown(tmp
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, free_port
-
     script = tmp_path / "ending.py"
     script.write_text(ENDING)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
@@ -138,8 +137,6 @@ def test_a_process_whose_peer_left_says_so_in_one_line(tmp_path):
     import os
     import subprocess
     import sys
-
-    from tests.conftest import ROOT, free_port
 
     script = tmp_path / "leaving.py"
     script.write_text(LEAVING)

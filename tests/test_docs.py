@@ -17,7 +17,7 @@ from llmtrain.config.load import flat_dict
 from llmtrain.config.schema import field_docs
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS
-from tests.conftest import ROOT
+from tests.support.runs import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmtrain.errors import describe
-from tests.conftest import ROOT
+from tests.support.runs import ROOT
 
 
 def test_describe_gives_the_first_line_and_what_a_colon_announces():
@@ -272,7 +272,7 @@ def fill(text: str, values: dict) -> str:
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
-    """Every case run once, in one process (tests/error_runs.py); returns (what each
+    """Every case run once, in one process (tests/support/error_runs.py); returns (what each
     printed and exited with, the values of the placeholders)."""
     root = tmp_path_factory.mktemp("mistakes")
     for name, text in FILES.items():
@@ -304,7 +304,7 @@ def outcomes(tiny_model, chat_file, cache_env, tmp_path_factory):
     }
     (root / "cases.json").write_text(json.dumps(spec))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "error_runs.py"), str(root / "cases.json")],
+        [sys.executable, str(ROOT / "tests" / "support" / "error_runs.py"), str(root / "cases.json")],
         env=cache_env,
         cwd=ROOT,
         capture_output=True,

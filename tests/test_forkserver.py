@@ -1,4 +1,4 @@
-"""The fork server (tests/forkserver.py) runs a command as `python` would: the same output,
+"""The fork server (tests/support/forkserver.py) runs a command as `python` would: the same output,
 exit code, working directory, environment, signal handlers and exit handlers."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FORKS, ROOT, free_port
+from tests.support.runs import FORKS, ROOT, free_port
 
 SCRIPT = """\
 import atexit, json, os, signal, sys
@@ -99,7 +99,7 @@ def test_a_child_starts_with_the_handlers_exec_would_leave_it(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import signal, sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests' / 'support')!r})\n"
         "from forkserver import fresh_handlers\n"
         "ignored_at_start = signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
         "for sig in (signal.SIGINT, signal.SIGTERM):\n"

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 from llmtrain.methods import METHODS
-from tests.conftest import ROOT
+from tests.support.runs import ROOT
 
 PKG = ROOT / "llmtrain"
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.runs import ROOT
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])

@@ -3,7 +3,7 @@ import pytest
 from llmtrain.config import ModelConfig
 from llmtrain.errors import ModelError
 from llmtrain.model import check_model
-from tests.conftest import recipe_args, run_recipe
+from tests.support.runs import recipe_args, run_recipe
 
 
 def test_sequences_within_the_model_positions_pass(tiny_model):
@@ -179,7 +179,7 @@ def test_a_causal_lm_that_attends_both_ways_is_refused_and_a_reward_model_is_not
     from transformers import AutoModelForCausalLM
 
     from llmtrain.model import attention_backend
-    from tests.architectures import config
+    from tests.support.architectures import config
 
     mcfg = config("gemma3", tokenizer)
     mcfg.use_bidirectional_attention = True

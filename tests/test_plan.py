@@ -9,7 +9,7 @@ from llmtrain.config import load_config
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.methods import METHODS
 from llmtrain.plan import Launch, count_params, memory_estimate
-from tests.conftest import ROOT, run_python
+from tests.support.runs import ROOT, run_python
 
 LLMTRAIN = str(Path(sys.executable).parent / "llmtrain")
 

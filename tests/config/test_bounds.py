@@ -17,7 +17,7 @@ from llmtrain.config.load import parse_override
 from llmtrain.data.build import ROWS
 from llmtrain.data.rows import process_row
 from llmtrain.errors import ConfigError, DataError
-from tests.conftest import templated
+from tests.support.data import templated
 
 
 def one_line(e: pytest.ExceptionInfo, longest: int = 600) -> str:

@@ -6,7 +6,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, sections
 from llmtrain.preference.config import DPOConfig, RewardConfig
 from llmtrain.rl.config import GRPOConfig
-from tests.conftest import ROOT, run_recipe
+from tests.support.runs import ROOT, run_recipe
 
 SHIPPED = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 

@@ -134,3 +134,67 @@ def test_a_name_no_filesystem_takes_is_refused_in_any_path_key():
         with pytest.raises(ConfigError) as e:
             load_config(None, [*required("grpo"), f"{key}=[{value}]" if many else f"{key}={value}"], TREES["grpo"])
         assert any(p.startswith(f"{key}: a name of 5000 characters") for p in e.value.problems), key
+
+
+def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch, tmp_path):
+    from llmtrain.config import load_config
+    from llmtrain.preference.config import DPOConfig
+
+    home = tmp_path / "home"
+    (home / "t").mkdir(parents=True)
+    (home / "t" / "chat.jinja").write_text("{{ messages }}")
+    monkeypatch.setenv("HOME", str(home))
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "output_dir: ~/runs/x\n"
+        "model: {name_or_path: ~/models/m}\n"
+        "data: {train: [~/a.jsonl, {path: ~/b.jsonl, fraction: 0.5}], eval: ~/e.jsonl, chat_template: ~/t/chat.jinja}\n"
+        "checkpoint: {resume: ~/runs/old/checkpoints/step-2}\n"
+        "dpo: {reference: ~/models/ref}\n"
+    )
+    cfg = load_config(config, [], DPOConfig)
+    assert cfg.output_dir == f"{home}/runs/x"
+    assert cfg.model.name_or_path == f"{home}/models/m"
+    assert cfg.data.train[0] == f"{home}/a.jsonl" and cfg.data.train[1].path == f"{home}/b.jsonl"
+    assert cfg.data.eval == [f"{home}/e.jsonl"] or cfg.data.eval == f"{home}/e.jsonl"
+    assert cfg.data.chat_template == f"{home}/t/chat.jinja"
+    assert cfg.checkpoint.resume == f"{home}/runs/old/checkpoints/step-2"
+    assert cfg.dpo.reference == f"{home}/models/ref"
+    cfg = load_config(None, ["output_dir=~/runs/y", "data.train=~/c.jsonl", "model.name_or_path=owner/name"])
+    assert cfg.output_dir == f"{home}/runs/y" and cfg.data.train in (f"{home}/c.jsonl", [f"{home}/c.jsonl"])
+    assert cfg.model.name_or_path == "owner/name"  # a hub name is left alone
+
+
+def test_environment_variables_are_expanded_in_path_keys_and_an_unset_one_is_an_error(monkeypatch, tmp_path):
+    from llmtrain.config import load_config
+    from llmtrain.errors import ConfigError
+    from llmtrain.preference.config import DPOConfig
+
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setenv("RUN", "r1")
+    monkeypatch.delenv("NOPE", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "output_dir: $SCRATCH/runs/${RUN}-x\n"
+        "model: {name_or_path: $SCRATCH/m}\n"
+        "data:\n"
+        "  train:\n"
+        "    - $SCRATCH/a.jsonl\n"
+        "    - {path: '${SCRATCH}/b.jsonl', fraction: 0.5}\n"
+        "  chat_template: \"{{ '$RUN' }}\"\n"
+        "dpo: {reference: $SCRATCH/ref}\n"
+    )
+    cfg = load_config(config, [], DPOConfig)
+    assert cfg.output_dir == f"{tmp_path}/scratch/runs/r1-x" and cfg.model.name_or_path == f"{tmp_path}/scratch/m"
+    scratch = tmp_path / "scratch"
+    assert cfg.data.train[0] == f"{scratch}/a.jsonl" and cfg.data.train[1].path == f"{scratch}/b.jsonl"
+    assert cfg.dpo.reference == f"{tmp_path}/scratch/ref"
+    assert cfg.data.chat_template == "{{ '$RUN' }}"  # inline template text is not a path
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["output_dir=$NOPE/runs/x", "data.train=${NOPE}/c.jsonl", "model.name_or_path=m"])
+    assert str(e.value).splitlines() == [
+        "output_dir: '$NOPE/runs/x' names the environment variable $NOPE, which is not set; export it before "
+        "launching, or write the path out",
+        "data.train: '${NOPE}/c.jsonl' names the environment variable $NOPE, which is not set; export it before "
+        "launching, or write the path out",
+    ]

@@ -19,7 +19,7 @@ from llmtrain.data.build import ROWS
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, sections
 from llmtrain.model import pad_id
-from tests.conftest import ROOT, launch, recipe_args, train_rows
+from tests.support.runs import ROOT, launch, recipe_args, train_rows
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One optimizer step, run in-process on one process (no recipe, no launcher): its loss is
 the mean over every trained token of the window whatever the micro-batch layout, and a
 non-finite or spiking step leaves weights and optimizer as they were. The fp16 loss
-scaler's skips are tested in test_nonfinite.py, with this same function."""
+scaler's skips are tested in tests/launch/test_nonfinite.py, with this same function."""
 
 import copy
 import math

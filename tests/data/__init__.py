@@ -1,1 +1,1 @@
-"""Tests of llmtrain/data/: sources, rows, chat templates, packing, mixing, streaming, files."""
+"""Tests of llmtrain/data/: rows, prepared splits, chat templates, kinds, packing, mixing, streaming."""

@@ -18,7 +18,7 @@ from llmtrain.preference.pairs import PAIRS
 from llmtrain.preference.reward_model import REWARD_PAIRS
 from llmtrain.preference.unpaired import UNPAIRED
 from llmtrain.rl.prompts import prompt_kind
-from tests.conftest import templated
+from tests.support.data import templated
 
 LONG = "x" * 300
 SFT = make_rows(6, seed=3) + [

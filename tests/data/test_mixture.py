@@ -1,6 +1,7 @@
 """Mixing sources by fraction (a seeded share of each source per epoch, the same count
-every epoch, exact on resume), data.eval_fraction's held-out rows, per-source packing,
-streamed sources drawn by fraction, and what the summary and `llmtrain plan` say."""
+every epoch), data.eval_fraction's held-out rows, per-source packing, streamed sources drawn
+by fraction, and what the summary and `llmtrain plan` say. A mixed run resumed exactly:
+tests/launch/test_mixture.py."""
 
 from collections import Counter
 from itertools import islice
@@ -14,9 +15,9 @@ from llmtrain.data.build import ROWS
 from llmtrain.data.mixture import Mix, Mixture, hold_out, split_and_mix, training_set
 from llmtrain.data.packing import PackedDataset, pack_sources
 from llmtrain.data.stream import StreamedRows
-from llmtrain.demo import make_rows, write_jsonl
+from llmtrain.demo import write_jsonl
 from llmtrain.errors import ConfigError, DataError
-from tests.conftest import final_weights, recipe_args, rewind, run_recipe, train_rows
+from tests.support.data import write_sources
 from tests.test_plan import plan
 
 
@@ -133,13 +134,6 @@ def test_data_train_entries_take_a_path_and_a_fraction_with_errors_naming_the_en
     assert cfg.data.eval_fraction == 0.1  # evaluation needs no data.eval then
 
 
-def write_sources(tmp_path):
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    write_jsonl(make_rows(20, seed=1), a)
-    write_jsonl(make_rows(10, seed=2), b)
-    return str(a), str(b)
-
-
 def test_the_summary_names_each_sources_rows_tokens_and_share(tmp_path, tokenizer):
     a, b = write_sources(tmp_path)
     train = [DataSource(a, 0.5), b]
@@ -212,32 +206,3 @@ def test_plan_counts_rows_and_tokens_per_source_and_the_mixed_epoch(base_config,
     assert f"  {a}: 18 rows," in out and "fraction 0.5: 9 rows" in out
     assert f"  {b}: 9 rows," in out and "fraction 2: 18 rows" in out
     assert "steps per epoch: 14" in out  # 9 + 18 rows, 2 per step
-
-
-MIX_ARGS = [
-    "train.micro_batch_size=2",
-    "train.epochs=2",
-    "checkpoint.every_steps=4",
-    "checkpoint.keep_last=10",
-    "checkpoint.resume=auto",
-    "data.eval_fraction=0.1",
-]
-
-
-@pytest.mark.slow
-def test_a_mixed_run_resumed_in_its_second_epoch_continues_exactly(base_config, tiny_model, cache_env, tmp_path):
-    """Two DDP processes; the second epoch draws another subset, which the resumed run
-    must draw again (not the first epoch's, nor a fresh one)."""
-    a, b = write_sources(tmp_path)
-    train = f"[{{path: {a}, fraction: 0.5}}, {{path: {b}, fraction: 1.5}}]"
-    ref = tmp_path / "ref"
-    proc = run_recipe(recipe_args(base_config, tiny_model, train, ref, *MIX_ARGS), cache_env, nproc=2)
-    # 18 x 0.5 + 9 x 1.5 = 9 + (9 + round(4.5) = 13) = 22 rows an epoch, 4 per step
-    assert "training 12 steps (6 per epoch)" in proc.stdout, proc.stdout
-    out = tmp_path / "resumed"
-    rewind(out, 8, source=ref)  # killed after step 8: in the second epoch
-    proc = run_recipe(recipe_args(base_config, tiny_model, train, out, *MIX_ARGS), cache_env, nproc=2)
-    assert "at step 8 (epoch 1)" in proc.stdout + proc.stderr
-    assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in train_rows(ref)]  # exactly
-    for key, value in final_weights(ref / "final").items():
-        torch.testing.assert_close(final_weights(out / "final")[key], value, rtol=0, atol=0)

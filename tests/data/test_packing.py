@@ -8,7 +8,7 @@ from llmtrain.data.batches import Collator
 from llmtrain.data.packing import PackedDataset, pack_lengths
 from llmtrain.data.rows import process_row
 from llmtrain.demo import make_rows
-from tests.conftest import packed_samples, rows_dataset
+from tests.support.data import packed_samples, rows_dataset
 
 
 def test_pack_lengths_fills_bins_without_overflow():

@@ -144,28 +144,6 @@ def test_quantized_weights_are_refused_under_zero3_only(stage):
         configure_deepspeed(acc, cfg)
 
 
-@pytest.mark.slow
-def test_a_user_error_the_main_process_meets_first_ends_every_process_quietly(
-    base_config, tiny_model, cache_env, tmp_path
-):
-    """The main process tokenizes first while the others wait: its data error reaches them,
-    so it is printed once and no process dies in a collective the main one left."""
-    from tests.conftest import run_recipe
-
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "a"}\n{"text": 5}\n')
-    args = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={bad}"]
-    proc = run_recipe([*args, f"output_dir={tmp_path / 'run'}"], cache_env, nproc=2, check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        f"error: data.train: {bad} line 2: 'text' must be a string; data.bad_rows=skip would drop malformed "
-        "rows instead"
-    ]
-    assert "exitcode  : 2" in proc.stderr  # the launcher's report: the process that exited first, with 2
-    ours = [line for line in proc.stderr.splitlines() if "llmtrain/" in line or 'recipes/finetune.py", line' in line]
-    assert not ours and "gloo" not in proc.stderr and "[rank" not in proc.stderr
-
-
 def test_a_deepspeed_value_that_is_no_number_names_its_key(monkeypatch):
     """A typo in the DeepSpeed config is the user's to fix, not a float() traceback."""
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")

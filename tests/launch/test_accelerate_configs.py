@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from tests.conftest import ROOT, recipe_args
+from tests.support.runs import ROOT, recipe_args
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 

@@ -1,4 +1,4 @@
-"""Every architecture in tests/architectures.py trains as it infers: packed samples get
+"""Every architecture in tests/support/architectures.py trains as it infers: packed samples get
 the model's own attention pattern (sliding windows, per-layer types) and nothing of each
 other, in every backend the model supports on CPU; auto picks a backend the model takes."""
 
@@ -16,8 +16,9 @@ from llmtrain.data.batches import Collator
 from llmtrain.data.packing import PackedDataset
 from llmtrain.data.rows import process_row
 from llmtrain.demo import make_rows
-from tests.architectures import ARCHITECTURES, MOE, SLIDING, WINDOW
-from tests.conftest import packed_samples, rows_dataset
+from tests.support.architectures import ARCHITECTURES, MOE, SLIDING, WINDOW
+from tests.support.data import packed_samples, rows_dataset
+from tests.support.runs import ROOT, recipe_args
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +132,10 @@ RUNS = [
 @pytest.fixture(scope="module")
 def trained(zoo, base_config, chat_file, cache_env, tmp_path_factory):
     """(architecture, mode) -> its output_dir, after a packed run of 2 steps of each, all
-    in one process (tests/arch_runs.py)."""
+    in one process (tests/support/arch_runs.py)."""
     import json
     import subprocess
     import sys
-
-    from tests.conftest import ROOT, recipe_args
 
     root = tmp_path_factory.mktemp("arch-runs")
     runs = {
@@ -156,7 +155,7 @@ def trained(zoo, base_config, chat_file, cache_env, tmp_path_factory):
     }
     (root / "runs.json").write_text(json.dumps(runs))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "arch_runs.py"), str(root / "runs.json")],
+        [sys.executable, str(ROOT / "tests" / "support" / "arch_runs.py"), str(root / "runs.json")],
         env=cache_env,
         capture_output=True,
         text=True,

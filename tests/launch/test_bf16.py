@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_rows, write_jsonl
-from tests.conftest import launch, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import launch, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 

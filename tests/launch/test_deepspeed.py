@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import final_weights, launch, metrics, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import final_weights, launch, metrics, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_pairs, write_jsonl
-from tests.conftest import (
+from tests.support.runs import (
     DPO_RECIPE,
     kill_run,
     launch,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmtrain.demo import make_rows, write_jsonl
-from tests.conftest import (
+from tests.support.runs import (
     final_weights,
     kill_run,
     launch,

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import RECIPE, ROOT, free_port, train_rows
+from tests.support.runs import RECIPE, ROOT, free_port, train_rows
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,17 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_prompts, write_jsonl
-from tests.conftest import kill_run, launch, recipe_args, rewind, run_recipe, start_run, train_rows, wait_for
+from tests.support.runs import (
+    kill_run,
+    launch,
+    metrics,
+    recipe_args,
+    rewind,
+    run_recipe,
+    start_run,
+    train_rows,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -189,8 +199,6 @@ def test_rewards_see_every_column_and_the_training_state_in_evaluation_too(args,
     """Half the prompts lack `answer`: accuracy leaves theirs unscored whichever prompts are
     drawn together, and the evaluation's reward calls get trainer_state as training's do."""
     import json
-
-    from tests.conftest import metrics
 
     rows = make_prompts(24, seed=31)
     for row in rows[1::2]:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_pairs, unpaired_rows, write_jsonl
-from tests.conftest import DPO_RECIPE, launch, metrics, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import DPO_RECIPE, launch, metrics, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import launch, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")
@@ -71,8 +71,6 @@ def test_qlora_trains_alike_on_one_process_under_ddp_and_under_fsdp2(
 ):
     """The same global batch of 8 as 8 x 1, and as 2 processes x 2 x 2 under DDP and under
     FSDP2 (the 4-bit base frozen beside the sharded adapters): the same losses."""
-    from tests.conftest import launch
-
     common = [
         "--config",
         str(base_config),

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_pairs, write_jsonl
-from tests.conftest import REWARD_RECIPE, metrics, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import REWARD_RECIPE, metrics, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 

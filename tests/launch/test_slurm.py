@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from llmtrain.demo import make_rows, write_jsonl
-from tests.conftest import ROOT, recipe_args, run_recipe, train_rows
-from tests.slurm_cluster import LocalSlurm, missing_reason
+from tests.support.runs import ROOT, recipe_args, run_recipe, train_rows
+from tests.support.slurm_cluster import LocalSlurm, missing_reason
 
 pytestmark = pytest.mark.slow
 

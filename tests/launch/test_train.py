@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llmtrain.demo import make_rows, write_jsonl
-from tests.conftest import (
+from tests.support.runs import (
+    ROOT,
     final_weights,
     kill_run,
     metrics,
@@ -408,8 +409,6 @@ def test_lora_saves_adapter_and_merged_model(common, tiny_model, chat_file, cach
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from tests.conftest import ROOT
 
     out = tmp_path / "lora"
     run_recipe(

@@ -3,7 +3,7 @@ import torch
 
 from llmtrain.data.batches import Collator
 from llmtrain.observe.throughput import PEAK_BF16, device_peak_flops, document_sizes, matmul_params, step_flops
-from tests.conftest import recipe_args, run_recipe, train_rows
+from tests.support.runs import recipe_args, run_recipe, train_rows
 
 
 def test_document_sizes_count_each_packed_document_and_skip_padding():

@@ -1,1 +1,1 @@
-"""Tests of llmtrain/output/: the run directory, checkpoints, the export, links."""
+"""Tests of llmtrain/output/: the run directory, checkpoints, the export."""

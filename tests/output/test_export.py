@@ -15,7 +15,7 @@ from llmtrain.distributed.topology import Topology
 from llmtrain.errors import CheckpointError, UserError
 from llmtrain.output import export
 from llmtrain.output.export import save_final
-from tests.conftest import final_weights
+from tests.support.runs import final_weights
 
 
 def fake_accelerator(model):

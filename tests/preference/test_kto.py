@@ -13,7 +13,7 @@ from llmtrain.config import DataConfig
 from llmtrain.data.rows import IGNORE
 from llmtrain.preference.kto import KTOLoss, kto_losses
 from llmtrain.preference.unpaired import UNPAIRED, KLCompletions, UnpairedCollator
-from tests.conftest import rows_dataset
+from tests.support.data import rows_dataset
 
 CFG = DataConfig(max_seq_len=256)
 ROWS = [
@@ -382,10 +382,10 @@ class KTOHeads(torch.nn.Module):
 
 def trl_kto_trainer(model, beta: float, wd: float, wu: float):
     """A KTOTrainer with only what its loss (`_compute_loss`) reads; its __init__ would
-    tokenize a dataset and build an Accelerator (see test_preference.trl_dpo_trainer)."""
+    tokenize a dataset and build an Accelerator (see test_loss.trl_dpo_trainer)."""
     from trl import KTOTrainer
 
-    from tests.preference.test_preference import OneProcess
+    from tests.preference.test_loss import OneProcess
 
     trainer = object.__new__(KTOTrainer)
     vars(trainer).update(

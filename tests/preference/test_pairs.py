@@ -7,8 +7,7 @@ import pytest
 from llmtrain.config import DataConfig
 from llmtrain.data.rows import IGNORE
 from llmtrain.preference.pairs import PAIRS, pair_messages
-from tests.conftest import templated
-from tests.data.test_data import TOOLS_TEMPLATE
+from tests.support.data import TOOLS_TEMPLATE, templated
 
 CFG = DataConfig(max_seq_len=256)
 

@@ -14,8 +14,8 @@ from llmtrain.errors import DataError
 from llmtrain.model import pad_id
 from llmtrain.preference.pairs import PAIRS, PackedPairs, PairCollator
 from llmtrain.preference.reward_model import REWARD_PAIRS, RewardLoss, score_head
-from tests.architectures import ARCHITECTURES
-from tests.conftest import rows_dataset
+from tests.support.architectures import ARCHITECTURES
+from tests.support.data import rows_dataset
 
 
 def reward_model(path, tokenizer, attn="sdpa"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llmtrain.rl.sampling import HFGenerator, SeededSampling, filtered_logits, sample_seed
-from tests.architectures import ARCHITECTURES
+from tests.support.architectures import ARCHITECTURES
 
 
 @pytest.fixture(scope="module")

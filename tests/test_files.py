@@ -1,6 +1,6 @@
-"""Local data files read row by row: every row keeps the file line it starts on, comes
-back exactly as written (no type unification across rows), and every unreadable file is
-one error naming the file and line."""
+"""Local data files read row by row (llmtrain/files.py): every row keeps the file line it
+starts on, comes back exactly as written (no type unification across rows), and every
+unreadable file is one error naming the file and line."""
 
 import json
 from pathlib import Path
@@ -12,7 +12,7 @@ from llmtrain.data.build import ROWS
 from llmtrain.data.sources import load_source
 from llmtrain.errors import DataError
 from llmtrain.files import read_rows
-from tests.conftest import templated
+from tests.support.data import templated
 
 
 def rows_of(path, text):

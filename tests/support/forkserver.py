@@ -11,7 +11,7 @@ code, atexit handlers. A launch runs accelerate's launcher and torchrun's agent 
 `Popen([python, "-u", script, ...])` of each worker becomes a fork of the launcher running
 the script the same way (`_popen` below).
 
-What a child cannot change is what was read at import time, so tests.conftest sends a
+What a child cannot change is what was read at import time, so tests.support.runs sends a
 command here only when its environment is the one the server started with, less the
 variables that are read at run time (`ForkServer.serves`); anything else is a real
 subprocess.

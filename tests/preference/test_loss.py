@@ -1,6 +1,6 @@
-"""The preference losses against a plain reference implementation: whole logits, each
-answer's log-probability summed token by token in a loop, the formulas written out in
-scalar math."""
+"""The preference losses (llmtrain/preference/loss.py) against a plain reference
+implementation (whole logits, each answer's log-probability summed token by token in a
+loop, the formulas written out in scalar math) and against TRL's own loss code."""
 
 import math
 from collections import defaultdict

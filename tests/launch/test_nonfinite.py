@@ -11,7 +11,7 @@ import torch
 
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.errors import TrainingError
-from tests.conftest import metrics, recipe_args, run_recipe, train_rows
+from tests.support.runs import RECIPE, ROOT, free_port, metrics, recipe_args, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 POISON = "~"
@@ -332,8 +332,6 @@ def test_fp16_overflow_skips_the_step_through_accelerate_on_a_gpu(
 ):
     import subprocess
     import sys
-
-    from tests.conftest import RECIPE, ROOT, free_port
 
     out = tmp_path / "out"
     cmd = [

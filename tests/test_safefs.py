@@ -1,6 +1,6 @@
 """llmtrain never writes through a symbolic link it did not make (an output_dir may be
-shared with others, who can plant one), an unusable cache is one line at start-up, and
-`~` in a path-valued key is the home directory wherever the key was set."""
+shared with others, who can plant one), and an unusable cache is one line at start-up
+(llmtrain/safefs.py). A recipe refusing either: tests/launch/test_safefs.py."""
 
 import os
 from pathlib import Path
@@ -11,27 +11,7 @@ import torch
 
 from llmtrain import safefs
 from llmtrain.errors import CacheError, LinkError
-from tests.conftest import recipe_args, run_recipe
-
-VICTIM_TEXT = "precious\n"
-
-
-@pytest.fixture
-def victim(tmp_path):
-    """A file and a directory outside output_dir that a planted link points at."""
-    outside = tmp_path / "outside"
-    (outside / "dir").mkdir(parents=True)
-    (outside / "file").write_text(VICTIM_TEXT)
-    (outside / "dir" / "keep").write_text(VICTIM_TEXT)
-    out = tmp_path / "run"
-    out.mkdir()
-    return SimpleNamespace(out=out, file=outside / "file", dir=outside / "dir")
-
-
-def untouched(victim):
-    assert victim.file.read_text() == VICTIM_TEXT
-    assert sorted(p.name for p in victim.dir.iterdir()) == ["keep"]
-    assert (victim.dir / "keep").read_text() == VICTIM_TEXT
+from tests.support.links import untouched
 
 
 class OneProcess:
@@ -193,18 +173,24 @@ def test_temporary_files_and_directories_are_never_links(victim):
     untouched(victim)
 
 
-@pytest.mark.slow
-def test_a_recipe_refuses_a_planted_metrics_link_in_one_line(base_config, tiny_model, chat_file, cache_env, victim):
-    (victim.out / "metrics.jsonl").symlink_to(victim.file)
-    proc = run_recipe(recipe_args(base_config, tiny_model, chat_file, victim.out), cache_env, check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        f"error: output_dir: {victim.out / 'metrics.jsonl'} is a symbolic link (to {victim.file}); llmtrain does "
-        "not write through links it did not make; remove it or choose another output_dir"
-    ], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    untouched(victim)
+def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
+    """Under a group-writable umask a group member could plant links inside a checkpoint's
+    or the export's directory while save_state or save_pretrained write into it: it is
+    0700 until it is published, then gets the umask's mode."""
+    import os
+    import stat
+
+    from llmtrain import safefs
+    from llmtrain.output.checkpoint import publish
+
+    old = os.umask(0o002)
+    try:
+        safefs.fresh_dir(tmp_path / ".tmp-step-2")
+        assert stat.S_IMODE((tmp_path / ".tmp-step-2").stat().st_mode) == 0o700
+        publish(tmp_path / ".tmp-step-2", tmp_path / "step-2")
+        assert stat.S_IMODE((tmp_path / "step-2").stat().st_mode) == 0o775
+    finally:
+        os.umask(old)
 
 
 # --- caches -----------------------------------------------------------------------------
@@ -252,106 +238,3 @@ def test_an_unusable_cache_is_one_line_naming_its_variable(env, var, value, demo
 def test_the_demo_cache_is_checked_only_for_demo_names(env):
     env.set("LLMTRAIN_CACHE", str(env.file))
     safefs.check_caches(uses_demo=False)
-
-
-@pytest.mark.slow
-def test_a_recipe_with_an_unusable_datasets_cache_stops_in_one_line(
-    base_config, tiny_model, chat_file, cache_env, tmp_path
-):
-    (tmp_path / "a_file").write_text("")
-    env = dict(cache_env, HF_DATASETS_CACHE=str(tmp_path / "a_file"))
-    proc = run_recipe(recipe_args(base_config, tiny_model, chat_file, tmp_path / "run"), env, check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        f"error: HF_DATASETS_CACHE: {tmp_path / 'a_file'} is not a directory; set HF_DATASETS_CACHE to a directory "
-        "you can write to"
-    ], proc.stderr[-3000:]
-    assert not (tmp_path / "run").exists()  # stopped before anything was written
-
-
-# --- ~ in paths ---------------------------------------------------------------------------
-
-
-def test_tilde_is_expanded_in_every_path_key_from_yaml_and_overrides(monkeypatch, tmp_path):
-    from llmtrain.config import load_config
-    from llmtrain.preference.config import DPOConfig
-
-    home = tmp_path / "home"
-    (home / "t").mkdir(parents=True)
-    (home / "t" / "chat.jinja").write_text("{{ messages }}")
-    monkeypatch.setenv("HOME", str(home))
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        "output_dir: ~/runs/x\n"
-        "model: {name_or_path: ~/models/m}\n"
-        "data: {train: [~/a.jsonl, {path: ~/b.jsonl, fraction: 0.5}], eval: ~/e.jsonl, chat_template: ~/t/chat.jinja}\n"
-        "checkpoint: {resume: ~/runs/old/checkpoints/step-2}\n"
-        "dpo: {reference: ~/models/ref}\n"
-    )
-    cfg = load_config(config, [], DPOConfig)
-    assert cfg.output_dir == f"{home}/runs/x"
-    assert cfg.model.name_or_path == f"{home}/models/m"
-    assert cfg.data.train[0] == f"{home}/a.jsonl" and cfg.data.train[1].path == f"{home}/b.jsonl"
-    assert cfg.data.eval == [f"{home}/e.jsonl"] or cfg.data.eval == f"{home}/e.jsonl"
-    assert cfg.data.chat_template == f"{home}/t/chat.jinja"
-    assert cfg.checkpoint.resume == f"{home}/runs/old/checkpoints/step-2"
-    assert cfg.dpo.reference == f"{home}/models/ref"
-    cfg = load_config(None, ["output_dir=~/runs/y", "data.train=~/c.jsonl", "model.name_or_path=owner/name"])
-    assert cfg.output_dir == f"{home}/runs/y" and cfg.data.train in (f"{home}/c.jsonl", [f"{home}/c.jsonl"])
-    assert cfg.model.name_or_path == "owner/name"  # a hub name is left alone
-
-
-def test_environment_variables_are_expanded_in_path_keys_and_an_unset_one_is_an_error(monkeypatch, tmp_path):
-    from llmtrain.config import load_config
-    from llmtrain.errors import ConfigError
-    from llmtrain.preference.config import DPOConfig
-
-    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
-    monkeypatch.setenv("RUN", "r1")
-    monkeypatch.delenv("NOPE", raising=False)
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        "output_dir: $SCRATCH/runs/${RUN}-x\n"
-        "model: {name_or_path: $SCRATCH/m}\n"
-        "data:\n"
-        "  train:\n"
-        "    - $SCRATCH/a.jsonl\n"
-        "    - {path: '${SCRATCH}/b.jsonl', fraction: 0.5}\n"
-        "  chat_template: \"{{ '$RUN' }}\"\n"
-        "dpo: {reference: $SCRATCH/ref}\n"
-    )
-    cfg = load_config(config, [], DPOConfig)
-    assert cfg.output_dir == f"{tmp_path}/scratch/runs/r1-x" and cfg.model.name_or_path == f"{tmp_path}/scratch/m"
-    scratch = tmp_path / "scratch"
-    assert cfg.data.train[0] == f"{scratch}/a.jsonl" and cfg.data.train[1].path == f"{scratch}/b.jsonl"
-    assert cfg.dpo.reference == f"{tmp_path}/scratch/ref"
-    assert cfg.data.chat_template == "{{ '$RUN' }}"  # inline template text is not a path
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["output_dir=$NOPE/runs/x", "data.train=${NOPE}/c.jsonl", "model.name_or_path=m"])
-    assert str(e.value).splitlines() == [
-        "output_dir: '$NOPE/runs/x' names the environment variable $NOPE, which is not set; export it before "
-        "launching, or write the path out",
-        "data.train: '${NOPE}/c.jsonl' names the environment variable $NOPE, which is not set; export it before "
-        "launching, or write the path out",
-    ]
-
-
-def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
-    """Under a group-writable umask a group member could plant links inside a checkpoint's
-    or the export's directory while save_state or save_pretrained write into it: it is
-    0700 until it is published, then gets the umask's mode."""
-    import os
-    import stat
-
-    from llmtrain import safefs
-    from llmtrain.output.checkpoint import publish
-
-    old = os.umask(0o002)
-    try:
-        safefs.fresh_dir(tmp_path / ".tmp-step-2")
-        assert stat.S_IMODE((tmp_path / ".tmp-step-2").stat().st_mode) == 0o700
-        publish(tmp_path / ".tmp-step-2", tmp_path / "step-2")
-        assert stat.S_IMODE((tmp_path / "step-2").stat().st_mode) == 0o775
-    finally:
-        os.umask(old)

@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 
 import dpo  # noqa: E402
 import finetune  # noqa: E402
