@@ -336,10 +336,12 @@ def test_command_check_finds_what_is_wrong(monkeypatch):
 
 
 def test_recipes_are_as_listed():
-    """recipes/<name>.py runs the method <name> of the table, and each method's demo is shipped."""
+    """recipes/<name>.py runs the method <name> of the table under a docstring whose first
+    line is the method's description (its --help), and each method's demo is shipped."""
     scripts = {p.stem for p in (ROOT / "recipes").glob("*.py")}
     assert scripts == set(METHODS), "every recipe script is a method of llmtrain/methods.py, and each method has one"
     for name, (_, default) in RECIPES.items():
         source = (ROOT / "recipes" / f"{name}.py").read_text()
         assert f'run("{name}", argv)' in source, name
+        assert source.startswith(f'"""{METHODS[name].description}\n'), name
         assert (ROOT / "recipes" / "configs" / default).is_file(), name

@@ -4,6 +4,7 @@ avoids no circle, no method tested for outside its wing, and docs/development.md
 module."""
 
 import ast
+import re
 from pathlib import Path
 
 from llmtrain.methods import METHODS
@@ -182,3 +183,15 @@ def test_the_layout_lists_every_module():
         if p.name not in ("__init__.py", "__main__.py") and p.name not in text
     ]
     assert not missing, f"docs/development.md's layout does not list {missing}"
+
+
+def test_slow_tests_live_under_tests_launch():
+    """The quick tier is everything outside tests/launch/: a test marked slow elsewhere would
+    hide a launch among the unit tests."""
+    found = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "launch" not in p.relative_to(ROOT).parts
+        and re.search(r"^\s*(@pytest\.mark\.slow|pytestmark\b.*slow)", p.read_text(), re.M)
+    ]
+    assert not found, f"slow tests outside tests/launch/: {found}"
