@@ -13,14 +13,20 @@ from .preference.method import DPO, REWARD
 from .rl.method import GRPO
 
 METHODS: dict[str, Method] = {m.name: m for m in (FINETUNE, DPO, GRPO, REWARD)}
+# The method a config with no method's own section is for (its tree is config.Config).
+DEFAULT = FINETUNE.name
 
-# The recipes' offline demos, found from this checkout wherever a command runs.
+# The recipes' offline demos in this checkout, found wherever a command runs (llmtrain plan).
 DEMOS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 
 
-def demo_config(method: Method) -> Path | None:
-    """The method's demo YAML, which its recipe runs when given no --config."""
-    return DEMOS / method.demo if method.demo else None
+def demo_config(method: Method, folder: Path = DEMOS) -> Path | None:
+    """The method's demo YAML, which its recipe runs when given no --config: in `folder`
+    (a recipe's own configs/, beside the script, wherever llmtrain is installed), else in
+    this checkout's; None for a method without one."""
+    if not method.demo:
+        return None
+    return next((f / method.demo for f in (folder, DEMOS) if (f / method.demo).is_file()), folder / method.demo)
 
 
 def sections() -> dict[str, str]:

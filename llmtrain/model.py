@@ -353,26 +353,26 @@ def check_vocab(cfg: ModelConfig, mcfg, tokenizer) -> None:
         )
 
 
-def check_reference(cfg, tokenizer, section: str = "dpo") -> None:
-    """dpo.reference (or grpo.reference: `section`) must read the policy's token ids as the policy does, or every
-    log-ratio compares two different texts. Checked from the reference's config and
+def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer) -> None:
+    """A reference model `name` (the config key `key`: dpo.reference, grpo.reference) must
+    read the policy's token ids (the model of `cfg`, with `tokenizer`) as the policy does, or
+    every log-ratio compares two different texts. Checked from the reference's config and
     tokenizer (no weights) before any data or weights load: its vocabulary must hold
     every id of the policy's tokenizer (a smaller one ends in an index error mid-pass),
     and, where the reference directory has a tokenizer, that tokenizer must map tokens
     to the same ids (a larger vocabulary is accepted only as padding of the same one)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    name, key = getattr(cfg, section).reference, f"{section}.reference"
     if not name:
         return
-    kw = {"trust_remote_code": cfg.model.trust_remote_code}
+    kw = {"trust_remote_code": cfg.trust_remote_code}
     if error := no_such_directory(name, key):  # a path, not a hub name: the hub's name rules would answer
         raise error
     try:
         rcfg = AutoConfig.from_pretrained(name, **kw)
     except Exception as e:
         raise ModelError(f"{key}: could not load a model config from '{name}' ({describe(e)})") from None
-    policy = AutoConfig.from_pretrained(cfg.model.name_or_path, **hub_kwargs(cfg.model))
+    policy = AutoConfig.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
     ref_vocab = getattr(text_config(rcfg), "vocab_size", None)
     if past := ids_past(tokenizer, ref_vocab):
         raise ModelError(

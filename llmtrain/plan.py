@@ -30,7 +30,7 @@ from .data.mixture import packer, split_and_mix, training_set
 from .data.stream import StreamedRows
 from .errors import ConfigError, DataError, describe
 from .files import read_own
-from .methods import METHODS, demo_config, sections
+from .methods import DEFAULT, METHODS, demo_config, sections
 from .model import (
     attention_backend,
     check_model,
@@ -264,8 +264,8 @@ def plan(argv: list[str]) -> None:
         "--recipe",
         choices=sorted(METHODS),
         default=None,
-        help="the recipe the config is for (default: dpo, grpo or reward when the config or an override sets a "
-        "key of that section, else finetune)",
+        help=f"the recipe the config is for (default: the method whose own section ({', '.join(sections())}) the "
+        f"config or an override sets a key of, else {DEFAULT})",
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_intermixed_args(argv)  # options may come after overrides
@@ -386,7 +386,7 @@ def config_and_recipe(config: Path | None, recipe: str | None, overrides: list[s
     not given (`recipe_named`), and with no config the recipe's own demo, as the recipe
     itself runs it (found from this checkout wherever the command runs)."""
     if config is None:
-        recipe = recipe or recipe_named(demo_config(METHODS["finetune"]), overrides)
+        recipe = recipe or recipe_named(demo_config(METHODS[DEFAULT]), overrides)
         config = demo_config(METHODS[recipe])
         if config is None or not config.is_file():
             where = f"the demo's {config} is not here" if config else f"{recipe} has no demo"
@@ -407,7 +407,7 @@ def recipe_named(config: Path, overrides: list[str]) -> str:
             any(o.startswith((f"{name}.", f"{name}=")) for o in overrides) or (isinstance(raw, dict) and name in raw)
         ):
             return method.name
-    return "finetune"
+    return DEFAULT
 
 
 def usage() -> str:
@@ -440,3 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     with user_errors():
         plan(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -31,10 +31,13 @@ from .train import keep_writing, setup, train
 
 
 def run(name: str, argv: list[str] | None = None) -> None:
-    """Run the method `name` of methods.METHODS as its recipe: recipes/<name>.py."""
+    """Run the method `name` of methods.METHODS as its recipe: recipes/<name>.py, whose demo
+    config sits in configs/ beside it."""
     method = METHODS[name]
     stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
-    cfg, args = parse_args(argv, demo_config(method), method.description, method.schema, sections())
+    beside = Path(sys.argv[0]).resolve().parent / "configs"  # the script's, wherever llmtrain is installed
+    default = demo_config(method, beside)
+    cfg, args = parse_args(argv, default, method.description, method.schema, sections())
     safefs.check_caches(demo.uses_demo(cfg))  # an unusable cache is one line now, not a traceback later
     accelerator = setup_accelerator(cfg)
     with main_first(accelerator):
@@ -88,10 +91,8 @@ def run(name: str, argv: list[str] | None = None) -> None:
         with stop.deferred():  # a signal stops the loop at an agreed step, or waits for final/
             outcome = train(training)
             if outcome is Outcome.FINISHED:
-                config, state = (
-                    to_yaml(cfg),
-                    training.state.state_dict() | {"settings": settings},
-                )  # what a rerun compares
+                config = to_yaml(cfg)
+                state = training.state.state_dict() | {"settings": settings}  # what a rerun compares
                 rundir.keep_finished(cfg, accelerator)  # an earlier final/ trained otherwise is kept
                 final = keep_writing(
                     training,

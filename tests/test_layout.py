@@ -138,7 +138,8 @@ def wing_of(method) -> str:
 def test_no_method_is_tested_for_outside_its_wing():
     """Outside a method's wing (and the method table) nothing asks which method a run is:
     no attribute of its config section (cfg.grpo), no isinstance of its tree, no
-    hasattr/getattr of its section, no comparison with its name or section."""
+    hasattr/getattr of its section, no string that is its name or section (a comparison,
+    a default argument, a lookup)."""
     words = {m.section for m in METHODS.values() if m.section} | {m.name for m in METHODS.values()}
     trees = {m.schema.__name__ for m in METHODS.values()} - {"Config"}
     owner = {}
@@ -166,10 +167,19 @@ def test_no_method_is_tested_for_outside_its_wing():
                     args = [e.id for e in elts if isinstance(e, ast.Name)]
                 if node.func.id in ("isinstance", "hasattr", "getattr"):
                     found += [f"{where}: {node.func.id}(..., {a})" for a in args if a in words | trees and not mine(a)]
-            elif isinstance(node, ast.Compare):
-                for c in [node.left, *node.comparators]:
-                    values = [e.value for e in getattr(c, "elts", [c]) if isinstance(e, ast.Constant)]
-                    found += [f"{where}: compares with {v!r}" for v in values if v in words and not mine(v)]
+            elif isinstance(node, (ast.Compare, ast.arguments, ast.Subscript)):  # == "dpo", ="dpo", ["dpo"]
+                if isinstance(node, ast.Compare):
+                    parts = [node.left, *node.comparators]
+                elif isinstance(node, ast.arguments):
+                    parts = [*node.defaults, *node.kw_defaults]
+                else:
+                    parts = [node.slice]
+                constants = [e for p in parts if p is not None for e in getattr(p, "elts", [p])]
+                found += [
+                    f"{path.relative_to(ROOT)}:{c.lineno}: names {c.value!r}"
+                    for c in constants
+                    if isinstance(c, ast.Constant) and c.value in words and not mine(c.value)
+                ]
             elif isinstance(node, ast.ImportFrom) and any(a.name in trees and not mine(a.name) for a in node.names):
                 found.append(f"{where}: imports a method's tree")
     assert not found, "methods tested for outside their wings:\n" + "\n".join(found)

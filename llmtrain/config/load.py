@@ -443,10 +443,12 @@ def _expand(value, key: str, problems: list[str]):
             "launching, or write the path out"
         )
         return value
-    value = ENV_VAR.sub(lambda m: os.environ[m[1] or m[2]], value)
-    if re.match(r"~[\w.-]*(/|$)", value):
-        return os.path.expanduser(value)
-    return value
+    return _home(ENV_VAR.sub(lambda m: os.environ[m[1] or m[2]], value))
+
+
+def _home(value: str) -> str:
+    """`~` or `~user` at the start of a path, expanded."""
+    return os.path.expanduser(value) if re.match(r"~[\w.-]*(/|$)", value) else value
 
 
 def expand_paths(cfg: Config, problems: list[str]) -> None:
@@ -457,9 +459,10 @@ def expand_paths(cfg: Config, problems: list[str]) -> None:
     named `~`."""
 
     def expand(key: str, value: str, kind) -> str:
-        if kind.parts:  # reward_model:~/rm, ~/rewards.py:short
-            return ":".join(_expand(part, key, problems) for part in value.split(":"))
-        return _expand(value, key, problems)
+        value = _expand(value, key, problems)
+        if kind.parts:  # reward_model:~/rm, ~/rewards.py:short: `~` opens any part
+            return ":".join(_home(part) for part in value.split(":"))
+        return value
 
     map_paths(cfg, expand)
 

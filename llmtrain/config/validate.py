@@ -128,18 +128,34 @@ def _mapped(value, key: str, kind: PathKey, fn):
     return fn(key, value, kind) if isinstance(value, str) else value
 
 
+def iter_paths(node, prefix: str = ""):
+    """(key, value, PathKey) of every path in the tree, in field order, as `map_paths` would
+    see them, leaving the tree as it is."""
+    hints = typing.get_type_hints(type(node), include_extras=True)
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from iter_paths(value, f"{key}.")
+        elif (kind := path_kind(hints[f.name])) is not None:
+            yield from _entries(value, key, kind)
+
+
+def _entries(value, key: str, kind: PathKey):
+    if isinstance(value, list):
+        for v in value:
+            yield from _entries(v, key, kind)
+    elif dataclasses.is_dataclass(value):
+        hints = typing.get_type_hints(type(value), include_extras=True)
+        for f in dataclasses.fields(value):
+            if (own := path_kind(hints[f.name])) is not None:
+                yield from _entries(getattr(value, f.name), key, own)
+    elif isinstance(value, str):
+        yield key, value, kind
+
+
 def path_values(cfg, asset: bool | None = None) -> list[tuple[str, str, PathKey]]:
-    """(key, value, PathKey) of every path in the tree (the assets alone with asset=True),
-    read with `map_paths`, which leaves every value as it was."""
-    found = []
-
-    def note(key: str, value: str, kind: PathKey) -> str:
-        if asset is None or kind.asset == asset:
-            found.append((key, value, kind))
-        return value
-
-    map_paths(cfg, note)
-    return found
+    """(key, value, PathKey) of every path in the tree (the assets alone with asset=True)."""
+    return [(key, value, kind) for key, value, kind in iter_paths(cfg) if asset is None or kind.asset == asset]
 
 
 def named(cfg) -> list[tuple[str, str]]:

@@ -7,8 +7,7 @@ already shifted, so labels[t] is the token position t predicts), flat in row-maj
 With an output layer `head` the values are computed inside it, `chunk` positions at a time
 (`objective.trained_head`): [tokens, vocabulary] logits never exist whole. Without one they
 come from the model's whole logits. Both take the logits to float32 before the
-log-softmax, so they agree to rounding; each path is, operation for operation, the one its
-callers had before (the numbers of a run do not depend on this function's move).
+log-softmax, so they agree to rounding.
 
 `temperature` scales the logits first (the distribution completions were sampled from,
 rl/sampling.py); at 1 the logits are not divided, which is exact anyway.

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import Config
+from ..data.kind import DataKind
 from ..data.rows import IGNORE
 from .objective import Objective
-from .source import Source
+from .source import MakeBatches
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Parts:
     # Makes the loop's micro-batches once the model is prepared for the distributed backend:
     # source(prepared model, backend, beat) -> core/source.Batches (source.loader_source for
     # prepared data; rl/rollout.Rollouts generates them).
-    source: Source
+    source: MakeBatches
     # Runs once the model is prepared and before a resumed run's weights are loaded, so the
     # model still holds its starting weights (the reference log-probs of preference tuning):
     # after_prepare(model, accelerator, empty_batch, beat, stop).
@@ -70,7 +71,7 @@ class Method:
     name: str
     schema: type  # its config tree (config.Config or an extension of it)
     description: str  # one line, the recipe's --help
-    data: Callable  # what its examples are (a data/kind.DataKind), or cfg -> one
+    data: DataKind | Callable[[Config], DataKind]  # what its examples are, or cfg -> that
     parts: Callable  # (cfg, accelerator, model, tokenizer, train set, eval set) -> Parts
     # `llmtrain plan`'s lines of its own: (cfg, the first training example, tokenizer) -> lines.
     describe: Callable

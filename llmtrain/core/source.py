@@ -3,14 +3,14 @@ draws from, and `LoaderBatches`, the source of every method that trains on prepa
 (SFT rows, preference pairs, KTO rows). rl/rollout.Rollouts is the other: it generates its
 micro-batches from the policy as the loop draws them.
 
-A method's `Parts.source` builds its Batches once the model is prepared for the distributed
-backend: source(prepared model, backend, beat) -> Batches (`loader_source` makes one for
-prepared data).
+A method's `Parts.source` (a `MakeBatches`) builds its Batches once the model is prepared
+for the distributed backend: source(prepared model, backend, beat) -> Batches
+(`loader_source` makes one for prepared data).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from itertools import islice
 from typing import Protocol
@@ -33,7 +33,8 @@ class Batches(Protocol):
     evaluates: bool  # whether there is held-out data to evaluate on
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[dict]:
-        """Pass `epoch`'s micro-batches on this process, after its first `skip` (whole steps)."""
+        """Pass `epoch`'s micro-batches on this process, after its first `skip` micro-batches
+        (a whole number of steps: where a resumed run continues)."""
         ...
 
     def empty_batch(self) -> dict:
@@ -59,7 +60,10 @@ class Batches(Protocol):
         ...
 
 
-Source = Callable[..., Batches]  # (prepared model, backend, beat) -> Batches
+class MakeBatches(Protocol):
+    """A method's data source (core/method.Parts.source), built once the model is prepared."""
+
+    def __call__(self, model, backend, beat) -> Batches: ...
 
 
 class LoaderBatches:
@@ -73,6 +77,7 @@ class LoaderBatches:
     it again up to a saved position gives a resumed run exactly the rows that come next."""
 
     def __init__(self, cfg, accelerator, objective, train_set, eval_set, collator, model, backend=None, beat=None):
+        # (model, backend, beat): a MakeBatches' arguments; prepared data needs no backend fact.
         t, data = cfg.train, cfg.data
         self.accelerator, self.objective, self.model, self.beat = accelerator, objective, model, beat
         self.items = collator.items
@@ -125,7 +130,7 @@ class LoaderBatches:
         return []
 
 
-def loader_source(cfg, accelerator, objective, train_set, eval_set, collator) -> Source:
-    """The Source of a method that trains on prepared data: LoaderBatches over `train_set`
+def loader_source(cfg, accelerator, objective, train_set, eval_set, collator) -> MakeBatches:
+    """The data source of a method that trains on prepared data: LoaderBatches over `train_set`
     (and `eval_set`, or None) with `collator` making its micro-batches."""
     return partial(LoaderBatches, cfg, accelerator, objective, train_set, eval_set, collator)

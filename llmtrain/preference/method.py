@@ -80,6 +80,11 @@ def reward_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Par
     return Parts(objective, loader_source(cfg, accelerator, objective, train_set, eval_set, collator))
 
 
+def check_dpo(cfg, tokenizer) -> None:
+    """dpo.reference reads the policy's token ids (model.check_reference)."""
+    check_reference(cfg.dpo.reference, "dpo.reference", cfg.model, tokenizer)
+
+
 def reference_source(cfg) -> str:
     """Where a dpo run's reference log-probs come from, for its plan."""
     d = cfg.dpo
@@ -143,7 +148,7 @@ DPO = Method(
     parts=dpo_parts,
     describe=describe_pairs,
     demo="dpo_demo.yaml",
-    check=check_reference,
+    check=check_dpo,
     plan=TWO_SEQUENCES,
 )
 

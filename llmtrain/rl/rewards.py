@@ -330,7 +330,7 @@ def check_grpo(cfg, tokenizer) -> None:
     """recipes/grpo.py's start-up checks, before any data or weights load: grpo.reference
     reads the policy's token ids, and every reward function loads (its columns are checked
     once the data is read: prompts.grpo_prompts)."""
-    check_reference(cfg, tokenizer, "grpo")
+    check_reference(cfg.grpo.reference, "grpo.reference", cfg.model, tokenizer)
     load_rewards(cfg.reward_names(), None, cfg.grpo.format_pattern)
 
 

@@ -238,7 +238,7 @@ def test_a_reference_with_the_policys_token_ids_is_accepted(references, tiny_mod
     cfg = load_config(
         None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"dpo.reference={references[name]}"], DPOConfig
     )
-    check_reference(cfg, tokenizer)
+    check_reference(cfg.dpo.reference, "dpo.reference", cfg.model, tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -262,7 +262,7 @@ def test_a_reference_that_reads_other_token_ids_is_one_error_before_anything_loa
         None, [f"model.name_or_path={tiny_model}", "data.train=x.jsonl", f"dpo.reference={references[name]}"], DPOConfig
     )
     with pytest.raises(UserError) as e:
-        check_reference(cfg, tokenizer)
+        check_reference(cfg.dpo.reference, "dpo.reference", cfg.model, tokenizer)
     lines = str(e.value).splitlines()
     assert len(lines) == 1 and lines[0].startswith("dpo.reference: ") and str(references[name]) in lines[0]
     assert says.format(small=len(tokenizer) - 10, n=len(tokenizer)) in lines[0]
@@ -281,5 +281,5 @@ def test_a_reference_path_that_is_no_directory_says_so(tiny_model, tokenizer, tm
         overrides.append("grpo.beta=0.1")
     cfg = load_config(None, overrides, DPOConfig if section == "dpo" else GRPOConfig)
     with pytest.raises(UserError) as e:
-        check_reference(cfg, tokenizer, section)
+        check_reference(getattr(cfg, section).reference, f"{section}.reference", cfg.model, tokenizer)
     assert str(e.value).startswith(f"{section}.reference: no such directory: {missing}; give a local model directory")
