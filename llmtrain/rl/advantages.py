@@ -8,18 +8,19 @@ every process (rl/rollout.py). `estimate` does what every estimator shares:
 
 A completion no function scored stays out of its group's mean and spread. Rewards whose
 weighted sums or spreads overflow float32 are one error (`RewardError`), not a step of NaN
-or zero advantages. An estimator (`ESTIMATORS`, named by grpo.scale_rewards) supplies only
-scale_i, the divisor of the centred rewards, or None to leave them as they are:
+or zero advantages. An estimator (`ESTIMATORS`, named by grpo.scale_rewards) supplies the
+centred rewards (each total less its baseline; the group's mean for each here) and their
+scale_i, the divisor, or None to leave them as they are:
 
     group   its group's spread (sample standard deviation) + 1e-4     (GRPO)
     batch   the whole global batch's spread + 1e-4
     none    no scaling                                                (Dr. GRPO)
 
-To add one: write `scale(grouped, spread) -> [completions] divisors, or None` from the
-[groups, group] weighted totals and each group's spread ([groups, 1]) and add it to
-ESTIMATORS under its name: grpo.scale_rewards takes the table's names (rl/config.py). The
-objective (loss.GRPOLoss) holds the estimator's name, and the
-rollouts ask it for the advantages.
+To add one: write `estimator(grouped, spread) -> ([completions] centred rewards, [completions]
+divisors or None)` from the [groups, group] weighted totals (NaN: unscored) and each group's
+spread ([groups, 1]), and add it to ESTIMATORS under its name: grpo.scale_rewards takes the
+table's names (rl/config.py). The objective (loss.GRPOLoss) holds the estimator's name, and
+the rollouts ask it for the advantages.
 """
 
 from __future__ import annotations
@@ -32,38 +33,40 @@ from ..errors import RewardError
 
 EPS = 1e-4  # keeps a group whose rewards barely differ from dividing by almost 0
 
-Scale = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+Estimator = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def _group(grouped: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
-    return spread.expand_as(grouped).reshape(-1) + EPS
+def group_centred(grouped: torch.Tensor) -> torch.Tensor:
+    """Each total less its group's mean (unscored ones left out of it), flat."""
+    return (grouped - grouped.nanmean(1, keepdim=True)).view(-1)
 
 
-def _batch(grouped: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+def _group(grouped: torch.Tensor, spread: torch.Tensor):
+    return group_centred(grouped), spread.expand_as(grouped).reshape(-1) + EPS
+
+
+def _batch(grouped: torch.Tensor, spread: torch.Tensor):
     total = grouped.view(-1)
-    return nanstd(total).expand_as(total) + EPS
+    return group_centred(grouped), nanstd(total).expand_as(total) + EPS
 
 
-def _none(grouped: torch.Tensor, spread: torch.Tensor) -> None:
-    return None
+def _none(grouped: torch.Tensor, spread: torch.Tensor):
+    return group_centred(grouped), None
 
 
-ESTIMATORS: dict[str, Scale] = {"group": _group, "batch": _batch, "none": _none}
+ESTIMATORS: dict[str, Estimator] = {"group": _group, "batch": _batch, "none": _none}
 
 
 def estimate(rewards: torch.Tensor, weights: torch.Tensor, group: int, estimator: str):
     """(advantage per completion, its weighted reward, whether its group's rewards have no
     spread) from [completions, functions] rewards (NaN: unscored) of a whole global batch,
     groups of `group` consecutive completions, by the estimator named `estimator`."""
-    scale = ESTIMATORS[estimator]
     unscored = rewards.isnan().all(1)
     total = (rewards * weights).nansum(1)
     total[unscored] = float("nan")
     grouped = total.view(-1, group)
-    mean = grouped.nanmean(1, keepdim=True)
     spread = nanstd(grouped, 1, keepdim=True)
-    adv = (grouped - mean).view(-1)
-    divisor = scale(grouped, spread)
+    adv, divisor = ESTIMATORS[estimator](grouped, spread)
     # Advantages and metrics NaN or inf otherwise.
     if total.isinf().any() or spread.isinf().any() or (divisor is not None and divisor.isinf().any()):
         largest = float(rewards.nan_to_num(0).abs().max())

@@ -19,11 +19,13 @@ Each is a sum over units divided by the global count, which the step knows befor
 forward pass: so 1 process and 8, or 8 x 1 and 2 x 4 micro-batches, give one loss.
 
 The loss types are rows of LOSS_TYPES, not branches. A LossType is (unit, token_weights,
-per_token): a micro-batch's loss is sum_t (per_token(r_t, A_t, 1 - epsilon, 1 + epsilon_high)
-+ beta KL_t) x token_weight_t over its trained tokens (row-major order), and the metrics
-(clip_ratio, kl) are given per unit (UNIT_WEIGHTS). To add a loss type (GSPO, CISPO): write
-its per-token loss and, if none here fits, its token weights (functions of (mask, rows,
-dtype, L): the [rows, T] trained mask, each trained token's row, the loss's dtype and
+per_token, ratio, clipped): a micro-batch's loss is sum_t (per_token(r_t, A_t, 1 - epsilon,
+1 + epsilon_high) + beta KL_t) x token_weight_t over its trained tokens (row-major order),
+with r_t = ratio(logp, logp_old, mask, rows) (exp(logp_t - logp_old_t) by default; a
+sequence's ratio for GSPO), and the metrics (clip_ratio: the tokens `clipped` counts, kl) are
+given per unit (UNIT_WEIGHTS). To add a loss type (GSPO, CISPO): write what differs (its
+per-token loss, its ratio, its token weights: functions of (mask, rows, dtype, L), the
+[rows, T] trained mask, each trained token's row, the loss's dtype and
 max_completion_length) and add one LossType row to LOSS_TYPES under its name: grpo.loss_type
 takes the table's names (rl/config.py).
 """
@@ -63,6 +65,17 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: 
     return -torch.min(ratio * adv, ratio.clamp(low, high) * adv)
 
 
+def token_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each token's importance ratio, exp(logp - logp_old)."""
+    return torch.exp(logp - old)
+
+
+def clipped_against_advantage(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Whether the clip took the gradient away: below the range with a negative advantage, or
+    above it with a positive one (the clip_ratio metric)."""
+    return ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+
+
 @dataclass(frozen=True)
 class LossType:
     """One of grpo.loss_type: what it counts, and how a token's loss enters the sum."""
@@ -70,6 +83,11 @@ class LossType:
     unit: str  # "tokens" or "completions": what the step divides the summed loss by
     token_weights: Weights  # (mask, rows, dtype, max_completion_length) -> each token's share of its unit
     per_token: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]  # (ratio, adv, low, high)
+    # (logp, logp_old, mask, rows) -> each token's importance ratio: per token, or a
+    # sequence's broadcast to its tokens (GSPO).
+    ratio: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = token_ratio
+    # (ratio, adv, low, high) -> which tokens the clip_ratio metric counts as clipped.
+    clipped: Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor] = clipped_against_advantage
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -134,9 +152,9 @@ class GRPOLoss:
         rows = mask.nonzero()[:, 0]
         adv = batch["advantages"].to(logp.dtype)[rows]
         old = batch["old_logps"][mask] if "old_logps" in batch else logp.detach()
-        ratio = torch.exp(logp - old)
+        ratio = self.variant.ratio(logp, old, mask, rows)
         per_token = self.variant.per_token(ratio, adv, self.low, self.high)
-        clipped = ((ratio < self.low) & (adv < 0)) | ((ratio > self.high) & (adv > 0))
+        clipped = self.variant.clipped(ratio, adv, self.low, self.high)
         kl = None
         if self.beta:
             gap = batch["ref_logps"][mask] - logp

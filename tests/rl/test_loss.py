@@ -109,6 +109,28 @@ def test_the_objective_is_the_papers_loss_summed_over_its_units(model, loss_type
     assert 0 < float(out.metrics["clip_ratio"]) < count and float(out.metrics["kl"]) > 0
 
 
+def test_a_sequence_level_loss_type_is_one_entry(model, monkeypatch):
+    """GSPO (Zheng et al. 2025): one importance ratio per completion, the exp of its mean
+    token log-ratio, clipped as a whole, each completion's tokens averaged. Written here as
+    one LossType row, with its own ratio, the objective is the paper's loss."""
+    from llmtrain.rl.loss import LossType, clipped_surrogate, completion_mean
+
+    def sequence_ratio(logp, old, mask, rows):
+        per_row = torch.zeros(mask.shape[0], dtype=logp.dtype).index_add(0, rows, logp - old)
+        return torch.exp(per_row / mask.sum(1))[rows]
+
+    monkeypatch.setitem(LOSS_TYPES, "gspo", LossType("completions", completion_mean, clipped_surrogate, sequence_ratio))
+    batch = with_old_and_ref(model, rollout_batch(model.config.vocab_size), 1.0)
+    objective = GRPOLoss("gspo", 3e-4, 4e-4)
+    out = objective(model, batch)
+    logp = plain_token_logps(model, batch, 1.0)
+    mask = (batch["labels"] != IGNORE).float()
+    s = torch.exp(((logp - batch["old_logps"]) * mask).sum(1) / mask.sum(1))
+    adv = batch["advantages"]
+    want = (-torch.min(s * adv, s.clamp(1 - 3e-4, 1 + 4e-4) * adv)).mean()
+    assert float(out.total.detach()) / objective.count(batch) == pytest.approx(float(want), rel=1e-5)
+
+
 def test_an_unknown_loss_type_or_estimator_is_refused():
     with pytest.raises(ValueError, match=r"unknown GRPO loss type 'gspo'; one of \['dapo', 'dr_grpo', 'grpo'\]"):
         GRPOLoss("gspo")
