@@ -4,6 +4,7 @@
 import json
 import math
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,28 @@ def assert_overflows_took_no_step(rows: list[dict]) -> None:
     assert not [r for r in rows if "not finite" in r.get("skipped", "")]  # the scaler's skip, not ours
 
 
+@contextmanager
+def loop_run(cfg, accelerator):
+    """train.setup's Run of the finetune method for `cfg`, in this process: the loop itself,
+    with no launcher and no recipe around it (the caller owns the Accelerator)."""
+    from llmtrain.core.finetune import FINETUNE
+    from llmtrain.data.build import build_datasets
+    from llmtrain.distributed.stop import StopRequest
+    from llmtrain.distributed.watchdog import Watchdog
+    from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
+    from llmtrain.output.checkpoint import position_settings
+    from llmtrain.train import setup
+
+    mcfg = check_model(cfg.model, cfg.data.max_seq_len)
+    cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
+    tokenizer = load_tokenizer(cfg.model)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
+    model = load_model(cfg.model)
+    with Watchdog(0, 0) as watchdog:
+        parts = FINETUNE.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+        yield setup(cfg, accelerator, model, parts, None, StopRequest(), watchdog, position_settings(cfg, 1))
+
+
 def test_fp16_overflow_skips_the_step_without_advancing_the_step_or_the_schedule(overflowing_model, tokenizer):
     """On CPU, in-process, with the training step itself. Accelerate creates the loss
     scaler only on a GPU; here a real torch GradScaler is set where Accelerate sets it
@@ -284,14 +307,8 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     from accelerate.state import AcceleratorState
 
     from llmtrain.config import load_config
-    from llmtrain.core.finetune import FINETUNE
     from llmtrain.core.window import Outcome
-    from llmtrain.data.build import build_datasets
-    from llmtrain.distributed.stop import StopRequest
-    from llmtrain.distributed.watchdog import Watchdog
-    from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
-    from llmtrain.output.checkpoint import position_settings
-    from llmtrain.train import setup, train
+    from llmtrain.train import train
 
     out = tmp_path / "out"
     out.mkdir()
@@ -311,14 +328,7 @@ def test_fp16_overflows_in_the_loop_write_skip_rows_and_take_no_step(
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="fp16")
         accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
-        mcfg = check_model(cfg.model, cfg.data.max_seq_len)
-        cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
-        tokenizer = load_tokenizer(cfg.model)
-        train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
-        model = load_model(cfg.model)
-        with Watchdog(0, 0) as watchdog:
-            parts = FINETUNE.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
-            run = setup(cfg, accelerator, model, parts, None, StopRequest(), watchdog, position_settings(cfg, 1))
+        with loop_run(cfg, accelerator) as run:
             assert train(run) is Outcome.FINISHED
     finally:
         AcceleratorState._reset_state(True)
@@ -365,12 +375,6 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
 
     import llmtrain.train as loop
     from llmtrain.config import load_config
-    from llmtrain.core.finetune import FINETUNE
-    from llmtrain.data.build import build_datasets
-    from llmtrain.distributed.stop import StopRequest
-    from llmtrain.distributed.watchdog import Watchdog
-    from llmtrain.model import attention_backend, check_model, load_model, load_tokenizer
-    from llmtrain.output.checkpoint import position_settings
 
     out = tmp_path / "out"
     out.mkdir()
@@ -393,16 +397,8 @@ def test_a_poisoning_update_stops_the_run_and_nothing_after_it_is_saved(
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator(cpu=True)
-        mcfg = check_model(cfg.model, cfg.data.max_seq_len)
-        cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
-        tokenizer = load_tokenizer(cfg.model)
-        train_set, eval_set = build_datasets(cfg, accelerator, tokenizer)
-        model = load_model(cfg.model)
-        with Watchdog(0, 0) as watchdog:
-            parts = FINETUNE.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
-            run = loop.setup(cfg, accelerator, model, parts, None, StopRequest(), watchdog, position_settings(cfg, 1))
-            with pytest.raises(TrainingError) as stopped:
-                loop.train(run)
+        with loop_run(cfg, accelerator) as run, pytest.raises(TrainingError) as stopped:
+            loop.train(run)
     finally:
         AcceleratorState._reset_state(True)
     assert str(stopped.value).startswith("train: the update made ")
