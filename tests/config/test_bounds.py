@@ -40,10 +40,10 @@ def laughs(levels: int) -> list[str]:
 def test_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
     path = tmp_path / "bomb.yaml"  # 9**7 = 4.8 million strings once expanded (9**9 is a billion)
     path.write_text("\n".join([*laughs(7), "data:", "  train: *a7"]) + "\n")
-    started = time.monotonic()
+    started = time.process_time()  # work done, which other processes on the machine do not stretch
     with pytest.raises(ConfigError) as e:
         load_config(path)
-    assert time.monotonic() - started < 5
+    assert time.process_time() - started < 5
     assert one_line(e).startswith(f"{path}:7: the document is larger than 4194304 nodes and characters once its")
 
 
@@ -238,10 +238,10 @@ def test_a_model_template_that_loops_long_is_stopped_in_time(tmp_path, monkeypat
     own = copy.deepcopy(tokenizer)  # the model directory's template
     own.chat_template = "{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}{{ 'x' }}"
     path = chat_rows(tmp_path)
-    started = time.monotonic()
+    started = time.process_time()
     with pytest.raises(DataError) as e:
         ROWS.prepare("data.train", [path], own, DataConfig(train=path))
-    assert time.monotonic() - started < 5
+    assert time.process_time() - started < 5
     assert one_line(e) == (
         f"data.train: {path} line 1: the chat template of {tokenizer.name_or_path} (its tokenizer_config.json or "
         "chat_template.jinja) ran longer than 0.3 s on this row, past the bounds on rendering; fix the template, or "
@@ -265,10 +265,10 @@ def test_a_huge_constant_is_not_folded_while_the_template_compiles():
     from llmtrain.config.validate import chat_template_problem
     from llmtrain.template import MAX_RENDERED
 
-    started = time.monotonic()  # Jinja folds constants at compile time, in the start-up check
+    started = time.process_time()  # Jinja folds constants at compile time, in the start-up check
     huge = f"{{{{ 'x' * {MAX_RENDERED * 1000} }}}}{{{{ 2 ** 1000000000 }}}}"
     assert chat_template_problem(huge) is None
-    assert time.monotonic() - started < 5
+    assert time.process_time() - started < 5
 
 
 def test_bounded_templates_render_as_before():
