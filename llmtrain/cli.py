@@ -41,10 +41,18 @@ def parse_args(
         action="store_true",
         help="tokenize the data into the cache and exit (run once before a multi-node job)",
     )
+    parser.add_argument(
+        "--restartable",
+        action="store_true",
+        help="each start may be a restart of the same job (recipes/slurm/job.sh passes it): checkpoint.resume=none "
+        "is refused, since a restart must continue from the job's own checkpoints",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)  # options may come after overrides
     refuse_options(unknown, sys.argv[1:] if argv is None else argv, parser, schema)
     cfg = load_config(args.config, args.overrides, schema, sections)
+    if args.restartable:
+        check_restartable(cfg)
     own = [cfg.model.name_or_path, *cfg.data.names()]
     if args.config == default_config and any(name not in DEMO_NAMES for name in own):
         from accelerate import PartialState
@@ -104,6 +112,23 @@ def option_problem(arg: str, argv: list[str], options: list[str], schema: type) 
 
 # A value such as -1 or -1e-5 after an option, which is not an option itself.
 NUMBER = re.compile(r"-?\d+(\.\d*)?([eE][-+]?\d+)?")
+
+
+def check_restartable(cfg: Config) -> None:
+    """--restartable: a job that restarts itself (a Slurm requeue, workers restarted by
+    `accelerate launch --max_restarts`) runs the same command at each start, and each must
+    continue from the newest checkpoint the job wrote. checkpoint.resume=auto (the default)
+    does; a checkpoint path does too (its run continues from its own newest checkpoint,
+    output/rundir.find_start); none would refuse the job's own checkpoints at the first
+    restart, so it is refused here, at the first start."""
+    if cfg.checkpoint.resume == "none":
+        raise ConfigError(
+            [
+                "checkpoint.resume: none cannot hold in a job that restarts itself (recipes/slurm/job.sh: a requeue or "
+                "a worker restart must continue from the job's own checkpoints); leave it at auto, and give a new "
+                "output_dir to be sure of a fresh start"
+            ]
+        )
 
 
 @contextmanager

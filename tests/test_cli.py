@@ -250,3 +250,18 @@ def test_options_users_bring_from_transformers_are_one_line_each(argv, problems)
     with pytest.raises(ConfigError) as e:
         cli.parse_args(argv, DEMO)
     assert e.value.problems == problems
+
+
+def test_a_restartable_job_refuses_a_resume_it_cannot_keep(tmp_path):
+    """--restartable (recipes/slurm/job.sh): each start of the job runs the same command,
+    and a restart must continue from the job's own checkpoints, which none would refuse."""
+    base = ["model.name_or_path=m", "data.train=d.jsonl"]
+    with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold in a job that restarts itself"):
+        cli.parse_args(["--restartable", *base, "checkpoint.resume=none"], None)
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  resume: none\n")
+    with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold"):
+        cli.parse_args(["--config", str(path), *base, "--restartable"], None)
+    cfg, args = cli.parse_args(["--restartable", *base], None)
+    assert args.restartable and cfg.checkpoint.resume == "auto"
+    assert cli.parse_args([*base, "checkpoint.resume=none"], None)[0].checkpoint.resume == "none"
