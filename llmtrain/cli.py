@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
+import re
 import signal
 import sys
 import time
@@ -12,11 +14,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config import Config, load_config
+from .config.foreign import FOREIGN
+from .config.load import key_for, key_type
 from .config.validate import DEMO_NAMES
 from .distributed.launch import process_group_backend
 from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
-from .errors import UserError
+from .errors import ConfigError, UserError
 
 
 def parse_args(
@@ -37,9 +41,18 @@ def parse_args(
         action="store_true",
         help="tokenize the data into the cache and exit (run once before a multi-node job)",
     )
+    parser.add_argument(
+        "--restartable",
+        action="store_true",
+        help="each start may be a restart of the same job (recipes/slurm/job.sh passes it): checkpoint.resume=none "
+        "is refused, since a restart must continue from the job's own checkpoints",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = parser.parse_intermixed_args(argv)  # options may come after overrides
+    args, unknown = parser.parse_known_intermixed_args(argv)  # options may come after overrides
+    refuse_options(unknown, sys.argv[1:] if argv is None else argv, parser, schema)
     cfg = load_config(args.config, args.overrides, schema, sections)
+    if args.restartable:
+        check_restartable(cfg)
     own = [cfg.model.name_or_path, *cfg.data.names()]
     if args.config == default_config and any(name not in DEMO_NAMES for name in own):
         from accelerate import PartialState
@@ -50,6 +63,72 @@ def parse_args(
             "model; pass --config with your own YAML (see recipes/configs/) for a real run"
         )
     return cfg, args
+
+
+def refuse_options(unknown: list[str], argv: list[str], parser: argparse.ArgumentParser, schema: type) -> None:
+    """Options the parser does not know (`unknown`, as parse_known_args leaves them), each one
+    line naming what to write instead, where argparse would print its usage and
+    'unrecognized arguments': a setting is a dotted override, so --learning_rate 1e-5, as
+    Transformers' scripts take it, is train.lr=1e-5 (config.foreign), --seed 3 is
+    train.seed=3, --bf16 a flag of accelerate launch; any other, the closest option."""
+    options = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    problems = []
+    for i, arg in enumerate(unknown):
+        value = not arg.startswith("-") or NUMBER.fullmatch(arg)
+        if value and i and unknown[i - 1].startswith("--") and "=" not in unknown[i - 1]:
+            continue  # --a 1 --b 2: argparse leaves the 2 here; it is --b's value, named with it
+        problems.append(option_problem(arg, argv, options, schema))
+    if problems:
+        raise ConfigError(problems)
+
+
+def option_problem(arg: str, argv: list[str], options: list[str], schema: type) -> str:
+    """The line for unknown option `arg` of the command line `argv`, whose known options are
+    `options` (see `refuse_options`)."""
+    if not arg.startswith("--") or arg == "--":
+        return f"{arg}: neither an option nor an override; settings are dotted overrides, e.g. train.lr=2e-5"
+    name, given, value = arg[2:].partition("=")
+    if not given and arg in argv:  # --learning_rate 1e-5: its value is the next argument (which parsed as an override)
+        after = argv[argv.index(arg) + 1 : argv.index(arg) + 2]
+        if after and "=" not in after[0] and (not after[0].startswith("-") or NUMBER.fullmatch(after[0])):
+            given, value = "=", after[0]
+    not_ours = f"--{name}: not an option;"
+    ours = FOREIGN.get(name.replace("-", "_"))
+    note = f" ({ours.note})" if ours is not None and ours.note else ""
+    if ours is not None and ours.flag:  # --bf16: --mixed_precision bf16; --mixed_precision fp16 as it is
+        flag = f"{ours.flag} {value}" if given and " " not in ours.flag else ours.flag
+        return f"{not_ours} it is set at launch: accelerate launch {flag} ...{note}"
+    key = ours.key if ours is not None else key_for(name.replace("-", "_"), schema)
+    if key is None:
+        close = difflib.get_close_matches(f"--{name}", options, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"its options are {', '.join(options)}."
+        return f"{not_ours} {hint} Settings are dotted overrides, key.sub=value (python -m llmtrain.config lists them)"
+    if ours is not None and ours.value:  # --warmup_ratio 0.03 is no number of steps
+        value = ours.value
+    elif not given:  # a flag, as --gradient_checkpointing
+        value = "true" if key_type(schema, key) is bool else "<value>"
+    return f"{not_ours} settings are dotted overrides: {key}={value}{note}"
+
+
+# A value such as -1 or -1e-5 after an option, which is not an option itself.
+NUMBER = re.compile(r"-?\d+(\.\d*)?([eE][-+]?\d+)?")
+
+
+def check_restartable(cfg: Config) -> None:
+    """--restartable: a job that restarts itself (a Slurm requeue, workers restarted by
+    `accelerate launch --max_restarts`) runs the same command at each start, and each must
+    continue from the newest checkpoint the job wrote. checkpoint.resume=auto (the default)
+    does; a checkpoint path does too (its run continues from its own newest checkpoint,
+    output/rundir.find_start); none would refuse the job's own checkpoints at the first
+    restart, so it is refused here, at the first start."""
+    if cfg.checkpoint.resume == "none":
+        raise ConfigError(
+            [
+                "checkpoint.resume: none cannot hold in a job that restarts itself (recipes/slurm/job.sh: a requeue or "
+                "a worker restart must continue from the job's own checkpoints); leave it at auto, and give a new "
+                "output_dir to be sure of a fresh start"
+            ]
+        )
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from . import demo
-from .cli import user_errors
+from .cli import refuse_options, user_errors
 from .config import load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
 from .data.batches import EpochSampler
@@ -268,9 +268,10 @@ def plan(argv: list[str]) -> None:
         f"config or an override sets a key of, else {DEFAULT})",
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = parser.parse_intermixed_args(argv)  # options may come after overrides
+    args, unknown = parser.parse_known_intermixed_args(argv)  # options may come after overrides
     config, name = config_and_recipe(args.config, args.recipe, args.overrides)
     method = METHODS[name]
+    refuse_options(unknown, argv, parser, method.schema)  # --learning_rate 1e-5: train.lr=1e-5
     cfg = load_config(config, args.overrides, method.schema, sections())
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)

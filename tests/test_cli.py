@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmtrain import cli
-from llmtrain.errors import DataError
+from llmtrain.errors import ConfigError, DataError
 from tests.support.runs import ROOT, free_port
 
 
@@ -189,3 +189,79 @@ def test_a_signal_while_a_finished_one_process_run_exits_is_ignored(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "flushed\n", proc.stderr
     assert "Exception ignored" not in proc.stderr and "stopped on" not in proc.stderr
+
+
+DEMO = ROOT / "recipes" / "configs" / "demo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("argv", "problems"),
+    [
+        (
+            ["--learning_rate", "1e-5", "train.max_steps=3"],
+            ["--learning_rate: not an option; settings are dotted overrides: train.lr=1e-5"],
+        ),
+        (
+            ["train.max_steps=3", "--learning_rate=1e-5"],
+            ["--learning_rate: not an option; settings are dotted overrides: train.lr=1e-5"],
+        ),
+        (
+            ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4"],
+            [
+                "--per_device_train_batch_size: not an option; settings are dotted overrides: train.micro_batch_size=8",
+                "--gradient_accumulation_steps: not an option; settings are dotted overrides: train.grad_accum_steps=4",
+            ],
+        ),
+        (
+            ["--warmup_ratio", "0.03"],
+            [
+                "--warmup_ratio: not an option; settings are dotted overrides: train.warmup_steps=<steps> (a number of "
+                "steps, not a share of the run: 0.03 of 1000 steps is train.warmup_steps=30)"
+            ],
+        ),
+        (
+            ["--bf16"],
+            [
+                "--bf16: not an option; it is set at launch: accelerate launch --mixed_precision bf16 ... (model.dtype "
+                "is the dtype the weights load in)"
+            ],
+        ),
+        (["--seed", "3"], ["--seed: not an option; settings are dotted overrides: train.seed=3"]),
+        (["--max_steps", "-1"], ["--max_steps: not an option; settings are dotted overrides: train.max_steps=-1"]),
+        (
+            ["--gradient_checkpointing"],
+            [
+                "--gradient_checkpointing: not an option; settings are dotted overrides: "
+                "model.gradient_checkpointing=true"
+            ],
+        ),
+        (["--output_dir", "runs/x"], ["--output_dir: not an option; settings are dotted overrides: output_dir=runs/x"]),
+        (
+            ["--conifg", "c.yaml"],
+            [
+                "--conifg: not an option; did you mean --config? Settings are dotted overrides, key.sub=value (python "
+                "-m llmtrain.config lists them)"
+            ],
+        ),
+    ],
+)
+def test_options_users_bring_from_transformers_are_one_line_each(argv, problems):
+    """argparse would print its usage and 'unrecognized arguments: --learning_rate'."""
+    with pytest.raises(ConfigError) as e:
+        cli.parse_args(argv, DEMO)
+    assert e.value.problems == problems
+
+
+def test_a_restartable_job_refuses_a_resume_it_cannot_keep(tmp_path):
+    """--restartable (recipes/slurm/job.sh): each start of the job runs the same command,
+    and a restart must continue from the job's own checkpoints, which none would refuse."""
+    base = ["model.name_or_path=m", "data.train=d.jsonl"]
+    with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold in a job that restarts itself"):
+        cli.parse_args(["--restartable", *base, "checkpoint.resume=none"], None)
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  resume: none\n")
+    with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold"):
+        cli.parse_args(["--config", str(path), *base, "--restartable"], None)
+    cfg, args = cli.parse_args(["--restartable", *base], None)
+    assert args.restartable and cfg.checkpoint.resume == "auto"
+    assert cli.parse_args([*base, "checkpoint.resume=none"], None)[0].checkpoint.resume == "none"

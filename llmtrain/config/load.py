@@ -2,11 +2,18 @@
 plus dotted `key.sub=value` overrides, coerced into the schema's types with every problem
 collected, each naming its key; then the tree's own checks (`Config.problems`). And the
 way back out: the tree as YAML (config.yaml) and as flat scalars (trackers).
+
+An override never loses text to YAML's reading: a key that takes a text gets it as
+written, and elsewhere a value whose texts YAML would change (a comment, a folded line
+break, an anchor) is refused (`parse_override`). An unknown key is answered with the key
+it most likely meant, a name from Transformers with ours (foreign.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import math
 import os
 import re
@@ -19,6 +26,7 @@ import yaml
 
 from ..errors import ConfigError, shown
 from ..files import size_text
+from .foreign import FOREIGN
 from .schema import Config
 from .validate import closest, map_paths, number_problems
 
@@ -75,11 +83,16 @@ def _coerce(value: Any, tp: Any, key: str = "") -> Any:
             raise TypeError
         item, items = typing.get_args(tp)[0], []
         for i, v in enumerate(value):
+            if _takes_str(item) and _pair_text(v) is not None and not _fits(v, item):  # [Uppercase: wolf]
+                hint = _quote_hint(f"{key}[{i}]", v, entries=value)
+                raise _EntryProblems([f"{key}[{i}]: expected {_type_name(item)}, got {shown(v)}{hint}"])
             try:
                 items.append(_coerce(v, item, f"{key}[{i}]"))
             except TypeError:  # name the entry, not the whole list
                 mapping = isinstance(v, dict) and "path" in v  # data.eval=[{path: ...}]: only data.train's take one
                 hint = "; give the path itself (only data.train entries are mappings)" if mapping else ""
+                if not hint and _takes_str(item):
+                    hint = _quote_hint(f"{key}[{i}]", v, entries=value)
                 raise _EntryProblems([f"{key}[{i}]: expected {_type_name(item)}, got {shown(v)}{hint}"]) from None
         return items
     if tp is bool:
@@ -116,15 +129,7 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str], root: type | 
     for key, value in raw.items():
         full = f"{prefix}{key}"
         if key not in names:
-            elsewhere, close = _in_other_section(str(key), root, prefix), closest(str(key), names)
-            hint = (
-                f"; did you mean '{elsewhere}'? (each key goes in its section)"
-                if elsewhere
-                else f"; did you mean '{prefix}{close}'?"
-                if close
-                else f"; valid keys: {', '.join(prefix + n for n in names)}"
-            )
-            problems.append(f"{full}: unknown key{hint}")
+            problems.append(unknown_key_problem(full, str(key), names, prefix, root))
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -137,12 +142,43 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str], root: type | 
             kwargs[key] = _coerce(value, tp, full)
         except TypeError:
             hint = ""
-            if full == "data.train" and isinstance(value, dict):
+            if full == "data.train" and isinstance(value, dict) and "path" in value:
                 hint = "; a source written as a mapping goes in a list: data.train=[{path: a.jsonl, fraction: 0.5}]"
+            elif _takes_str(tp) or (typing.get_origin(tp) is list and _takes_str(typing.get_args(tp)[0])):
+                hint = _quote_hint(full, value, list_of=typing.get_origin(tp) is list)
             problems.append(f"{full}: expected {_type_name(tp)}, got {shown(value)}{hint}")
         except _EntryProblems as e:
             problems += e.problems
     return cls(**kwargs)
+
+
+def unknown_key_problem(full: str, key: str, names: list[str], prefix: str, root: type) -> str:
+    """The problem of unknown key `key` (dotted: `full`) among `names`, the keys of its
+    section (`prefix`) of the tree `root`, with what it most likely meant: llmtrain's name
+    for a name from Transformers or TRL (foreign.FOREIGN), the section that has the key, a
+    close spelling, or else the section's keys."""
+    if (ours := FOREIGN.get(key)) is not None:
+        note = f" ({ours.note})" if ours.note else ""
+        if ours.flag:
+            return f"{full}: unknown key; {key} is set at launch here: accelerate launch {ours.flag}{note}"
+        return f"{full}: unknown key; did you mean '{ours.key}'?{note}"
+    elsewhere, close = _in_other_section(key, root, prefix), closest(key, names)
+    hint = (
+        f"; did you mean '{elsewhere}'? (each key goes in its section)"
+        if elsewhere
+        else f"; did you mean '{prefix}{close}'?"
+        if close
+        else f"; valid keys: {', '.join(prefix + n for n in names)}"
+    )
+    return f"{full}: unknown key{hint}"
+
+
+def key_for(name: str, schema: type) -> str | None:
+    """The dotted key of `schema` named `name` (output_dir, seed: train.seed), when exactly
+    one key has that name at the top or in a section; else None."""
+    if name in {f.name for f in dataclasses.fields(schema)}:
+        return name if key_type(schema, name) is not None else None
+    return _in_other_section(name, schema, "")
 
 
 def _in_other_section(key: str, root: type, prefix: str) -> str | None:
@@ -206,19 +242,164 @@ def _set_dotted(tree: dict, dotted: str, value: Any, schema: type | None = None)
         node[last] = value
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def parse_override(text: str, schema: type | None = None) -> tuple[str, Any]:
     """'train.lr=2e-5' -> ('train.lr', 2e-5). Values are parsed as YAML, so lists work:
-    data.train=[a.jsonl,b.jsonl]."""
+    data.train=[a.jsonl,b.jsonl]; but no text is lost to YAML's reading. A key of `schema`
+    that takes a text (output_dir, data.system_prompt, model.dtype) gets the text after `=`
+    as written (`as_written`), as does a key that takes a text or more (data.train) given
+    one; in any other value, a text YAML would change (a comment, a line break folded, an
+    anchor) or a list or mapping it cannot read is refused, saying how to quote it."""
     if "=" not in text:
         raise ConfigError([f"{text}: overrides look like key.sub=value (e.g. train.lr=2e-5)"])
     key, raw = text.split("=", 1)
+    key = key.strip()
+    tp = key_type(schema, key) if schema is not None else None
+    if raw == "":
+        return key, ""
+    if tp is not None and _text_only(tp):
+        return key, as_written(key, raw)
     try:
-        value = yaml.load(raw, Loader=BoundedLoader) if raw != "" else ""
+        value = yaml.load(raw, Loader=BoundedLoader)
     except TooLarge as e:
-        raise ConfigError([f"{key.strip()}: the value given on the command line {e}"]) from None
+        raise ConfigError([f"{key}: the value given on the command line {e}"]) from None
+    except yaml.YAMLError as e:
+        if tp is not None and raw.lstrip()[:1] in ("[", "{"):  # a list or mapping meant, for a key that has a type
+            why = getattr(e, "problem", None) or e
+            raise ConfigError([f"{key}: {shown(raw)} is not valid YAML ({why}); {QUOTE}"]) from None
+        return key, raw  # a section's broken mapping is named as such (_section_problem); a number's, as not one
+    scalar = not isinstance(value, (list, dict))
+    if tp is not None and scalar and _takes_str(tp) and (isinstance(value, str) or not _fits(value, tp)):
+        return key, as_written(key, raw)  # data.train=my #1.jsonl, data.eval=2024
+    if (why := lost_text(raw)) is not None:
+        raise ConfigError([f"{key}: {why}"])
+    return key, value
+
+
+# How to write a list or mapping whose texts YAML cannot read unquoted.
+QUOTE = (
+    'put its texts in double quotes, e.g. ["What is 7 + 5?", "${X}/b.jsonl"], and the whole override in the '
+    "shell's single quotes"
+)
+
+
+def as_written(key: str, raw: str) -> str:
+    """The text of an override for a key that takes a text: as written after `=` (spaces,
+    `#`, `: `, `&` and line breaks included), unless the whole of it is one quoted YAML
+    text ('...' or "...", for escapes such as \\n), which gives that text."""
+    if raw.strip()[:1] not in ("'", '"'):
+        return raw
+    try:
+        scalars = [e for e in yaml.parse(raw, Loader=BoundedLoader) if isinstance(e, yaml.ScalarEvent)]
     except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+        return raw
+    if len(scalars) != 1 or scalars[0].end_mark.index != len(raw.rstrip()):  # 'a' #b: more than one quoted text
+        return raw
+    if "\n" in raw.strip():
+        raise ConfigError(
+            [
+                f"{key}: {shown(raw)}: YAML turns a line break inside quotes into a space; write \\n inside "
+                "double quotes, or leave the quotes out to keep the text as written"
+            ]
+        )
+    return scalars[0].value
+
+
+def lost_text(raw: str) -> str | None:
+    """What reading `raw` as YAML drops or changes beyond its types, and how to keep it, or
+    None: a comment (`#` outside any text), a line break inside a text (YAML folds it into
+    a space; a `|` block keeps it), an anchor (`&x`) or alias (`*x`)."""
+    events = list(yaml.parse(raw, Loader=BoundedLoader))
+    scalars = [e for e in events if isinstance(e, yaml.ScalarEvent)]
+    for i, char in enumerate(raw):
+        if char == "#" and not any(e.start_mark.index <= i < e.end_mark.index for e in scalars):
+            return (
+                f"YAML reads {shown(raw[i:].splitlines()[0])} in {shown(raw)} as a comment and drops it; remove it, "
+                f'or put the text that holds it in quotes (e.g. ["run #1"]), and the override in the shell\'s quotes'
+            )
+    for e in events:
+        written = raw[e.start_mark.index : e.end_mark.index]
+        if isinstance(e, yaml.AliasEvent) or getattr(e, "anchor", None):
+            what = f"*{e.anchor} as an alias" if isinstance(e, yaml.AliasEvent) else f"&{e.anchor} as an anchor"
+            return f"YAML reads {what} in {shown(raw)}; put the entry in quotes: {_json(written)}"
+        if isinstance(e, yaml.ScalarEvent) and e.style != "|" and "\n" in written:
+            return (
+                f"YAML turns the line break inside {shown(written)} into a space; write the entry in double quotes "
+                f"with \\n for the line break: {_json(written.strip())}"
+            )
+    return None
+
+
+def key_type(schema: type, dotted: str) -> Any:
+    """The type of key `dotted` in `schema`, without its Annotated extras; None for a
+    section or a key the schema does not have."""
+    tp: Any = schema
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+    return None if tp is None or dataclasses.is_dataclass(tp) else tp
+
+
+def _text_only(tp: Any) -> bool:
+    """A key whose value is one text: str, or a choice among texts (a Literal of strings)."""
+    if typing.get_origin(tp) is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(tp))
+    return tp is str
+
+
+def _takes_str(tp: Any) -> bool:
+    """A key (or list entry) that takes a text, alone or among other types."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return any(_takes_str(a) for a in typing.get_args(tp))
+    return _text_only(tp)
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    try:
+        _coerce(value, tp)
+    except (TypeError, _EntryProblems):
+        return False
+    return True
+
+
+def _pair_text(value: Any) -> str | None:
+    """'Uppercase: wolf' for {'Uppercase': 'wolf'}: the text a mapping of one pair of plain
+    values was written as, unquoted; None for anything else."""
+    if not isinstance(value, dict) or len(value) != 1:
+        return None
+    (k, v), plain = next(iter(value.items())), (str, int, float, bool, type(None))
+    if not isinstance(k, plain) or not isinstance(v, plain):
+        return None
+    return f"{k}:" if v is None else f"{k}: {v}"
+
+
+def _json(text: str) -> str:
+    """`text` in double quotes, as YAML reads it back (escapes such as \\n included)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _quoted(entry: Any) -> str:
+    return _json(_pair_text(entry) or str(entry))
+
+
+def _quote_hint(key: str, value: Any, entries: list | None = None, list_of: bool = False) -> str:
+    """Why YAML read a text as something else, and how to quote it, for the problem of key
+    `key` (a key or list entry that takes a text) given `value`; '' when it is no such case.
+    `entries`: the whole list `value` is an entry of; `list_of`: the key takes a list."""
+    if (text := _pair_text(value)) is not None:  # [Uppercase: wolf]: the ': ' made a mapping
+        listed = entries if entries is not None else [value] if list_of else None
+        given = f"[{', '.join(_quoted(e) for e in listed)}]" if listed is not None else _quoted(value)
+        base = key.split("[", 1)[0]
+        return (
+            f"; YAML reads {text} as a mapping, for the ': ' in it: put it in quotes, "
+            f"{_quoted(value)} (on the command line: '{base}={given}')"
+        )
+    if list_of and isinstance(value, str):  # eval.sample_prompts=What is 7 + 5?
+        return f"; give a list: '{key}=[{_json(value)}]'"
+    kind = "true/false" if isinstance(value, bool) else "a number" if isinstance(value, (int, float)) else None
+    if kind is None and isinstance(value, (datetime.date, datetime.datetime)):
+        kind = "a date"
+    return f"; YAML reads it unquoted as {kind}: put it in quotes for a text" if kind else ""
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file; long texts (a chat template) belong in files of their own
@@ -383,7 +564,7 @@ def load_config(
             )
         raw = loaded
     for item in overrides:
-        key, value = parse_override(item)
+        key, value = parse_override(item, schema)
         _set_dotted(raw, key, value, schema)
     if path is not None and "output_dir" not in raw:  # a run of its own, not one in the default's directory
         raw["output_dir"] = f"runs/{path.stem}"

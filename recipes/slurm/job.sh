@@ -19,16 +19,11 @@ if [ ! -f "$recipe" ]; then
     "(or none, for recipes/finetune.py) and submit from the repository root" >&2
   exit 2
 fi
-# Every start continues from the newest complete checkpoint in output_dir (a requeue, a
-# restart): checkpoint.resume=auto, added last, unless the command gives a checkpoint to
-# start from, which it keeps: run again, such a run continues from its own newest one.
-resume=(checkpoint.resume=auto)
-for arg in "$@"; do
-  case "$arg" in
-    checkpoint.resume=auto | checkpoint.resume=none) ;;
-    checkpoint.resume=*) resume=() ;;
-  esac
-done
+# Every start (a requeue, a worker restart) runs the same command and continues from the
+# newest complete checkpoint in output_dir: checkpoint.resume as the config file and the
+# command line set it, auto by default; a checkpoint given to start from is kept, and its run
+# continues from its own newest one. The recipe, which reads both, decides: --restartable
+# refuses checkpoint.resume=none, which a restart could not keep.
 # A preemption warning before training starts has nothing to checkpoint, but must not kill
 # this shell (bash's default for USR1): the job is requeued once the step running ends.
 preempted=0
@@ -45,7 +40,7 @@ port=$((20000 + SLURM_JOB_ID % 20000))
 echo "llmtrain: job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)), $SLURM_JOB_NUM_NODES node(s), head $head_node at $head_addr:$port"
 
 # 1. Tokenize once, on one node, into the datasets cache that every node reads.
-srun --nodes=1 --ntasks=1 --nodelist="$head_node" python "$recipe" --prepare-only "$@" || exit $?
+srun --nodes=1 --ntasks=1 --nodelist="$head_node" python "$recipe" --prepare-only --restartable "$@" || exit $?
 if [ "$preempted" = 1 ]; then
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
@@ -73,7 +68,7 @@ srun --kill-on-bad-exit=1 bash -c '
     --main_process_ip "$0" --main_process_port "$1" --rdzv_backend c10d \
     --max_restarts "${LLMTRAIN_MAX_RESTARTS:-0}" --mixed_precision "${LLMTRAIN_MIXED_PRECISION:-bf16}" \
     --dynamo_backend no "${@:2}"
-' "$head_addr" "$port" "$recipe" "$@" ${resume[@]+"${resume[@]}"} &
+' "$head_addr" "$port" "$recipe" --restartable "$@" &
 train=$!
 wait "$train"; status=$?
 while kill -0 "$train" 2>/dev/null; do wait "$train"; status=$?; done  # the trap cut the wait short

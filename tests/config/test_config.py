@@ -418,3 +418,179 @@ def test_model_head_is_the_recipes_own_and_another_is_refused(schema):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*given, f"model.head={other}"], schema=schema)
     assert e.value.problems == [f"model.head: this recipe trains the '{schema.HEAD}' head; remove model.head={other}"]
+
+
+BASE = ["model.name_or_path=m", "data.train=d.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("output_dir=exp #3", "output_dir", "exp #3"),  # YAML: exp, the rest a comment
+        ("data.system_prompt=Be brief.\nAnswer in French.", "data.system_prompt", "Be brief.\nAnswer in French."),
+        ("data.system_prompt=Note: be brief", "data.system_prompt", "Note: be brief"),  # YAML: a mapping
+        ("data.system_prompt= Be brief. ", "data.system_prompt", " Be brief. "),
+        ("output_dir=&run exp", "output_dir", "&run exp"),  # YAML: exp, &run an anchor
+        ("output_dir=!!python/name:os.system", "output_dir", "!!python/name:os.system"),
+        ("model.revision=0123", "model.revision", "0123"),  # YAML 1.1: the octal number 83
+        ("model.revision=1.10", "model.revision", "1.10"),  # YAML: 1.1
+        ("log.project=null", "log.project", "null"),
+        ("output_dir='exp #3'", "output_dir", "exp #3"),  # one quoted YAML text: its text
+        ('data.system_prompt="Be brief.\\nAnswer in French."', "data.system_prompt", "Be brief.\nAnswer in French."),
+        ("output_dir='a' #b", "output_dir", "'a' #b"),  # more than one quoted text: as written
+        ("data.train=my #1.jsonl", "data.train", "my #1.jsonl"),  # a key that takes a text or a list
+        ("data.eval=2024", "data.eval", "2024"),
+        ("export.max_shard_size=500MB #x", "export.max_shard_size", "500MB #x"),
+        ("export.max_shard_size=1000", "export.max_shard_size", 1000),  # a number where the key takes one
+        ("export.merge_lora=true", "export.merge_lora", True),
+        ("train.profile_steps=5", "train.profile_steps", 5),
+    ],
+)
+def test_an_override_of_a_key_that_takes_a_text_keeps_it_as_written(override, key, value):
+    """YAML would drop a comment, fold a line break into a space, strip the ends, drop an
+    anchor, read `a: b` as a mapping or 0123 as a number: a key that takes a text gets the
+    text after = as it was written instead (quoted YAML text still gives its text)."""
+    key_, parsed = parse_override(override, Config)
+    assert (key_, parsed) == (key, value)
+    if not key.startswith(("data.train", "export.")):  # those would fail other checks here
+        cfg = load_config(None, [*BASE, override])
+        section, _, name = key.rpartition(".")
+        assert getattr(getattr(cfg, section) if section else cfg, name) == value
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        (
+            "data.train=[a.jsonl, b.jsonl] #x",
+            "data.train: YAML reads '#x' in '[a.jsonl, b.jsonl] #x' as a comment and drops it; remove it, or put the "
+            'text that holds it in quotes (e.g. ["run #1"]), and the override in the shell\'s quotes',
+        ),
+        ("train.lr=1e-4 #lower", "train.lr: YAML reads '#lower' in '1e-4 #lower' as a comment and drops it;"),
+        (
+            "data.train=[a.jsonl,\n b c.jsonl\n d.jsonl]",
+            "data.train: YAML turns the line break inside 'b c.jsonl\\n d.jsonl' into a space; write the entry in "
+            'double quotes with \\n for the line break: "b c.jsonl\\n d.jsonl"',
+        ),
+        ("data.train=[&x a.jsonl, b.jsonl]", "data.train: YAML reads &x as an anchor in '[&x a.jsonl, b.jsonl]'; put "),
+        (
+            "data.train=[a.jsonl, ${X}/b.jsonl]",
+            "data.train: '[a.jsonl, ${X}/b.jsonl]' is not valid YAML (expected ',' or ']', but got '{'); put its texts "
+            'in double quotes, e.g. ["What is 7 + 5?", "${X}/b.jsonl"], and the whole override in the shell\'s single '
+            "quotes",
+        ),
+        ("eval.sample_prompts=[What is 7 + 5?]", "eval.sample_prompts: '[What is 7 + 5?]' is not valid YAML"),
+        ("output_dir='a\nb'", "output_dir: \"'a\\nb'\": YAML turns a line break inside quotes into a space;"),
+    ],
+)
+def test_an_override_that_yaml_would_change_is_refused_saying_how_to_quote(override, problem):
+    """In a list or mapping (or a number), a text YAML would change is refused: before, a
+    comment or a folded line break went unseen, and a list YAML could not read became one
+    path ('[a.jsonl, ${X}/b.jsonl]')."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, override])
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(problem)
+
+
+def test_quoted_texts_in_a_list_are_read_as_yaml_quotes():
+    cfg = load_config(None, [*BASE, 'eval.sample_prompts=["What is 7 + 5?", "Uppercase: wolf", "a #1"]'])
+    assert cfg.eval.sample_prompts == ["What is 7 + 5?", "Uppercase: wolf", "a #1"]
+
+
+COLON = (
+    "eval.sample_prompts[0]: expected a string, got {'Uppercase': 'wolf'}; YAML reads Uppercase: wolf as a mapping, "
+    "for the ': ' in it: put it in quotes, \"Uppercase: wolf\" (on the command line: "
+    "'eval.sample_prompts=[\"Uppercase: wolf\"]')"
+)
+
+
+def test_a_text_read_as_a_mapping_for_its_colon_says_yaml_needs_quotes(tmp_path):
+    """[Uppercase: wolf] is a list of one mapping to YAML, on the command line and in a file;
+    any key that takes texts (or a text among other things) says to quote it."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, "eval.sample_prompts=[Uppercase: wolf]"])
+    assert e.value.problems == [COLON]
+    path = tmp_path / "c.yaml"
+    path.write_text("eval:\n  sample_prompts: [Uppercase: wolf]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, BASE)
+    assert e.value.problems == [COLON]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, "eval.sample_prompts=[a, b]", "model.lora.target_modules=[q_proj, v: w]"])
+    assert e.value.problems[0].endswith(
+        'put it in quotes, "v: w" (on the command line: \'model.lora.target_modules=["q_proj", "v: w"]\')'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=[a.jsonl, owner/set: train]"])
+    assert "YAML reads owner/set: train as a mapping" in e.value.problems[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "grpo.rewards=[reward_model: rm]"], GRPOConfig)
+    assert "YAML reads reward_model: rm as a mapping" in e.value.problems[0]
+
+
+def test_a_number_or_truth_value_where_a_text_goes_says_to_quote_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  revision: 0123\neval:\n  sample_prompts: [yes, 12]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, BASE)
+    assert e.value.problems == [
+        "model.revision: expected a string, got 83; YAML reads it unquoted as a number: put it in quotes for a text",
+        "eval.sample_prompts[0]: expected a string, got True; YAML reads it unquoted as true/false: put it in quotes "
+        "for a text",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "problem"),
+    [
+        ("train.learning_rate=1e-5", "train.learning_rate: unknown key; did you mean 'train.lr'?"),
+        ("learning_rate=1e-5", "learning_rate: unknown key; did you mean 'train.lr'?"),
+        (
+            "model.per_device_train_batch_size=4",
+            "model.per_device_train_batch_size: unknown key; did you mean 'train.micro_batch_size'?",
+        ),
+        (
+            "gradient_accumulation_steps=4",
+            "gradient_accumulation_steps: unknown key; did you mean 'train.grad_accum_steps'?",
+        ),
+        (
+            "train.warmup_ratio=0.03",
+            "train.warmup_ratio: unknown key; did you mean 'train.warmup_steps'? (a number of steps, not a share of "
+            "the run: 0.03 of 1000 steps is train.warmup_steps=30)",
+        ),
+        (
+            "bf16=true",
+            "bf16: unknown key; bf16 is set at launch here: accelerate launch --mixed_precision bf16 (model.dtype is "
+            "the dtype the weights load in)",
+        ),
+        ("train.max_seq_length=512", "train.max_seq_length: unknown key; did you mean 'data.max_seq_len'?"),
+        ("save_total_limit=2", "save_total_limit: unknown key; did you mean 'checkpoint.keep_last'?"),
+        ("seed=3", "seed: unknown key; did you mean 'train.seed'? (each key goes in its section)"),
+    ],
+)
+def test_names_from_transformers_are_answered_with_ours(tmp_path, given, problem):
+    """TrainingArguments' and TRL's names, as overrides (in any section) and in a YAML file."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, given])
+    assert e.value.problems == [problem]
+    key, _, value = given.partition("=")
+    *sections, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections)) + f"{'  ' * len(sections)}{name}: {value}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path, BASE)
+    assert e.value.problems == [problem]
+
+
+def test_every_name_from_transformers_names_a_key_we_have():
+    """Each entry names a key of some recipe's tree (or a launch flag), and none is a name
+    llmtrain has itself: those the schema places (seed: train.seed)."""
+    from llmtrain.config.foreign import FOREIGN
+    from llmtrain.config.load import key_for, key_type
+
+    schemas = [m.schema for m in METHODS.values()]
+    for name, ours in FOREIGN.items():
+        assert ours.flag or any(key_type(s, ours.key) is not None for s in schemas), name
+        assert all(key_for(name, s) is None for s in schemas), name

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.demo import make_rows, write_jsonl
+from llmtrain.errors import ConfigError
 from tests.support.runs import ROOT, recipe_args, run_recipe, train_rows
 from tests.support.slurm_cluster import LocalSlurm, missing_reason
 
@@ -167,8 +168,8 @@ def test_a_first_argument_naming_a_recipe_runs_that_recipe(tmp_path):
         proc = run_job(env, *args, "--config", "c.yaml")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         prepare, train = log.read_text().splitlines()
-        assert prepare.endswith(f"python {recipe} --prepare-only --config c.yaml")
-        assert train.endswith(f"{recipe} --config c.yaml checkpoint.resume=auto")
+        assert prepare.endswith(f"python {recipe} --prepare-only --restartable --config c.yaml")
+        assert train.endswith(f"{recipe} --restartable --config c.yaml")
     log.unlink()
     proc = run_job(env, "recipes/dpo_typo.py", "--config", "c.yaml")
     assert proc.returncode == 2 and not log.exists()
@@ -176,21 +177,47 @@ def test_a_first_argument_naming_a_recipe_runs_that_recipe(tmp_path):
     assert len(proc.stderr.splitlines()) == 1
 
 
-def test_a_checkpoint_given_to_the_job_is_kept_at_every_start(tmp_path):
-    """checkpoint.resume=auto is added last so that a requeued start continues from the
-    newest checkpoint; a checkpoint the user gives to start from is kept instead (run
-    again, such a run continues from its own newest: tests/output/test_rundir.py), at the
-    first start, a requeue and under worker restarts alike; none and auto become auto."""
-    env, log = stand_in_slurm(tmp_path, 'echo "srun ${*//$\'\\n\'/ }" >> "$LOG"')
-    given = "checkpoint.resume=runs/a/checkpoints/step-100"
-    for extra in ({"SLURM_RESTART_COUNT": "0"}, {"SLURM_RESTART_COUNT": "1", "LLMTRAIN_MAX_RESTARTS": "2"}):
-        log.unlink(missing_ok=True)
-        proc = run_job(env | extra, "--config", "c.yaml", given)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert log.read_text().splitlines()[1].endswith(f"recipes/finetune.py --config c.yaml {given}")
-    log.unlink()
-    proc = run_job(env, "--config", "c.yaml", "checkpoint.resume=none")
-    assert log.read_text().splitlines()[1].endswith("--config c.yaml checkpoint.resume=none checkpoint.resume=auto")
+# A stand-in srun that logs each call's arguments: \x1f after each, \x1e after the call.
+SRUN_ARGS = 'printf "%s\\x1f" "$@" >> "$LOG"; printf "\\x1e" >> "$LOG"'
+
+
+def recipe_args_of_job(env: dict, log: Path, *args: str) -> list[str]:
+    """The recipe's arguments in the training step that job.sh starts, with SRUN_ARGS."""
+    log.unlink(missing_ok=True)
+    proc = run_job(env, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train = log.read_text().split("\x1e")[1].split("\x1f")[:-1]
+    return train[train.index("recipes/finetune.py") + 1 :]
+
+
+def test_the_job_keeps_the_checkpoint_to_start_from_wherever_it_is_given(tmp_path):
+    """Each start of the job resumes as the recipe reads checkpoint.resume from the config
+    file and the command line (auto by default): a checkpoint to start from is kept
+    whether the command line, a checkpoint={resume: ...} mapping or the YAML file gives it,
+    at the first start, a requeue and under worker restarts alike (run again, such a run
+    continues from its own newest: tests/output/test_rundir.py). The template once added
+    checkpoint.resume=auto unless the command line named the key, so the job trained from
+    scratch."""
+    from llmtrain.cli import parse_args
+
+    env, log = stand_in_slurm(tmp_path, SRUN_ARGS)
+    given = str(tmp_path / "runs/a/checkpoints/step-100")
+    base = "model:\n  name_or_path: m\ndata:\n  train: d.jsonl\n"
+    plain, in_file = tmp_path / "plain.yaml", tmp_path / "resume.yaml"
+    plain.write_text(base)
+    in_file.write_text(base + f"checkpoint:\n  resume: {given}\n")
+    cases = [
+        (["--config", str(plain)], "auto"),
+        (["--config", str(plain), f"checkpoint.resume={given}"], given),
+        (["--config", str(plain), f"checkpoint={{resume: {given}}}"], given),
+        (["--config", str(in_file)], given),
+    ]
+    for args, resume in cases:
+        for extra in ({"SLURM_RESTART_COUNT": "0"}, {"SLURM_RESTART_COUNT": "1", "LLMTRAIN_MAX_RESTARTS": "2"}):
+            cfg, _ = parse_args(recipe_args_of_job(env | extra, log, *args), None)
+            assert cfg.checkpoint.resume == resume, args
+    with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold in a job that restarts itself"):
+        parse_args(recipe_args_of_job(env, log, "--config", str(plain), "checkpoint.resume=none"), None)
 
 
 def test_multi_node_job_matches_a_single_process_run(cluster, args, reference, cache_env, tmp_path):
