@@ -1,10 +1,12 @@
-"""Command-line plumbing shared by the recipes: arguments and one-line errors."""
+"""Command-line plumbing shared by the recipes and `llmtrain plan`: arguments, where a run's
+settings come from (`run_config`: a demo's only for a run of the demo), one-line errors."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import difflib
+import math
 import os
 import re
 import signal
@@ -13,29 +15,32 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
+
 from .config import Config, load_config
 from .config.foreign import FOREIGN
-from .config.load import key_for, key_type
-from .config.validate import DEMO_NAMES
+from .config.load import key_for, key_type, overridden, read_config, set_values
+from .config.validate import named
 from .distributed.launch import process_group_backend
 from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
 from .errors import ConfigError, UserError
 
 
-def parse_args(
-    argv: list[str] | None,
-    default_config: Path | None,
-    description: str = "",
-    schema: type = Config,
-    sections: dict[str, str] | None = None,
-):
-    """Returns (config, parsed arguments); the config is a `schema` (a method's tree), and
+def parse_args(argv: list[str] | None, method, demo: Path | None, sections: dict[str, str] | None = None):
+    """Returns (config, parsed arguments) for a run of `method` (a core/method.Method): its
+    tree from --config and the overrides, or from its `demo` YAML, as `run_config` decides;
     `sections` names the other methods' sections (config.load_config)."""
     parser = argparse.ArgumentParser(
-        description=description, epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true"
+        description=method.description,
+        epilog="Overrides: dotted key=value pairs, e.g. train.lr=2e-5 data.packing=true",
     )
-    parser.add_argument("--config", type=Path, default=default_config, help=f"YAML config (default: {default_config})")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"YAML config (default: the demo's, {demo}, when no model or data of your own is named)",
+    )
     parser.add_argument(
         "--prepare-only",
         action="store_true",
@@ -49,20 +54,142 @@ def parse_args(
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)  # options may come after overrides
-    refuse_options(unknown, sys.argv[1:] if argv is None else argv, parser, schema)
-    cfg = load_config(args.config, args.overrides, schema, sections)
-    if args.restartable:
-        check_restartable(cfg)
-    own = [cfg.model.name_or_path, *cfg.data.names()]
-    if args.config == default_config and any(name not in DEMO_NAMES for name in own):
+    refuse_options(unknown, sys.argv[1:] if argv is None else argv, parser, method.schema)
+
+    def say(line: str) -> None:  # once per job, from the main process
         from accelerate import PartialState
 
-        PartialState().print(
-            f"note: no --config given, so the demo's settings from {default_config} apply "
-            f"(train.lr={cfg.train.lr}, train.epochs={cfg.train.epochs}, ...), which suit its tiny "
-            "model; pass --config with your own YAML (see recipes/configs/) for a real run"
-        )
+        PartialState().print(line)
+
+    cfg = run_config(args.config, args.overrides, method, demo, sections, say)
+    if args.restartable:
+        check_restartable(cfg)
     return cfg, args
+
+
+# The keys that name what a run trains and evaluates: a command line that names a model or
+# data set of its own in any of them (anything but a `demo:` name) runs without the demo.
+OWN_KEYS = ("model.name_or_path", "data.train", "data.eval")
+# The keys that make a run the user's once resolved: the model it trains and its data.
+TRAINED_KEYS = ("model.name_or_path", "data.train")
+
+
+def run_config(
+    config: Path | None,
+    overrides: list[str],
+    method,
+    demo: Path | None,
+    sections: dict[str, str] | None = None,
+    say=print,
+) -> Config:
+    """The config a run of `method` trains with; the recipes and `llmtrain plan` both read
+    their settings through here. A run whose model or data is the user's never takes a
+    demo's data or output_dir, nor its tuned settings without a note (docs/config.md, "Where a
+    run's settings come from"):
+    - no --config: the method's `demo` YAML is the base only while the command line names no
+      model or data of its own (OWN_KEYS); once it names one, the base is the schema's
+      defaults (output_dir runs/<method>), as if given an empty YAML, and a note says so;
+    - a demo config (one that trains a `demo:` model or data) given with --config to a run
+      of the user's model or data: each `demo:` name it brings, and its output_dir, are
+      refused; a note lists the settings it brings. Names and keys given on the command
+      line are the user's and kept.
+    Notes go to `say`, one line each."""
+    given = overridden(overrides, method.schema)
+    # The recipe's config for your own model and data, beside its demo's, which the notes name.
+    template = demo.with_name(method.template) if demo is not None and method.template else None
+    template = template if template is not None and template.is_file() else None
+    if config is None:
+        own = [key for key in OWN_KEYS if any(not is_demo(n) for n in names(given.get(key)))]
+        if own and demo is not None and demo.is_file():
+            say(_no_demo_note(own, given, method, demo, template))
+        if own:
+            base = [] if "output_dir" in given else [f"output_dir=runs/{method.name}"]
+            return load_config(None, [*base, *overrides], method.schema, sections)
+        if demo is None or not demo.is_file():
+            where = f"the demo's {demo} is not here" if demo else f"{method.name} has no demo"
+            raise ConfigError([f"--config: required; {where}, so give your YAML"])
+        config = demo
+    cfg = load_config(config, overrides, method.schema, sections)
+    _demo_in_own_run(cfg, config, given, template, say)
+    return cfg
+
+
+def is_demo(name) -> bool:
+    """Whether a model or data name is one of the demo's (`demo:...`; a typo of one is
+    validate's to report)."""
+    return isinstance(name, str) and name.startswith("demo:")
+
+
+def names(value) -> list[str]:
+    """The model or data names in a value as written: a name, a list of names and
+    {path: ..., fraction: ...} entries (data.train), or nothing."""
+    items = value if isinstance(value, list) else [value]
+    found = [item.get("path") if isinstance(item, dict) else item for item in items]
+    return [name for name in found if isinstance(name, str) and name]
+
+
+def _no_demo_note(own: list[str], given: dict, method, demo: Path, template: Path | None) -> str:
+    writes = "" if "output_dir" in given else f", writing to runs/{method.name}"
+    instead = f"--config {shown_path(template)} starts from a config for your own model, " if template else ""
+    return (
+        f"note: the command line names a model or data of your own ({', '.join(own)}) and no --config, so the "
+        f"demo's settings do not apply: the run starts from the defaults (docs/config.md){writes}; "
+        f"{instead}--config {shown_path(demo)} from the demo's settings"
+    )
+
+
+def _demo_in_own_run(cfg: Config, path: Path, given: dict, template: Path | None, say) -> None:
+    """Refuse what a demo config brings to a run of the user's own model or data: its
+    `demo:` names and its output_dir; note the settings it brings (see `run_config`)."""
+    written = set_values(read_config(path))
+    if not any(is_demo(n) for key in TRAINED_KEYS for n in names(written.get(key))):
+        return  # not a demo config
+    if all(is_demo(name) for key, name in named(cfg) if key in TRAINED_KEYS):
+        return  # the demo's own run, perhaps varied
+    where = shown_path(path)
+    demo_names: dict[str, list[str]] = {}
+    for key, name in named(cfg):
+        if is_demo(name) and key not in given:
+            demo_names.setdefault(key, []).append(name)
+    problems = []
+    for key, found in demo_names.items():
+        value = found[0] if len(found) == 1 else f"[{', '.join(found)}]"
+        data = key.startswith("data.")
+        fix = f"{key}=<your {'file' if data else 'model'}>"
+        if key not in TRAINED_KEYS:  # optional: data.eval, a reference model (empty: the starting weights)
+            fix += f" or {key}={'[]' if data else repr('')}"
+            if key == "data.eval" and cfg.eval.every_steps and "eval.every_steps" not in given:
+                fix += " eval.every_steps=0"
+        problems.append(f"{key}: {value} is the demo's, from {where}, in a run of your own model or data; set {fix}")
+    if "output_dir" not in given:
+        problems.append(
+            f"output_dir: {cfg.output_dir} is the demo's, from {where}, in a run of your own model or data; name "
+            "your own: output_dir=runs/<name>"
+        )
+    kept = (*OWN_KEYS, "output_dir", *given)
+    tuned = [f"{key}={brief(value)}" for key, value in written.items() if key not in kept]
+    if tuned:
+        start = f", or start from {shown_path(template)}" if template else ""
+        say(
+            f"note: {where} is a demo config, tuned for the demo's tiny model; this run of your own model or data "
+            f"takes these settings from it: {', '.join(tuned)}; override those that do not suit yours{start}"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def brief(value) -> str:
+    """A setting's value as an override would write it, cut to a few dozen characters."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip().removesuffix("...").strip()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def shown_path(path: Path) -> str:
+    """A path as typed from the working directory: relative to it when under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
 
 
 def refuse_options(unknown: list[str], argv: list[str], parser: argparse.ArgumentParser, schema: type) -> None:

@@ -21,9 +21,10 @@ DEMOS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 
 
 def demo_config(method: Method, folder: Path = DEMOS) -> Path | None:
-    """The method's demo YAML, which its recipe runs when given no --config: in `folder`
-    (a recipe's own configs/, beside the script, wherever llmtrain is installed), else in
-    this checkout's; None for a method without one."""
+    """The method's demo YAML, which its recipe runs when given no --config and no model or
+    data of the user's (cli.run_config): in `folder` (a recipe's own configs/, beside the
+    script, wherever llmtrain is installed), else in this checkout's; None for a method
+    without one."""
     if not method.demo:
         return None
     return next((f / method.demo for f in (folder, DEMOS) if (f / method.demo).is_file()), folder / method.demo)

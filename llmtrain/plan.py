@@ -22,8 +22,8 @@ import torch
 import yaml
 
 from . import demo
-from .cli import refuse_options, user_errors
-from .config import load_config, to_yaml
+from .cli import refuse_options, run_config, user_errors
+from .config import to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
 from .data.batches import EpochSampler
 from .data.mixture import packer, split_and_mix, training_set
@@ -254,7 +254,12 @@ def human(n: float) -> str:
 
 def plan(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="llmtrain plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=None, help="YAML config (default: the recipe's demo)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML config (default: the recipe's demo, when no model or data of yours is named)",
+    )
     parser.add_argument(
         "--accelerate-config",
         default=None,
@@ -269,10 +274,9 @@ def plan(argv: list[str]) -> None:
     )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)  # options may come after overrides
-    config, name = config_and_recipe(args.config, args.recipe, args.overrides)
-    method = METHODS[name]
+    method = METHODS[args.recipe or recipe_named(args.config, args.overrides)]
     refuse_options(unknown, argv, parser, method.schema)  # --learning_rate 1e-5: train.lr=1e-5
-    cfg = load_config(config, args.overrides, method.schema, sections())
+    cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())  # as the recipe reads it
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
     check(cfg)
@@ -382,26 +386,13 @@ def plan(argv: list[str]) -> None:
         print(line)
 
 
-def config_and_recipe(config: Path | None, recipe: str | None, overrides: list[str]) -> tuple[Path, str]:
-    """The config file and recipe to plan: as given, the recipe guessed from the config when
-    not given (`recipe_named`), and with no config the recipe's own demo, as the recipe
-    itself runs it (found from this checkout wherever the command runs)."""
-    if config is None:
-        recipe = recipe or recipe_named(demo_config(METHODS[DEFAULT]), overrides)
-        config = demo_config(METHODS[recipe])
-        if config is None or not config.is_file():
-            where = f"the demo's {config} is not here" if config else f"{recipe} has no demo"
-            raise ConfigError([f"--config: required; {where}, so give your YAML"])
-    return config, recipe or recipe_named(config, overrides)
-
-
-def recipe_named(config: Path, overrides: list[str]) -> str:
+def recipe_named(config: Path | None, overrides: list[str]) -> str:
     """The recipe a config is for: the method whose own section (dpo, grpo, reward, ...) its
-    YAML has or an override sets a key of, else finetune (an unreadable file is
-    load_config's to report)."""
+    YAML (if one is given) has or an override sets a key of, else finetune (an unreadable
+    file is load_config's to report)."""
     raw = {}
     with contextlib.suppress(OSError, ValueError, yaml.YAMLError):
-        raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader)
+        raw = yaml.load(read_own(Path(config), MAX_CONFIG_BYTES), Loader=BoundedLoader) if config else {}
     for method in METHODS.values():  # a method's own section names its recipe
         name = method.section
         if name and (
@@ -427,7 +418,7 @@ commands:
 training runs through the recipes (see README.md), one per method:
 {recipes}  python recipes/finetune.py --prepare-only --config F     tokenize into the cache
   python -m llmtrain.demo score DIR                         score a model on the demo task
-with no --config, the recipes run the offline demo."""
+with no --config and no model or data named, the recipes run the offline demo."""
 
 
 def main(argv: list[str] | None = None) -> None:

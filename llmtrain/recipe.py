@@ -36,8 +36,7 @@ def run(name: str, argv: list[str] | None = None) -> None:
     method = METHODS[name]
     stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
     beside = Path(sys.argv[0]).resolve().parent / "configs"  # the script's, wherever llmtrain is installed
-    default = demo_config(method, beside)
-    cfg, args = parse_args(argv, default, method.description, method.schema, sections())
+    cfg, args = parse_args(argv, method, demo_config(method, beside), sections())
     safefs.check_caches(demo.uses_demo(cfg))  # an unusable cache is one line now, not a traceback later
     accelerator = setup_accelerator(cfg)
     with main_first(accelerator):

@@ -1,7 +1,7 @@
 """Train a causal language model with online RL from verifiable rewards: GRPO (full or LoRA).
 
     accelerate launch recipes/grpo.py                            # offline demo (recipes/configs/grpo_demo.yaml)
-    accelerate launch recipes/grpo.py --config recipes/configs/grpo_demo.yaml \\
+    accelerate launch recipes/grpo.py --config recipes/configs/grpo.yaml \\
         model.name_or_path=runs/sft/final data.train=prompts.jsonl grpo.rewards=[accuracy,my_rewards.py:short]
     python recipes/grpo.py grpo.num_generations=4 grpo.loss_type=grpo        # one process, same thing
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/grpo.py   # DDP on CPU

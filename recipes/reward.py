@@ -1,8 +1,8 @@
 """Train a reward model (full or LoRA): a causal LM with a one-number score head, on chosen/rejected pairs.
 
     accelerate launch recipes/reward.py                         # offline demo (recipes/configs/reward_demo.yaml)
-    accelerate launch recipes/reward.py --config recipes/configs/reward_demo.yaml \\
-        model.name_or_path=runs/sft/final data.train=prefs.jsonl reward.center_coefficient=0.01
+    accelerate launch recipes/reward.py --config recipes/configs/reward.yaml \\
+        model.name_or_path=runs/sft/final data.train=prefs.jsonl data.eval=prefs_eval.jsonl
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/reward.py   # DDP on CPU
 
 The same config tree, pair data and outputs as dpo.py, plus the reward section. The model

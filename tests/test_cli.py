@@ -1,12 +1,21 @@
 """User errors are reported once per job: by the main process, and by another process
-only when the error was its alone; no process exits before the main one has reported."""
+only when the error was its alone; no process exits before the main one has reported. A
+run's settings come from the demo only for a run of the demo (`run_config`)."""
 
+import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from llmtrain import cli
+from llmtrain.cli import TRAINED_KEYS, is_demo, names, parse_args, run_config
+from llmtrain.config import load_config
+from llmtrain.config.load import read_config, set_values
+from llmtrain.config.validate import named
 from llmtrain.errors import ConfigError, DataError
+from llmtrain.methods import METHODS, demo_config, sections
+from llmtrain.plan import recipe_named
 from tests.support.runs import ROOT, free_port
 
 
@@ -191,7 +200,8 @@ def test_a_signal_while_a_finished_one_process_run_exits_is_ignored(tmp_path):
     assert "Exception ignored" not in proc.stderr and "stopped on" not in proc.stderr
 
 
-DEMO = ROOT / "recipes" / "configs" / "demo.yaml"
+FINETUNE = METHODS["finetune"]
+DEMO = demo_config(FINETUNE)
 
 
 @pytest.mark.parametrize(
@@ -248,7 +258,7 @@ DEMO = ROOT / "recipes" / "configs" / "demo.yaml"
 def test_options_users_bring_from_transformers_are_one_line_each(argv, problems):
     """argparse would print its usage and 'unrecognized arguments: --learning_rate'."""
     with pytest.raises(ConfigError) as e:
-        cli.parse_args(argv, DEMO)
+        cli.parse_args(argv, FINETUNE, DEMO)
     assert e.value.problems == problems
 
 
@@ -257,11 +267,185 @@ def test_a_restartable_job_refuses_a_resume_it_cannot_keep(tmp_path):
     and a restart must continue from the job's own checkpoints, which none would refuse."""
     base = ["model.name_or_path=m", "data.train=d.jsonl"]
     with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold in a job that restarts itself"):
-        cli.parse_args(["--restartable", *base, "checkpoint.resume=none"], None)
+        cli.parse_args(["--restartable", *base, "checkpoint.resume=none"], FINETUNE, None)
     path = tmp_path / "c.yaml"
     path.write_text("checkpoint:\n  resume: none\n")
     with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold"):
-        cli.parse_args(["--config", str(path), *base, "--restartable"], None)
-    cfg, args = cli.parse_args(["--restartable", *base], None)
+        cli.parse_args(["--config", str(path), *base, "--restartable"], FINETUNE, None)
+    cfg, args = cli.parse_args(["--restartable", *base], FINETUNE, None)
     assert args.restartable and cfg.checkpoint.resume == "auto"
-    assert cli.parse_args([*base, "checkpoint.resume=none"], None)[0].checkpoint.resume == "none"
+    assert cli.parse_args([*base, "checkpoint.resume=none"], FINETUNE, None)[0].checkpoint.resume == "none"
+
+
+# --- Where a run's settings come from (cli.run_config; docs/config.md) ---------------------
+
+MINE = {"model.name_or_path": "org/my-model", "data.train": "mine.jsonl", "data.eval": "mine-eval.jsonl"}
+# Every shipped demo config (its model or training data is a `demo:` name) and its recipe.
+DEMO_CONFIGS = [
+    (path, recipe_named(path, []))
+    for path in sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+    if any(is_demo(n) for key in TRAINED_KEYS for n in names(set_values(read_config(path)).get(key)))
+]
+
+
+def settings(name: str, config: Path | None, overrides: list[str]):
+    """(config, notes) of a run of recipe `name` with this --config (or none) and overrides."""
+    notes: list[str] = []
+    method = METHODS[name]
+    return run_config(config, overrides, method, demo_config(method), sections(), notes.append), notes
+
+
+def demo_names(cfg) -> set[str]:
+    return {name for _, name in named(cfg) if is_demo(name)}
+
+
+def test_the_shipped_demo_configs_are_found():
+    assert {p.name for p, _ in DEMO_CONFIGS} == {
+        "demo.yaml",
+        "dpo_demo.yaml",
+        "grpo_demo.yaml",
+        "kto_demo.yaml",
+        "orpo_demo.yaml",
+        "reward_demo.yaml",
+    }
+    assert {m.demo for m in METHODS.values()} <= {p.name for p, _ in DEMO_CONFIGS}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_without_config_the_demo_applies_only_while_nothing_names_a_model_or_data(name, monkeypatch):
+    """Nothing named, or only `demo:` names: the demo config, without a note. A model or data
+    set of the user's: the defaults, as from an empty YAML, in runs/<recipe>, with one note
+    naming both configs to start from; a required key left out is its usual one line."""
+    monkeypatch.chdir(ROOT)
+    method, demo = METHODS[name], demo_config(METHODS[name])
+    cfg, notes = settings(name, None, ["train.lr=0.5"])
+    assert cfg == load_config(demo, ["train.lr=0.5"], method.schema, sections()) and notes == []
+    cfg, notes = settings(name, None, ["model.name_or_path=demo:tiny-llama", "data.eval=[]", "eval.every_steps=0"])
+    assert (
+        cfg.model.name_or_path == "demo:tiny-llama"
+        and cfg.output_dir == load_config(demo, schema=method.schema).output_dir
+    )
+    assert notes == []
+    for n in range(1, len(MINE) + 1):
+        for keys in itertools.combinations(MINE, n):
+            given = [f"{key}={MINE[key]}" for key in keys]
+            missing = [key for key in ("model.name_or_path", "data.train") if key not in keys]
+            notes = []
+            try:
+                cfg = run_config(None, given, method, demo, sections(), notes.append)
+            except ConfigError as e:
+                assert missing and [q.split(":")[0] for q in e.problems] == missing, (keys, e.problems)
+                assert all(q.endswith(": required") or ": required; " in q for q in e.problems)
+            else:
+                assert not missing
+                empty = load_config(None, [f"output_dir=runs/{name}", *given], method.schema, sections())
+                assert cfg == empty and not demo_names(cfg) and cfg.output_dir == f"runs/{name}"
+            assert notes == [
+                f"note: the command line names a model or data of your own ({', '.join(keys)}) and no --config, so "
+                "the demo's settings do not apply: the run starts from the defaults (docs/config.md), writing to "
+                f"runs/{name}; --config recipes/configs/{method.template} starts from a config for your own "
+                f"model, --config recipes/configs/{method.demo} from the demo's settings"
+            ]
+    cfg, notes = settings(name, None, ["model.name_or_path=m", "data.train=d.jsonl", "output_dir=mine"])
+    assert cfg.output_dir == "mine" and ", writing to" not in notes[0]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_demo_config_brings_no_demo_name_nor_output_dir_to_a_run_of_your_own(name, monkeypatch):
+    """Whatever the command line names, a run whose model or training data is the user's
+    keeps no `demo:` name the recipe's demo config brought, nor its output_dir; names written
+    on the command line are the user's and stay. Every combination, for every recipe."""
+    monkeypatch.chdir(ROOT)
+    path = demo_config(METHODS[name])
+    written = set_values(read_config(path))
+    choices = {
+        "model.name_or_path": [None, "org/my-model", "demo:tiny-llama"],
+        "data.train": [None, "[demo:train, mine.jsonl]"],
+        "data.eval": [None, "demo:eval"],
+        "output_dir": [None, "runs/mine"],
+    }
+    runs = 0
+    for values in itertools.product(*choices.values()):
+        given = [f"{key}={v}" for key, v in zip(choices, values) if v is not None]
+        on_line = {v for v in values if v} | ({"demo:train"} if "[demo:train" in str(values[1]) else set())
+        try:
+            cfg, _ = settings(name, path, given)
+        except ConfigError as e:
+            refused = ("model.name_or_path:", "data.train:", "data.eval:", "output_dir:")
+            assert all(q.startswith(refused) and "is the demo's" in q for q in e.problems), (given, e.problems)
+            continue
+        own = [n for key, n in named(cfg) if key in TRAINED_KEYS and not is_demo(n)]
+        if own:
+            runs += 1
+            assert demo_names(cfg) <= on_line, (given, demo_names(cfg))
+            assert cfg.output_dir == "runs/mine", given
+        else:  # the demo, perhaps varied: as the file says where the command line is silent
+            assert cfg.output_dir == (values[3] or written.get("output_dir", f"runs/{path.stem}"))
+        assert cfg.data.eval  # nothing dropped silently
+    assert runs == 2  # the user's data (and model), the demo's eval data written out, an output_dir
+
+
+@pytest.mark.parametrize("path, name", DEMO_CONFIGS, ids=lambda x: getattr(x, "name", x))
+def test_what_a_demo_config_brings_is_refused_in_one_line_each_and_its_settings_noted(path, name, monkeypatch):
+    """Each shipped demo config given to a run of the user's: one line per `demo:` name it
+    brings and for its output_dir, each naming the key, the file and the fix; one note listing
+    every other setting it brings, and the recipe's config to start from instead."""
+    monkeypatch.chdir(ROOT)
+    written = set_values(read_config(path))
+    where = f"recipes/configs/{path.name}"
+    mine = ["model.name_or_path=org/m", "data.train=mine.jsonl"]
+    with pytest.raises(ConfigError) as e:
+        settings(name, path, mine)
+    own_run = "in a run of your own model or data"
+    off = " eval.every_steps=0" if written.get("eval.every_steps") else ""
+    assert e.value.problems == [
+        f"data.eval: {written['data.eval']} is the demo's, from {where}, {own_run}; set data.eval=<your file> or "
+        f"data.eval=[]{off}",
+        f"output_dir: {written['output_dir']} is the demo's, from {where}, {own_run}; name your own: "
+        "output_dir=runs/<name>",
+    ]
+    with pytest.raises(ConfigError) as e:  # the demo's model, with data of the user's
+        settings(name, path, ["data.train=mine.jsonl", "data.eval=mine-eval.jsonl", "output_dir=runs/x"])
+    model = written["model.name_or_path"]
+    assert e.value.problems == [
+        f"model.name_or_path: {model} is the demo's, from {where}, {own_run}; set model.name_or_path=<your model>"
+    ]
+    given = [*mine, f"data.eval={written['data.eval']}", "output_dir=runs/x", "train.lr=1e-5"]
+    cfg, notes = settings(name, path, given)  # the demo's eval data, written on the command line: kept
+    assert cfg.data.eval == written["data.eval"] and cfg.train.lr == 1e-5 and len(notes) == 1
+    kept = {"model.name_or_path", "data.train", "data.eval", "output_dir", "train.lr"}
+    tuned = [key for key in written if key not in kept]
+    assert notes[0].startswith(f"note: {where} is a demo config, tuned for the demo's tiny model; this run of your")
+    listed = notes[0].split("takes these settings from it: ", 1)[1]
+    assert [key for key in written if f"{key}=" in listed] == tuned
+    template = METHODS[name].template
+    assert notes[0].endswith(f"; override those that do not suit yours, or start from recipes/configs/{template}")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_recipes_command_line_reads_its_settings_by_the_rule(name, capsys, monkeypatch):
+    """parse_args, as recipes/<name>.py calls it: the demo's data never reaches a run of the
+    user's model, and the note is printed."""
+    monkeypatch.chdir(ROOT)
+    method = METHODS[name]
+    cfg, args = parse_args(["model.name_or_path=m", "data.train=d.jsonl"], method, demo_config(method), sections())
+    assert not demo_names(cfg) and args.config is None and cfg.output_dir == f"runs/{name}"
+    out = capsys.readouterr().out
+    assert out.startswith("note: the command line names a model or data of your own") and out.count("\n") == 1
+    cfg, _ = parse_args([], method, demo_config(method), sections())
+    assert cfg == load_config(demo_config(method), [], method.schema, sections())
+    assert capsys.readouterr().out == ""
+
+
+def test_without_config_a_missing_demo_asks_for_one(tmp_path):
+    method = METHODS["dpo"]
+    with pytest.raises(ConfigError) as e:
+        run_config(None, ["train.lr=1e-5"], method, tmp_path / "dpo_demo.yaml", sections())
+    assert e.value.problems == [
+        f"--config: required; the demo's {tmp_path / 'dpo_demo.yaml'} is not here, so give your YAML"
+    ]
+    with pytest.raises(ConfigError) as e:
+        run_config(None, [], method, None, sections())
+    assert e.value.problems == ["--config: required; dpo has no demo, so give your YAML"]
+    cfg = run_config(None, ["model.name_or_path=m", "data.train=d.jsonl"], method, None, sections(), print)
+    assert cfg.output_dir == "runs/dpo"  # no demo to speak of: no note

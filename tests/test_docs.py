@@ -12,11 +12,11 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from llmtrain.config import load_config
+from llmtrain.cli import run_config
 from llmtrain.config.load import flat_dict
 from llmtrain.config.schema import field_docs
 from llmtrain.errors import ConfigError
-from llmtrain.methods import METHODS
+from llmtrain.methods import METHODS, demo_config, sections
 from tests.support.runs import ROOT
 
 README = ROOT / "README.md"
@@ -248,13 +248,14 @@ def recipe_call(words: list[str]):
 
 def placeholder(override: str) -> bool:
     """An override whose value the reader fills in (<path>, $SCRATCH/run): there is no value
-    to check, and load_config would check the placeholder's text instead."""
+    to check, and the config would check the placeholder's text instead."""
     return bool(re.search(r"<[^>]*>|\$", override.partition("=")[2]))
 
 
 def check_command(name: str, args: list[str], launcher_file: str | None) -> list[str]:
     """What is wrong with one recipe or plan command line, parsed as the recipe parses it and
-    loaded with llmtrain.config.load_config against the recipe's schema (no model, no data)."""
+    read as it reads its settings (llmtrain.cli.run_config: the demo only for a run of the
+    demo) against the recipe's schema (no model, no data)."""
     problems = []
     if launcher_file is not None and not (ROOT / launcher_file).is_file():
         problems.append(f"no such file: {launcher_file}")
@@ -262,24 +263,27 @@ def check_command(name: str, args: list[str], launcher_file: str | None) -> list
         parsed = (plan_parser() if name == "plan" else recipe_parser()).parse_intermixed_args(args)
     except ParseError as e:
         return [*problems, f"does not parse: {e}"]
+    config = parsed.config and ROOT / parsed.config
     if name == "plan":
         if parsed.accelerate_config is not None and not (ROOT / parsed.accelerate_config).is_file():
             problems.append(f"no such file: {parsed.accelerate_config}")
-        config = parsed.config or Path("recipes/configs") / RECIPES["finetune"][1]
         from llmtrain.plan import recipe_named
 
-        recipe = parsed.recipe or recipe_named(ROOT / config, parsed.overrides)
-        schema = RECIPES[recipe][0]
-    else:
-        if name not in RECIPES:
-            return [*problems, f"recipes/{name}.py is not a recipe this test knows"]
-        schema, default = RECIPES[name]
-        config = parsed.config or Path("recipes/configs") / default
-    if not (ROOT / config).is_file():
-        return [*problems, f"--config: no such file: {config}"]
-    given = [o for o in parsed.overrides if not placeholder(o)]
+        name = parsed.recipe or recipe_named(config, parsed.overrides)
+    elif name not in RECIPES:
+        return [*problems, f"recipes/{name}.py is not a recipe this test knows"]
+    if config is not None and not config.is_file():
+        return [*problems, f"--config: no such file: {parsed.config}"]
+    # A placeholder names the reader's own model, data or directory: a name stands in for it.
+    named = ("model.name_or_path", "data.train", "data.eval", "output_dir")
+    given = [
+        o if not placeholder(o) else f"{o.partition('=')[0]}=yours"
+        for o in parsed.overrides
+        if not placeholder(o) or o.partition("=")[0] in named
+    ]
+    method = METHODS[name]
     try:
-        cfg = load_config(ROOT / config, given, schema)
+        cfg = run_config(config, given, method, demo_config(method), sections(), say=lambda line: None)
     except ConfigError as e:
         return [*problems, *str(e).splitlines()]
     keys = flat_dict(cfg)
@@ -319,7 +323,12 @@ def test_command_check_finds_what_is_wrong(monkeypatch):
     assert check("python recipes/finetune.py train.lr=1e-4 data.packing=true") == []
     launch = "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu recipes/dpo.py"
     assert check(f"{launch} dpo.beta=0.2 \\\n  dpo.loss=ipo  # DDP on CPU") == []
-    assert check("python recipes/finetune.py output_dir=<run> data.train=$DATA   # placeholders") == []
+    assert check("python recipes/finetune.py output_dir=<run> data.train=$DATA   # placeholders") == [
+        "model.name_or_path: required; a hub name or a local model directory"  # your data: the demo is not the base
+    ]
+    assert check("python recipes/finetune.py --config recipes/configs/llama_full.yaml data.train=$DATA") == []
+    demo = "python recipes/grpo.py --config recipes/configs/grpo_demo.yaml model.name_or_path=<m> data.train=p.jsonl"
+    assert [p.split(":")[0] for p in check(demo)] == ["data.eval", "output_dir"]  # the demo's, in your run
     assert check("sbatch --nodes=4 recipes/slurm/multi_node.sbatch --config recipes/configs/llama_full.yaml") == []
     assert any("train.lrr" in p for p in check("python recipes/finetune.py train.lrr=1e-4"))
     assert any("train.lr" in p for p in check("python recipes/finetune.py train.lr=fast"))

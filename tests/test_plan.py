@@ -7,7 +7,8 @@ import pytest
 
 from llmtrain.config import load_config
 from llmtrain.demo import make_rows, write_jsonl
-from llmtrain.methods import METHODS
+from llmtrain.errors import ConfigError
+from llmtrain.methods import METHODS, demo_config
 from llmtrain.plan import Launch, count_params, memory_estimate
 from tests.support.runs import ROOT, run_python
 
@@ -376,16 +377,23 @@ def test_memory_estimate_of_an_rl_run_counts_each_reward_model(tiny_model, tmp_p
     assert not any(k.startswith("reward model") for k in without)
 
 
-def test_without_a_config_each_recipe_plans_its_own_demo(tmp_path):
-    """As `python recipes/<recipe>.py` runs its demo with no --config, so does `llmtrain
-    plan --recipe <recipe>`; with neither, the SFT demo (or the recipe an override names)."""
-    from llmtrain.plan import config_and_recipe
+def test_plan_reads_its_settings_by_the_recipes_rule(capsys, monkeypatch):
+    """`llmtrain plan` reads its config through cli.run_config, as the recipes do: with no
+    --config it plans the recipe named (or the one the overrides' section names) on its demo
+    only while nothing names a model or data; a run of the user's takes no demo's data or
+    output_dir, and the notes are the recipe's."""
+    from llmtrain.plan import plan, recipe_named
 
-    for name in METHODS:
-        config, recipe = config_and_recipe(None, name, [])
-        assert recipe == name and config.is_file()
-        assert config_and_recipe(config, None, []) == (config, name)  # the demo is that recipe's config
-    assert config_and_recipe(None, None, [])[0].name == "demo.yaml"
-    assert config_and_recipe(None, None, ["dpo.beta=0.2"])[0].name == "dpo_demo.yaml"
-    given = tmp_path / "mine.yaml"
-    assert config_and_recipe(given, "dpo", []) == (given, "dpo")
+    for name in METHODS:  # each demo is its recipe's config
+        assert recipe_named(demo_config(METHODS[name]), []) == name
+    assert recipe_named(None, []) == "finetune" and recipe_named(None, ["dpo.beta=0.2"]) == "dpo"
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as e:
+        plan(["--recipe", "grpo", "model.name_or_path=org/m"])
+    assert e.value.problems == ["data.train: required; a path, a list of paths, or a hub data set name"]
+    note = "note: the command line names a model or data of your own (model.name_or_path) and no --config"
+    assert capsys.readouterr().out.startswith(note)
+    with pytest.raises(ConfigError) as e:
+        plan(["--config", "recipes/configs/grpo_demo.yaml", "model.name_or_path=org/m", "data.train=p.jsonl"])
+    assert [q.split(":")[0] for q in e.value.problems] == ["data.eval", "output_dir"]
+    assert capsys.readouterr().out.startswith("note: recipes/configs/grpo_demo.yaml is a demo config, ")

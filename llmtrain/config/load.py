@@ -503,6 +503,77 @@ class UniqueKeyLoader(BoundedLoader):
         return super().construct_mapping(node, deep)
 
 
+def read_config(path: Path) -> dict:
+    """A config file's mapping as written, before overrides and types: bounded in size, depth
+    and aliases, no key given twice; every problem one ConfigError naming the file (and line)."""
+    try:
+        exists, regular = path.exists(), path.is_file()
+    except (OSError, ValueError):  # a name too long for a path, or with a null character
+        why = f"--config: {shown(str(path))} cannot be a path; give the path of a YAML file"
+        raise ConfigError([why]) from None
+    if not exists:
+        raise ConfigError([f"--config: no such file: {path}"])
+    if not regular:
+        raise ConfigError([f"--config: {path} is not a regular file; give a YAML file"])
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError([f"--config: cannot read {path} ({e.strerror}); check its permissions"]) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            [
+                f"--config: {path} is larger than {size_text(MAX_CONFIG_BYTES)}, more than any config needs; "
+                "put long texts (data.chat_template) in files of their own and give their paths"
+            ]
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError([f"{path}:{line}: not UTF-8 text; save the file as UTF-8"]) from None
+    try:
+        loaded = yaml.load(text, Loader=UniqueKeyLoader)
+    except (DuplicateKey, BadKey) as e:
+        raise ConfigError([f"{path}:{e.line}: {e}"]) from None
+    except TooLarge as e:
+        raise ConfigError([f"{path}:{e.line}: the document {e}"]) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError([f"{where}: invalid YAML ({getattr(e, 'problem', e)})"]) from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            [f"{path}: the top level must be a mapping of sections; write e.g. 'train:' with its keys indented below"]
+        )
+    return loaded
+
+
+def set_values(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every key a mapping sets, down to its leaves: a section's keys
+    one by one (train={lr: 1e-4} sets train.lr); a list (data.train's entries) is one value."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= set_values(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def overridden(overrides: list[str] | tuple, schema: type = Config) -> dict[str, Any]:
+    """{dotted key: value} of every key the overrides set (a later one wins): what the command
+    line decides over the config file. Where a run's settings came from is read from this and
+    the file's `set_values` (cli.run_config)."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, value = parse_override(item, schema)
+        out |= set_values({key: value})
+    return out
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | tuple = (),
@@ -517,52 +588,7 @@ def load_config(
     problems: list[str] = []
     if path is not None:
         path = Path(path)
-        try:
-            exists, regular = path.exists(), path.is_file()
-        except (OSError, ValueError):  # a name too long for a path, or with a null character
-            why = f"--config: {shown(str(path))} cannot be a path; give the path of a YAML file"
-            raise ConfigError([why]) from None
-        if not exists:
-            raise ConfigError([f"--config: no such file: {path}"])
-        if not regular:
-            raise ConfigError([f"--config: {path} is not a regular file; give a YAML file"])
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError as e:
-            raise ConfigError([f"--config: cannot read {path} ({e.strerror}); check its permissions"]) from None
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                [
-                    f"--config: {path} is larger than {size_text(MAX_CONFIG_BYTES)}, more than any config needs; "
-                    "put long texts (data.chat_template) in files of their own and give their paths"
-                ]
-            )
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data[: e.start].count(b"\n") + 1
-            raise ConfigError([f"{path}:{line}: not UTF-8 text; save the file as UTF-8"]) from None
-        try:
-            loaded = yaml.load(text, Loader=UniqueKeyLoader)
-        except (DuplicateKey, BadKey) as e:
-            raise ConfigError([f"{path}:{e.line}: {e}"]) from None
-        except TooLarge as e:
-            raise ConfigError([f"{path}:{e.line}: the document {e}"]) from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise ConfigError([f"{where}: invalid YAML ({getattr(e, 'problem', e)})"]) from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(
-                [
-                    f"{path}: the top level must be a mapping of sections; write e.g. 'train:' with its keys "
-                    "indented below"
-                ]
-            )
-        raw = loaded
+        raw = read_config(path)
     for item in overrides:
         key, value = parse_override(item, schema)
         _set_dotted(raw, key, value, schema)

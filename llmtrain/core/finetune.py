@@ -36,4 +36,5 @@ FINETUNE = Method(
     parts=finetune_parts,
     describe=describe_rows,
     demo="demo.yaml",
+    template="llama_full.yaml",
 )

@@ -12,7 +12,8 @@ A method supplies:
 - what a checkpoint's position means beyond the shared settings (`position`), which a resume
   must keep;
 - what `llmtrain plan` says of it (`describe`, and the figures of `PlanFigures`);
-- its offline demo (`demo`), run when a recipe is given no --config.
+- its offline demo (`demo`), run when a recipe is given no --config and no model or data of
+  the user's, and its config for the user's own model and data (`template`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class Method:
     # `llmtrain plan`'s lines of its own: (cfg, the first training example, tokenizer) -> lines.
     describe: Callable
     demo: str = ""  # its offline demo's YAML in recipes/configs/, run when no --config is given
+    # Its YAML in recipes/configs/ for a run of your own model and data, beside the demo's: a
+    # run that names its own model without --config points to it (cli.run_config).
+    template: str = ""
     # Start-up checks before any data or weights load: check(cfg, tokenizer).
     check: Callable | None = None
     # Settings of its own that a checkpoint's data position depends on (a resume must keep

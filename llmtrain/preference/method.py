@@ -148,6 +148,7 @@ DPO = Method(
     parts=dpo_parts,
     describe=describe_pairs,
     demo="dpo_demo.yaml",
+    template="dpo_lora.yaml",
     check=check_dpo,
     plan=TWO_SEQUENCES,
 )
@@ -162,5 +163,6 @@ REWARD = Method(
     parts=reward_parts,
     describe=describe_reward_pairs,
     demo="reward_demo.yaml",
+    template="reward.yaml",
     plan=TWO_SEQUENCES,
 )

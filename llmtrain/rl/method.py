@@ -154,6 +154,7 @@ GRPO = Method(
     parts=grpo_parts,
     describe=describe_prompts,
     demo="grpo_demo.yaml",
+    template="grpo.yaml",
     check=check_grpo,
     position=position,
     plan=PlanFigures(

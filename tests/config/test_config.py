@@ -1,7 +1,7 @@
 import pytest
 
 from llmtrain.config import Config, load_config
-from llmtrain.config.load import parse_override
+from llmtrain.config.load import overridden, parse_override, read_config, set_values
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, sections
 from llmtrain.preference.config import DPOConfig, RewardConfig
@@ -31,6 +31,34 @@ def test_every_shipped_config_loads(path):
         assert (f"recipes/{name}.py" in header) == (recipe == name), "the opening comment names the recipe"
     cfg = load_config(path, schema=schema)
     assert type(cfg) is schema
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_each_recipe_ships_a_config_for_your_own_model_and_data(name):
+    """The config a recipe's note points a run of your own model to (Method.template): shipped
+    beside the demo's, for that recipe, and no demo config (it trains no `demo:` name)."""
+    method = METHODS[name]
+    path = ROOT / "recipes" / "configs" / method.template
+    assert path.is_file() and path.name != method.demo
+    written = set_values(read_config(path))
+    assert not any(str(v).startswith("demo:") for v in written.values())
+    assert type(load_config(path, schema=method.schema, sections=sections())) is method.schema
+
+
+def test_the_keys_an_override_sets_are_its_leaves():
+    """Where a setting came from (cli.run_config) reads these: a mapping for a section sets
+    its keys one by one, a list is one value, a later override wins."""
+    assert overridden(["train={lr: 0.5, epochs: 2}", "data.train=[a.jsonl, {path: b.jsonl, fraction: 0.5}]"]) == {
+        "train.lr": 0.5,
+        "train.epochs": 2,
+        "data.train": ["a.jsonl", {"path": "b.jsonl", "fraction": 0.5}],
+    }
+    assert overridden(["train.lr=1", "train={lr: 2}", "data={}"]) == {"train.lr": 2, "data": {}}
+    assert set_values({"model": {"name_or_path": "m", "lora": {"r": 4}}, "output_dir": "x"}) == {
+        "model.name_or_path": "m",
+        "model.lora.r": 4,
+        "output_dir": "x",
+    }
 
 
 def test_overrides_are_typed():
@@ -126,7 +154,14 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
 
 def test_recipe_reports_config_errors_before_loading_anything(cache_env, tmp_path):
     proc = run_recipe(
-        [f"output_dir={tmp_path}/out", "train.lrr=1", "model.name_or_path=/nonexistent"], cache_env, check=False
+        [
+            f"output_dir={tmp_path}/out",
+            "train.lrr=1",
+            "model.name_or_path=/nonexistent",
+            "data.train=/nonexistent.jsonl",
+        ],
+        cache_env,
+        check=False,
     )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
