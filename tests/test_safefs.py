@@ -193,6 +193,50 @@ def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
         os.umask(old)
 
 
+class SavesWeights(OneProcess):
+    def save_state(self, path):
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(2)}, Path(path) / "w.safetensors")
+
+
+def test_every_file_a_run_writes_follows_the_umask(tmp_path):
+    """Under umask 002 (an output_dir shared with a group) every file a run's own writers
+    leave is 0664 and every directory 0775: the lock, config.yaml, run.json, metrics.jsonl
+    (rewritten whole through a temporary file on resume), loss.png, a checkpoint whose
+    weights safetensors writes (0600 on its own) and the reference log-probs' cache (a
+    recipe's whole output_dir: tests/launch/test_rundir.py)."""
+    import stat
+
+    from llmtrain.config import Config
+    from llmtrain.core.state import TrainState
+    from llmtrain.observe.metrics import MetricsLog, describe_run, plot_losses
+    from llmtrain.output import checkpoint, rundir
+    from llmtrain.preference.reference import CACHE, save_cached
+
+    out = tmp_path / "out"
+    out.mkdir()
+    old = os.umask(0o002)
+    try:
+        rundir.lock(str(out), OneProcess())
+        accelerator = SimpleNamespace(
+            is_main_process=True, num_processes=1, distributed_type=SimpleNamespace(value="NO"), mixed_precision="no"
+        )
+        describe_run(Config(output_dir=str(out)), accelerator, None)
+        log = MetricsLog(OneProcess(), str(out), resume_step=None)
+        log.log({"step": 1, "loss": 1.0})
+        MetricsLog(OneProcess(), str(out), resume_step=1)  # a resume rewrites it whole
+        pytest.importorskip("matplotlib")
+        plot_losses(out / "metrics.jsonl", out / "loss.png")
+        checkpoint.save(SavesWeights(), str(out), TrainState(step=1), {}, "{}\n", keep_last=0)
+        save_cached(out / CACHE, "key", torch.zeros(2, 2))
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
+    assert "metrics.jsonl" in modes and "checkpoints/step-1/w.safetensors" in modes
+    assert {name: mode for name, mode in modes.items() if mode != (0o775 if (out / name).is_dir() else 0o664)} == {}
+
+
 # --- caches -----------------------------------------------------------------------------
 
 
