@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 from .errors import CacheError, LinkError
@@ -213,17 +214,25 @@ def opened(path: str | Path) -> None:
 
 def _unusable(path: Path) -> str | None:
     """Why a cache directory at `path` cannot be used (made if missing, then written), or
-    None. Nothing is created: the nearest existing ancestor must be a writable directory."""
-    if path.exists() and not path.is_dir():
-        return "is not a directory"
+    None. Tried for real: a directory is made and removed in `path`, or where it is missing
+    in its nearest existing ancestor. A permission check (os.access) says yes to root where
+    nothing can be made (/proc, /sys, a read-only mount), and the library's first write
+    would then fail with a traceback. Nothing is left behind."""
     probe = path
-    while not probe.exists():
-        if probe.is_symlink():
-            return f"has a dangling link at {probe}"
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"cannot be made ({probe} is not a directory)"
-    if not os.access(probe, os.W_OK | os.X_OK):
+    try:
+        if path.exists() and not path.is_dir():
+            return "is not a directory"
+        while not probe.exists():
+            if probe.is_symlink():
+                return f"has a dangling link at {probe}"
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"cannot be made ({probe} is not a directory)"
+    except OSError as e:  # a parent directory it may not search
+        return f"cannot be looked up ({e.strerror})"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".llmtrain-probe-", dir=probe))
+    except OSError:
         return "is not writable" if probe == path else f"cannot be made ({probe} is not writable)"
     return None
 

@@ -282,3 +282,41 @@ def test_an_unusable_cache_is_one_line_naming_its_variable(env, var, value, demo
 def test_the_demo_cache_is_checked_only_for_demo_names(env):
     env.set("LLMTRAIN_CACHE", str(env.file))
     safefs.check_caches(uses_demo=False)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self").is_dir() or not Path("/sys/kernel").is_dir(), reason="Linux's /proc and /sys"
+)
+@pytest.mark.parametrize(
+    "var, value, line",
+    [
+        (
+            "HF_DATASETS_CACHE",
+            "/proc/llmtrain-cache",
+            "HF_DATASETS_CACHE: /proc/llmtrain-cache cannot be made (/proc is",
+        ),
+        ("HF_DATASETS_CACHE", "/sys/kernel", "HF_DATASETS_CACHE: /sys/kernel is not writable; set HF_DATASETS_CACHE"),
+        ("HF_HOME", "/sys/kernel/llmtrain", "HF_HOME: /sys/kernel/llmtrain/datasets cannot be made (/sys/kernel is"),
+        ("XDG_CACHE_HOME", "/sys", "XDG_CACHE_HOME: /sys/huggingface/datasets cannot be made (/sys is not writable)"),
+        ("HOME", "/proc", "HOME: /proc/.cache/huggingface/datasets cannot be made (/proc is not writable)"),
+        ("LLMTRAIN_CACHE", "/proc/llmtrain", "LLMTRAIN_CACHE: /proc/llmtrain cannot be made (/proc is not writable)"),
+    ],
+)
+def test_a_cache_under_proc_or_sys_is_one_line_even_for_root(env, var, value, line):
+    """Permission bits do not bind root, but /proc and /sys take no new files whoever asks:
+    the check writes for real (and leaves nothing behind)."""
+    env.set(var, value)
+    with pytest.raises(CacheError) as e:
+        safefs.check_caches(uses_demo=True)
+    assert str(e.value).startswith(line), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_cache_check_leaves_nothing_behind(env):
+    for name in ("datasets", "llmtrain"):
+        (env.tmp / name).mkdir()
+    env.set("HF_DATASETS_CACHE", str(env.tmp / "datasets"))
+    env.set("LLMTRAIN_CACHE", str(env.tmp / "llmtrain" / "missing"))
+    safefs.check_caches(uses_demo=True)
+    assert [p for p in env.tmp.rglob("*") if p.name.startswith(".llmtrain")] == []
+    assert not (env.tmp / "llmtrain" / "missing").exists()
