@@ -348,6 +348,30 @@ def content_hash(path: Path) -> str:
     return _HASHES[ident]
 
 
+HASHED_BYTES = 64 << 20  # files up to this size are known by content (`fingerprint`), larger ones by size and time
+
+
+def fingerprint(path: Path) -> str:
+    """What identifies a file a run reads beside its training data (a model's config,
+    tokenizer and weights, a chat template, a reward function), for the run's record: the
+    file's `content_hash` up to HASHED_BYTES, which covers configs, tokenizers (tens of MB at
+    most), templates and code, however they were copied; a larger file (a weight shard: a
+    model's are tens of GB in all, too much to read at every start) by its size and
+    modification time, which a file written anew (a model retrained into its directory)
+    changes."""
+    stat = path.stat()
+    if stat.st_size <= HASHED_BYTES:
+        return content_hash(path)
+    return f"size {stat.st_size}, modified {stat.st_mtime_ns}"
+
+
+def tree_fingerprint(path: Path) -> dict[str, str]:
+    """{name: fingerprint} of the files directly in a directory, as a model directory holds
+    its weights, config and tokenizer. Subdirectories (a merged export's adapter/) and
+    hidden files (.gitattributes) are not what a model is loaded from."""
+    return {p.name: fingerprint(p) for p in sorted(path.iterdir()) if not p.name.startswith(".") and p.is_file()}
+
+
 def row_dataset(path: Path, key: str, streaming: bool = False):
     """The file's rows as a datasets.Dataset (cached; written once by the main process and
     read by the others) or, with `streaming`, an IterableDataset read as it is iterated,

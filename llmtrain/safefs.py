@@ -11,6 +11,11 @@ symbolic link where llmtrain writes (metrics.jsonl -> ~victim/.bashrc, checkpoin
   check is refused rather than followed; `write_text` uses it.
 - `new_temp` creates a temporary file exclusively (O_EXCL), never an existing one, for
   writes that are then renamed into place (a rename replaces a link, never follows it).
+
+Every file and directory a run leaves has the mode the user's umask gives (a group shares an
+output_dir under umask 002): files are created 0666 and directories 0777 less the umask;
+the directories libraries write into are private (0700) only until complete, when `opened`
+gives them and all they hold the umask's modes (a library may write its files 0600).
 - `rmtree` removes a link in place of a directory instead of the tree it points to, and
   `make_dir` refuses a directory path whose existing part is a link.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -132,10 +138,19 @@ def write_text(path: str | Path, text: str, what: str = "output_dir") -> None:
 
 def new_temp(directory: str | Path, prefix: str) -> Path:
     """A new, empty file in `directory`, created exclusively (never an existing file or
-    link), for a write that is renamed over its destination when complete."""
-    fd, name = tempfile.mkstemp(prefix=prefix, dir=directory)
-    os.close(fd)
-    return Path(name)
+    link), for a write that is renamed over its destination when complete. Its mode is what
+    the umask gives any new file, as for every file a run writes: the rename carries it to
+    the destination (tempfile.mkstemp's 0600 would make metrics.jsonl private in a
+    directory shared with a group)."""
+    for _ in range(100):
+        path = Path(directory) / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        except FileExistsError:  # taken (or a link planted there): another name
+            continue
+        os.close(fd)
+        return path
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(Path(directory) / prefix))
 
 
 def replace_text(path: str | Path, text: str) -> None:
@@ -181,26 +196,43 @@ def fresh_dir(path: str | Path) -> None:
 
 
 def opened(path: str | Path) -> None:
-    """A directory made by `fresh_dir`, now complete, given the mode the user's umask
-    gives new directories."""
+    """A directory made by `fresh_dir`, now complete, and everything in it given the modes
+    the user's umask gives new directories and files. The files too: a library may write
+    its own private (safetensors 0.8 writes each file 0600, through a temporary file), and
+    what a run leaves follows the umask whoever wrote it."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o777 & ~umask)
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):  # nothing of ours is a link: never followed
+                os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def _unusable(path: Path) -> str | None:
     """Why a cache directory at `path` cannot be used (made if missing, then written), or
-    None. Nothing is created: the nearest existing ancestor must be a writable directory."""
-    if path.exists() and not path.is_dir():
-        return "is not a directory"
+    None. Tried for real: a directory is made and removed in `path`, or where it is missing
+    in its nearest existing ancestor. A permission check (os.access) says yes to root where
+    nothing can be made (/proc, /sys, a read-only mount), and the library's first write
+    would then fail with a traceback. Nothing is left behind."""
     probe = path
-    while not probe.exists():
-        if probe.is_symlink():
-            return f"has a dangling link at {probe}"
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"cannot be made ({probe} is not a directory)"
-    if not os.access(probe, os.W_OK | os.X_OK):
+    try:
+        if path.exists() and not path.is_dir():
+            return "is not a directory"
+        while not probe.exists():
+            if probe.is_symlink():
+                return f"has a dangling link at {probe}"
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"cannot be made ({probe} is not a directory)"
+    except OSError as e:  # a parent directory it may not search
+        return f"cannot be looked up ({e.strerror})"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".llmtrain-probe-", dir=probe))
+    except OSError:
         return "is not writable" if probe == path else f"cannot be made ({probe} is not writable)"
     return None
 

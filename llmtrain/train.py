@@ -127,6 +127,9 @@ def setup(
     if resume_from is not None:
         watchdog.beat(f"loading {resume_from}")
         data.restore(checkpoint.load(accelerator, resume_from, cfg, state, settings, model))
+        checkpoint.check_position(
+            resume_from, state, t.total_steps(data.steps_per_epoch), data.steps_per_epoch, t.grad_accum_steps
+        )
         nonfinite = backend.nonfinite_weights(model)
         if nonfinite > state.nonfinite_weights:
             raise CheckpointError(

@@ -300,3 +300,30 @@ def test_a_directory_given_as_data_names_the_data_files_in_it(tmp_path):
         with pytest.raises(DataError) as e:
             load_source(path, "data.train")
         assert str(e.value) == f"data.train: no such file: {path}{where}; give a .jsonl, .json, .parquet or .csv file"
+
+
+def test_a_model_directory_is_known_by_its_files_small_ones_by_content(tmp_path, monkeypatch):
+    """files.fingerprint: the content of a file up to HASHED_BYTES, the size and time of a
+    larger one; tree_fingerprint: the files directly in a directory, not its subdirectories
+    or hidden files (what a run's record keeps of a model directory, rundir.inputs)."""
+    import os
+
+    from llmtrain import files
+
+    monkeypatch.setattr(files, "HASHED_BYTES", 8)
+    model = tmp_path / "model"
+    (model / "adapter").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"w" * 100)
+    (model / ".gitattributes").write_text("x")
+    (model / "adapter" / "adapter_config.json").write_text("{}")
+    stat = (model / "model.safetensors").stat()
+    assert files.tree_fingerprint(model) == {
+        "config.json": files.content_hash(model / "config.json"),
+        "model.safetensors": f"size 100, modified {stat.st_mtime_ns}",
+    }
+    (model / "config.json").write_text("[]")  # same size: known by its content
+    os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # written anew
+    changed = files.tree_fingerprint(model)
+    assert changed["config.json"] != files.content_hash(model / "adapter" / "adapter_config.json")  # "{}" before
+    assert changed["model.safetensors"] == f"size 100, modified {stat.st_mtime_ns + 1}"

@@ -193,6 +193,50 @@ def test_directories_libraries_write_into_are_private_until_complete(tmp_path):
         os.umask(old)
 
 
+class SavesWeights(OneProcess):
+    def save_state(self, path):
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(2)}, Path(path) / "w.safetensors")
+
+
+def test_every_file_a_run_writes_follows_the_umask(tmp_path):
+    """Under umask 002 (an output_dir shared with a group) every file a run's own writers
+    leave is 0664 and every directory 0775: the lock, config.yaml, run.json, metrics.jsonl
+    (rewritten whole through a temporary file on resume), loss.png, a checkpoint whose
+    weights safetensors writes (0600 on its own) and the reference log-probs' cache (a
+    recipe's whole output_dir: tests/launch/test_rundir.py)."""
+    import stat
+
+    from llmtrain.config import Config
+    from llmtrain.core.state import TrainState
+    from llmtrain.observe.metrics import MetricsLog, describe_run, plot_losses
+    from llmtrain.output import checkpoint, rundir
+    from llmtrain.preference.reference import CACHE, save_cached
+
+    out = tmp_path / "out"
+    out.mkdir()
+    old = os.umask(0o002)
+    try:
+        rundir.lock(str(out), OneProcess())
+        accelerator = SimpleNamespace(
+            is_main_process=True, num_processes=1, distributed_type=SimpleNamespace(value="NO"), mixed_precision="no"
+        )
+        describe_run(Config(output_dir=str(out)), accelerator, None)
+        log = MetricsLog(OneProcess(), str(out), resume_step=None)
+        log.log({"step": 1, "loss": 1.0})
+        MetricsLog(OneProcess(), str(out), resume_step=1)  # a resume rewrites it whole
+        pytest.importorskip("matplotlib")
+        plot_losses(out / "metrics.jsonl", out / "loss.png")
+        checkpoint.save(SavesWeights(), str(out), TrainState(step=1), {}, "{}\n", keep_last=0)
+        save_cached(out / CACHE, "key", torch.zeros(2, 2))
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
+    assert "metrics.jsonl" in modes and "checkpoints/step-1/w.safetensors" in modes
+    assert {name: mode for name, mode in modes.items() if mode != (0o775 if (out / name).is_dir() else 0o664)} == {}
+
+
 # --- caches -----------------------------------------------------------------------------
 
 
@@ -238,3 +282,41 @@ def test_an_unusable_cache_is_one_line_naming_its_variable(env, var, value, demo
 def test_the_demo_cache_is_checked_only_for_demo_names(env):
     env.set("LLMTRAIN_CACHE", str(env.file))
     safefs.check_caches(uses_demo=False)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self").is_dir() or not Path("/sys/kernel").is_dir(), reason="Linux's /proc and /sys"
+)
+@pytest.mark.parametrize(
+    "var, value, line",
+    [
+        (
+            "HF_DATASETS_CACHE",
+            "/proc/llmtrain-cache",
+            "HF_DATASETS_CACHE: /proc/llmtrain-cache cannot be made (/proc is",
+        ),
+        ("HF_DATASETS_CACHE", "/sys/kernel", "HF_DATASETS_CACHE: /sys/kernel is not writable; set HF_DATASETS_CACHE"),
+        ("HF_HOME", "/sys/kernel/llmtrain", "HF_HOME: /sys/kernel/llmtrain/datasets cannot be made (/sys/kernel is"),
+        ("XDG_CACHE_HOME", "/sys", "XDG_CACHE_HOME: /sys/huggingface/datasets cannot be made (/sys is not writable)"),
+        ("HOME", "/proc", "HOME: /proc/.cache/huggingface/datasets cannot be made (/proc is not writable)"),
+        ("LLMTRAIN_CACHE", "/proc/llmtrain", "LLMTRAIN_CACHE: /proc/llmtrain cannot be made (/proc is not writable)"),
+    ],
+)
+def test_a_cache_under_proc_or_sys_is_one_line_even_for_root(env, var, value, line):
+    """Permission bits do not bind root, but /proc and /sys take no new files whoever asks:
+    the check writes for real (and leaves nothing behind)."""
+    env.set(var, value)
+    with pytest.raises(CacheError) as e:
+        safefs.check_caches(uses_demo=True)
+    assert str(e.value).startswith(line), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_cache_check_leaves_nothing_behind(env):
+    for name in ("datasets", "llmtrain"):
+        (env.tmp / name).mkdir()
+    env.set("HF_DATASETS_CACHE", str(env.tmp / "datasets"))
+    env.set("LLMTRAIN_CACHE", str(env.tmp / "llmtrain" / "missing"))
+    safefs.check_caches(uses_demo=True)
+    assert [p for p in env.tmp.rglob("*") if p.name.startswith(".llmtrain")] == []
+    assert not (env.tmp / "llmtrain" / "missing").exists()

@@ -52,9 +52,9 @@ class TrainState:
     in an embedding row no data uses). An update that adds any stops the run, so no
     checkpoint ever holds more; a resume checks the weights it loads against it."""
     identity: dict = field(default_factory=dict)
-    """What the run is (`rundir.identity`: its recipe and training files' content), set
-    by the recipe before training and saved with the state (as "run"), so a rerun can tell
-    that the output_dir holds its own run."""
+    """What the run is (`rundir.identity`: its recipe, its training files' content and the
+    other files it reads), set by the recipe before training and saved with the state (as
+    "run"), so a rerun can tell that the output_dir holds its own run, and what changed."""
 
     # What train_state.json must hold to say where a run stands.
     POSITION = ("step", "epoch", "batches_in_epoch")

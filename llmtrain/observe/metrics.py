@@ -36,8 +36,9 @@ def versions() -> dict:
 def describe_run(cfg, accelerator, resume_from, identity: dict | None = None, started_from: str = "") -> None:
     """config.yaml (every key, defaults included) and run.json (library versions, world
     size, distributed type, mixed precision, the checkpoint resumed from and the one a
-    checkpoint.resume=<path> run started from, the recipe and its training files' content
-    hashes, `rundir.identity`) in output_dir, by the main process."""
+    checkpoint.resume=<path> run started from, the recipe, its training files' content
+    hashes and the other files it reads, `rundir.identity`) in output_dir, by the main
+    process."""
     if not accelerator.is_main_process:
         return
     out = Path(cfg.output_dir)

@@ -184,6 +184,9 @@ def damage(path: Path) -> tuple[str | None, list[tuple[str, str]]]:
         return f"{STATE_FILE} is unreadable ({type(e).__name__})", []
     if (why := state_problem(state)) is not None:
         return f"{STATE_FILE} {why}", []
+    named = re.fullmatch(r"step-(\d+)", Path(path).name)
+    if named and int(named[1]) != state["step"]:  # `save` names each checkpoint by its step: edited by hand
+        return f"{STATE_FILE} says step {state['step']}, but the checkpoint is {Path(path).name}", []
     files = state["files"]
     listed = {str(f.relative_to(path)) for f in Path(path).rglob("*") if f.is_file() and f.name != STATE_FILE}
     if unlisted := sorted(listed - set(files)):
@@ -239,6 +242,27 @@ def state_problem(state) -> str | None:
         if not count(size) or (isinstance(entry, dict) and not isinstance(entry.get("crc32", ""), str)):
             return f"lists {rel} without its size and checksum"
     return None
+
+
+def check_position(path: Path, state: TrainState, total_steps: int, steps_per_epoch: int | None, accum: int) -> None:
+    """Refuse to resume from `path` at a position this run cannot be at (its train_state.json
+    edited by hand, or the run made shorter or its data smaller since): a step past the run's
+    last (`total_steps`), or a position past the end of a pass over the data (at most
+    `steps_per_epoch` x `accum` micro-batches on each process; a stream's pass has no known
+    end). A negative or non-integer field is a `state_problem`. The epoch has no such
+    bound: skipped windows take no step, so a run may take more passes than its steps fill."""
+    where = f"checkpoint.resume: {Path(path) / STATE_FILE}"
+    if state.step > total_steps:
+        raise CheckpointError(
+            f"{where}: step {state.step} is past the end of this run ({total_steps} steps); resume from an earlier "
+            f"checkpoint, or set train.max_steps to at least {state.step} to go on from this one"
+        )
+    if steps_per_epoch is not None and state.batches_in_epoch > steps_per_epoch * accum:
+        raise CheckpointError(
+            f"{where}: batches_in_epoch: its position, {state.batches_in_epoch} micro-batches into pass "
+            f"{state.epoch}, is past the end of a pass over this run's data ({steps_per_epoch * accum} on each "
+            "process); resume with the data it was written on, or start a new output_dir"
+        )
 
 
 def content_damage(path: Path, accelerator=None) -> list[tuple[str, str]]:

@@ -27,8 +27,9 @@ import yaml
 
 from .. import safefs
 from ..config.load import BoundedLoader, as_dict
+from ..config.validate import iter_paths
 from ..errors import CheckpointError, shown, warn
-from ..files import content_hash, load_json, read_own
+from ..files import content_hash, fingerprint, load_json, read_own, tree_fingerprint
 from ..observe.throughput import full_numel
 from . import checkpoint
 from .checkpoint import POSITION_KEYS, STATE_FILE, checkpoint_root, complete_checkpoints
@@ -93,7 +94,7 @@ def find_start(cfg, accelerator) -> tuple[Path | None, str]:
             return checkpoint.find_resume(out, started, warn, require_rng, accelerator), started
         return resume_from, started if resume_from is not None else ""
     given = str(Path(resume).resolve())
-    same_run = given == started and not changed_settings(saved_config(out), cfg)
+    same_run = given == started and not run_changes(out, cfg)
     if same_run and (own := checkpoint.find_resume(out, "auto", warn, require_rng, accelerator)):
         return own, started
     return checkpoint.find_resume(out, resume, warn, require_rng, accelerator), given
@@ -107,16 +108,28 @@ def saved_config(output_dir: str) -> str:
         return ""
 
 
+def saved_run(output_dir: str) -> dict:
+    """output_dir's run.json (the last run's record, `identity` included), or {}."""
+    try:
+        run = load_json(Path(output_dir) / "run.json")
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def run_changes(output_dir: str, cfg) -> list[str]:
+    """What this command changes of the run output_dir last ran: its settings
+    (`changed_settings` of config.yaml) and the files they name (`input_changes` of
+    run.json)."""
+    return changed_settings(saved_config(output_dir), cfg) + input_changes(saved_run(output_dir), cfg)
+
+
 def recorded_start(output_dir: str) -> str:
     """The checkpoint the run in output_dir started from with checkpoint.resume=<path>, as
     its run.json records it (kept while it continues from its own checkpoints); '' for
     none. So the same command run again continues that run, as checkpoint.resume=auto
     would, rather than going back to where it started."""
-    try:
-        run = load_json(Path(output_dir) / "run.json")
-    except (OSError, ValueError):
-        return ""
-    started = run.get("started_from") if isinstance(run, dict) else None
+    started = saved_run(output_dir).get("started_from")
     return started if isinstance(started, str) else ""
 
 
@@ -330,13 +343,15 @@ def up_to_date(cfg, step: int, total_steps: int, world_size: int) -> bool:
 
 def final_changes(cfg, world_size: int, done: dict) -> list[str]:
     """`changed_settings` of final/'s config against `cfg` (one line saying so when it
-    cannot be read), and the process count against `done` (final/'s state, finished_state:
-    the config does not hold it): another count gives another global batch, or with the
-    same one another split of its config."""
+    cannot be read), the files they name against the run record of `done` (final/'s state,
+    finished_state: `input_changes`), and the process count against `done` (the config
+    does not hold it): another count gives another global batch, or with the same one
+    another split of its config."""
     try:
         changes = changed_settings(read_own(Path(cfg.output_dir) / "final" / "llmtrain_config.yaml"), cfg)
     except (OSError, ValueError):
         return ["(the saved config cannot be read, so changes are not known)"]
+    changes += input_changes(done.get("run"), cfg)
     was = done.get("settings")
     was = was if isinstance(was, dict) else {}  # exported before final/ recorded them: not known
     processes = was.get("world_size")
@@ -388,7 +403,7 @@ def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
     if started_here and complete_checkpoints(out):  # find_start continues it unless the settings changed
         raise CheckpointError(
             f"output_dir: {out} holds the run that started from {resume_from}, and this command changes its "
-            f"settings ({'; '.join(changed_settings(saved_config(out), cfg))}); to continue that run with them, "
+            f"settings ({'; '.join(run_changes(out, cfg))}); to continue that run with them, "
             f"use checkpoint.resume=auto; to start from {resume_from} again, use a new output_dir"
         )
     if foreign and holds_run(out) and not started_here:
@@ -408,12 +423,18 @@ def check_rerun(cfg, resume_from: Path | None, world_size: int) -> None:
 
 
 def identity(recipe: str, cfg) -> dict:
-    """What an output_dir's run belongs to: the recipe that trains it and the content of
-    each local training file (its name in data.train -> `files.content_hash`). Recorded in
-    every train_state.json (checkpoints and final/) and run.json. Hub data sets are named
-    by the config and pinned by their revision, so only files are fingerprinted; streamed
-    files by size and modification time only (data.streaming is for corpora too large to
-    read an extra time at every start)."""
+    """What an output_dir's run belongs to and depends on, recorded in every
+    train_state.json (checkpoints and final/, as "run") and run.json:
+    - recipe: the recipe that trains it;
+    - data: the content of each local training file (its name in data.train ->
+      `files.content_hash`); streamed files by size and modification time only
+      (data.streaming is for corpora too large to read an extra time at every start);
+    - inputs: every other file the config names that decides what the run trains
+      (`inputs`).
+    Another recipe or training data is another run (`identity_change`, refused); a changed
+    input is a change of the setting that names it (`input_changes`), as a new value there
+    would be. Hub models and data sets are named by the config (and pinned by
+    model.revision), so only local files are fingerprinted."""
     data = {}
     for name in cfg.data.names():
         try:
@@ -426,7 +447,57 @@ def identity(recipe: str, cfg) -> dict:
                 data[name] = content_hash(Path(name))
         except OSError:  # unreadable: the data loader names the file and the fix
             pass
-    return {"recipe": recipe, "data": data, "streamed": bool(cfg.data.streaming)}
+    return {"recipe": recipe, "data": data, "streamed": bool(cfg.data.streaming), "inputs": inputs(cfg)}
+
+
+def inputs(cfg) -> dict[str, dict]:
+    """{key: {local file or directory: its fingerprint}} for every path key of the config
+    (config.validate.iter_paths, so a key added to any recipe's tree is covered) but
+    data.train, which `identity` records as the data, and the keys that do not alter the run
+    (SAME_RUN: output_dir, checkpoint.resume). A file is known by `files.fingerprint` (small
+    ones by content, large ones by size and time); a directory (a model: the base, a
+    reference, a reward model) by the files directly in it (`files.tree_fingerprint`). Each
+    `:`-separated part of a name that holds paths (grpo.rewards' path/to/file.py:function and
+    reward_model:DIR) counts alone; a name that is no local path (a hub name, a built-in
+    reward, template text) has nothing to fingerprint."""
+    found: dict[str, dict] = {}
+    for key, value, kind in iter_paths(cfg):
+        if key.startswith(SAME_RUN) or key == "data.train" or (kind.text and "{" in value):
+            continue
+        for name in value.split(":") if kind.parts else [value]:
+            path = Path(name)
+            try:
+                if path.is_file():
+                    found.setdefault(key, {})[name] = fingerprint(path)
+                elif name and path.is_dir():
+                    found.setdefault(key, {})[name] = tree_fingerprint(path)
+            except OSError:  # unreadable: what loads it names the file and the fix
+                pass
+    return found
+
+
+def input_changes(saved, cfg) -> list[str]:
+    """'key: name changed' for each file or directory of `inputs` that the run record `saved`
+    (a train_state.json's "run", or run.json) names under the same key with other content,
+    a directory's changed files in brackets. A name only one of them holds is a change of the
+    setting itself, which `changed_settings` reports; a record written before inputs were
+    recorded has none to compare."""
+    was = saved.get("inputs") if isinstance(saved, dict) else None
+    if not isinstance(was, dict):
+        return []
+    changes = []
+    for key, names in inputs(cfg).items():
+        old = was.get(key) if isinstance(was.get(key), dict) else {}
+        for name, now in names.items():
+            if name not in old or old[name] == now:
+                continue
+            if isinstance(now, dict) and isinstance(old[name], dict):
+                files = sorted(f for f in now.keys() | old[name].keys() if now.get(f) != old[name].get(f))
+                more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+                changes.append(f"{key}: {name} changed ({', '.join(files[:3])}{more})")
+            else:
+                changes.append(f"{key}: {name} changed")
+    return changes
 
 
 def identity_change(saved, now: dict, elsewhere: bool = False) -> str | None:
@@ -493,13 +564,19 @@ def check_same_run(output_dir: str, now: dict, resume_from: Path | None = None) 
 
 def warn_changes(resume_from: Path, cfg) -> None:
     """Warn, naming each, about settings that alter the run and differ from those the
-    checkpoint was written with (those that fix what its data position means are refused
-    by checkpoint.load instead)."""
+    checkpoint was written with, and files they name that changed since (those that fix
+    what its data position means are refused by checkpoint.load instead)."""
     try:
         saved = read_own(resume_from / "config.yaml")
     except (OSError, ValueError):
         saved = ""
+    try:
+        state = load_json(resume_from / STATE_FILE)
+    except (OSError, ValueError):
+        state = None
+    record = state.get("run") if isinstance(state, dict) else None
     changes = [c for c in changed_settings(saved, cfg) if c.split(":")[0] not in POSITION_KEYS]
+    changes += input_changes(record, cfg)
     if changes:
         warn(
             f"checkpoint.resume: {resume_from} was written with other settings; the run goes on with the new "

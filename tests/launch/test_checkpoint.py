@@ -1,14 +1,15 @@
-"""The recipe and its checkpoints: a restart falls back past a checkpoint cut short, an
-unwritable output_dir stops the run at start-up, a write that fails inside torch's writer is
-the documented one-line error, and a run resumes on another process count and split of the
-same global batch (the checkpoint code itself: tests/output/test_checkpoint.py)."""
+"""The recipe and its checkpoints: a restart falls back past a checkpoint cut short, a
+checkpoint past the end of a shortened run is refused, an unwritable output_dir stops the
+run at start-up, a write that fails inside torch's writer is the documented one-line error,
+and a run resumes on another process count and split of the same global batch (the
+checkpoint code itself: tests/output/test_checkpoint.py)."""
 
 import shutil
 
 import pytest
 
 from llmtrain.output.checkpoint import find_resume
-from tests.support.runs import ROOT, copy_run, launch_command, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import ROOT, copy_run, launch_command, recipe_args, rewind, run_recipe, snapshot, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,21 @@ def test_recipe_falls_back_past_a_truncated_checkpoint(finished_run, cache_env, 
     assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
     assert [(r["step"], r["loss"]) for r in train_rows(out)] == before
     assert find_resume(str(out), "auto").name == "step-4"  # rewritten whole
+
+
+def test_a_checkpoint_past_the_end_of_the_run_is_refused(finished_run, cache_env, tmp_path):
+    """The run made shorter than its newest checkpoint: one line naming the file and the
+    key, and the run's files as they were (it said final/ was up to date)."""
+    out = tmp_path / "run"
+    args = copy_run(finished_run, out)
+    before = snapshot(out)
+    proc = run_recipe(args + ["train.max_steps=2"], cache_env, check=False)
+    assert proc.returncode == 2
+    assert (
+        f"error: checkpoint.resume: {out}/checkpoints/step-4/train_state.json: step 4 is past the end of this run "
+        "(2 steps); resume from an earlier checkpoint, or set train.max_steps to at least 4" in proc.stderr
+    )
+    assert snapshot(out) == before
 
 
 def test_recipe_stops_at_start_up_on_an_unwritable_output_dir(base_config, tiny_model, chat_file, cache_env, tmp_path):

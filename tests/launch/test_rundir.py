@@ -42,6 +42,23 @@ def test_a_rerun_that_fails_on_bad_input_overwrites_nothing(finished_run, cache_
     assert snapshot(out) == before
 
 
+def test_every_file_a_run_leaves_follows_the_umask(finished_run):
+    """Files 0666 and directories 0777 less the umask the run had (the suite's), whoever
+    wrote them: llmtrain, Accelerate, transformers, the tracker (the writers one by one,
+    under umask 002: tests/test_safefs.py)."""
+    import stat
+
+    out, _ = finished_run
+    umask = os.umask(0)
+    os.umask(umask)
+    if umask & 0o066 == 0o066:
+        pytest.skip(f"under umask {umask:03o} a private file has the mode of any other")
+    modes = {str(p.relative_to(out)): stat.S_IMODE(p.lstat().st_mode) for p in out.rglob("*")}
+    assert "metrics.jsonl" in modes and "final/train_state.json" in modes
+    wrong = {n: oct(m) for n, m in modes.items() if m != (0o777 if (out / n).is_dir() else 0o666) & ~umask}
+    assert wrong == {}
+
+
 def test_a_resume_with_other_settings_names_them(finished_run, cache_env, tmp_path):
     """The learning rate changed, the length did not: the checkpoint at step 4 is the end,
     so nothing is trained or exported again."""
@@ -222,16 +239,19 @@ def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(finished_
     assert (out / "checkpoints" / "earlier-run-2" / "step-6").is_dir()
 
 
-def test_a_finished_run_is_not_up_to_date_for_new_data_or_another_recipe(
+def test_a_finished_run_is_not_up_to_date_for_new_data_a_new_model_or_another_recipe(
     base_config, tiny_model, chat_file, cache_env, tmp_path
 ):
     """The training file replaced by one of the same size and mtime: final/ is from the
     old rows, and the checkpoint would resume their position. The DPO recipe on the same
     output_dir would take on the fine-tune's optimizer and metrics. Both are refused,
-    changing nothing."""
-    data, out = tmp_path / "chat.jsonl", tmp_path / "run"
+    changing nothing. The base model changed in its directory (its config.json, under the
+    old size and time): a change of model.name_or_path, named; with nothing left to train,
+    nothing is trained or exported (it said "already finished")."""
+    data, out, model = tmp_path / "chat.jsonl", tmp_path / "run", tmp_path / "model"
     subprocess.run(["cp", "-p", str(chat_file), str(data)], check=True)
-    args = recipe_args(base_config, tiny_model, data, out, "train.micro_batch_size=4", "train.max_steps=2")
+    subprocess.run(["cp", "-rp", str(tiny_model), str(model)], check=True)
+    args = recipe_args(base_config, model, data, out, "train.micro_batch_size=4", "train.max_steps=2")
     run_recipe(args + ["checkpoint.every_steps=1"], cache_env)
     before, stat, text = snapshot(out), data.stat(), data.read_text()
     data.write_text(text.replace("a", "b"))
@@ -245,6 +265,14 @@ def test_a_finished_run_is_not_up_to_date_for_new_data_or_another_recipe(
     proc = run_recipe(args, cache_env, check=False, recipe=DPO_RECIPE)
     assert proc.returncode == 2
     assert f"error: output_dir: {out}/final was trained by the finetune recipe, not dpo" in proc.stderr
+    config, stat = model / "config.json", (model / "config.json").stat()
+    changed = config.read_text().replace('"hidden_act": "silu"', '"hidden_act": "gelu"')
+    assert changed != config.read_text()
+    config.write_text(changed)
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    proc = run_recipe(args, cache_env)
+    assert f"the run goes on with the new ones: model.name_or_path: {model} changed (config.json)" in proc.stderr
+    assert "nothing left to train at step 2; final/ is up to date, and changed settings apply to no step" in proc.stdout
     assert snapshot(out) == before
 
 

@@ -13,7 +13,8 @@ def fake_checkpoint(root, name, complete=True):
     (path / "pytorch_model" / "shard_0.pt").write_bytes(b"optimizer shard")
     torch.save({"torch_manual_seed": torch.get_rng_state()}, path / "random_states_0.pkl")
     if complete:
-        (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": manifest(path)}))
+        step = int(name.rsplit("-", 1)[1])  # a checkpoint's step is its directory's
+        (path / STATE_FILE).write_text(json.dumps(POSITION | {"step": step, "settings": {}, "files": manifest(path)}))
     return path
 
 
@@ -35,6 +36,7 @@ POSITION = {"step": 1, "epoch": 0, "batches_in_epoch": 1}
         "a_layout_setting_a_string",
         "run_record_a_string",
         "negative_step",
+        "step_not_its_own",
         "epoch_a_bool",
         "losses_garbled",
         "skips_a_string",
@@ -71,6 +73,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, fault):
             "a_layout_setting_a_string": lambda s: s.update(settings={"train.micro_batch_size": "abc"}),
             "run_record_a_string": lambda s: s.update(run="finetune"),
             "negative_step": lambda s: s.update(step=-5),
+            "step_not_its_own": lambda s: s.update(step=1000),  # step-4 says 1000
             "epoch_a_bool": lambda s: s.update(epoch=True),
             "losses_garbled": lambda s: s.update(recent_losses="garbage"),
             "skips_a_string": lambda s: s.update(skips_in_a_row="x"),
@@ -107,7 +110,7 @@ def test_a_pickle_that_is_not_plain_data_is_never_executed(tmp_path):
     path = fake_checkpoint(tmp_path, "step-4")
     marker = tmp_path / "ran"
     torch.save({"torch_manual_seed": Boom(str(marker))}, path / "random_states_0.pkl")
-    (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": manifest(path)}))
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"step": 4, "settings": {}, "files": manifest(path)}))
     with pytest.raises(CheckpointError, match="random_states_0.pkl cannot be read"):
         find_resume(str(tmp_path), "auto")
     assert not marker.exists()
@@ -368,7 +371,7 @@ def test_a_checkpoint_listing_sizes_only_still_resumes(tmp_path):
     """Checkpoints written before checksums were kept list sizes: checked by size."""
     path = fake_checkpoint(tmp_path, "step-4")
     sizes = {rel: entry["size"] for rel, entry in manifest(path).items()}
-    (path / STATE_FILE).write_text(json.dumps(POSITION | {"settings": {}, "files": sizes}))
+    (path / STATE_FILE).write_text(json.dumps(POSITION | {"step": 4, "settings": {}, "files": sizes}))
     assert find_resume(str(tmp_path), "auto") == path
 
 
@@ -551,3 +554,29 @@ def test_a_refused_pickle_is_named_without_torchs_advice_to_load_it_unsafely(tmp
     why = refused_pickle(e.value)
     assert why.startswith("it holds ") and why.endswith("print, which is neither a tensor nor plain data")
     assert refused_pickle(ValueError("size mismatch for lm_head.weight")) is None
+
+
+def test_a_position_this_run_cannot_be_at_is_refused(tmp_path):
+    """A checkpoint's step past the end of the run (a train_state.json edited by hand, or the
+    run made shorter), or a position past the end of a pass over the data (the data made
+    smaller): one line naming the file and the key. The end itself, and a stream's position
+    (no known pass length), pass."""
+    from llmtrain.core.state import TrainState
+    from llmtrain.output.checkpoint import check_position
+
+    path = tmp_path / "step-12"
+    check_position(path, TrainState(step=10, epoch=1, batches_in_epoch=8), 10, 5, 2)  # the last step
+    check_position(path, TrainState(step=3, epoch=0, batches_in_epoch=10), 10, 5, 2)  # a pass's last micro-batch
+    check_position(path, TrainState(step=3, epoch=0, batches_in_epoch=10**6), 10, None, 2)  # a stream
+    with pytest.raises(CheckpointError) as e:
+        check_position(path, TrainState(step=12), 10, 5, 2)
+    assert str(e.value) == (
+        f"checkpoint.resume: {path}/{STATE_FILE}: step 12 is past the end of this run (10 steps); resume from an "
+        "earlier checkpoint, or set train.max_steps to at least 12 to go on from this one"
+    )
+    with pytest.raises(CheckpointError) as e:
+        check_position(path, TrainState(step=3, epoch=0, batches_in_epoch=11), 10, 5, 2)
+    assert str(e.value).startswith(
+        f"checkpoint.resume: {path}/{STATE_FILE}: batches_in_epoch: its position, 11 micro-batches into pass 0, is "
+        "past the end of a pass over this run's data (10 on each process)"
+    )

@@ -245,3 +245,167 @@ def test_keep_finished_takes_a_free_name_and_leaves_a_re_export_alone(tmp_path, 
     assert keep_finished(cfg, accelerator) == tmp_path / "final-earlier-2"
     assert "(its train_state.json cannot be read); it is kept as final-earlier-2/" in capsys.readouterr().err
     assert not final.exists()
+
+
+# --- the files a run depends on ------------------------------------------------------------
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A local model directory, a chat template, a reward function and an eval file: the
+    files a config names beside its training data."""
+    for model in (tmp_path / "model", tmp_path / "other"):  # the base, and another (a reference, a reward model)
+        model.mkdir()
+        for name, text in (("config.json", '{"a": 1}'), ("tokenizer.json", "{}"), ("model.safetensors", "w" * 64)):
+            (model / name).write_text(text)
+    (tmp_path / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    (tmp_path / "score.py").write_text("def score(completions, **kw):\n    return [1.0 for _ in completions]\n")
+    (tmp_path / "eval.jsonl").write_text('{"text": "held out"}\n')
+    (tmp_path / "train.jsonl").write_text('{"text": "train"}\n')
+    return tmp_path
+
+
+def finish(out: Path, cfg, recipe: str, step: int = 9) -> None:
+    """final/ as a run of `recipe` with `cfg` leaves it: its config, and its state with the
+    run's record."""
+    from llmtrain.config import to_yaml
+    from llmtrain.output.checkpoint import position_settings
+
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "llmtrain_config.yaml").write_text(to_yaml(cfg))
+    state = {"step": step, "settings": position_settings(cfg, 1), "run": identity(recipe, cfg)}
+    (out / "final" / STATE_FILE).write_text(json.dumps(state))
+
+
+def rewrite(path: Path, text: str, keep_time: bool = False) -> None:
+    """New content at `path`; with keep_time, under its old modification time (cp -p)."""
+    stat = path.stat()
+    path.write_text(text)
+    if keep_time:
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    else:
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+
+GRPO_GIVEN = ["grpo.beta=0.1", "grpo.reference={d}/other"]
+
+
+@pytest.mark.parametrize(
+    "recipe, given, change, line",
+    [
+        # The base model retrained into the same directory: weights, tokenizer, config.
+        (
+            "finetune",
+            [],
+            ("model/model.safetensors", "v" * 64),
+            "model.name_or_path: {d}/model changed (model.safetensors)",
+        ),
+        (
+            "finetune",
+            [],
+            ("model/tokenizer.json", '{"x": 1}'),
+            "model.name_or_path: {d}/model changed (tokenizer.json)",
+        ),
+        ("finetune", [], ("model/new.json", "{}"), "model.name_or_path: {d}/model changed (new.json)"),
+        (
+            "finetune",
+            ["data.chat_template={d}/chat.jinja"],
+            ("chat.jinja", "{{ messages[1]['content'] }}"),
+            "data.chat_template: {d}/chat.jinja changed",
+        ),
+        (
+            "finetune",
+            ["data.eval={d}/eval.jsonl"],
+            ("eval.jsonl", '{"text": "held 0ut"}\n'),
+            "data.eval: {d}/eval.jsonl changed",
+        ),
+        (
+            "grpo",
+            ["grpo.rewards=[{d}/score.py:score]"],
+            ("score.py", "def score(completions, **kw):\n    return []\n"),
+            "grpo.rewards: {d}/score.py changed",
+        ),
+        (
+            "grpo",
+            ["grpo.rewards=[reward_model:{d}/other]"],
+            ("other/config.json", '{"a": 2}'),
+            "grpo.rewards: {d}/other changed (config.json)",
+        ),
+        ("grpo", GRPO_GIVEN, ("other/config.json", '{"a": 2}'), "grpo.reference: {d}/other changed (config.json)"),
+        (
+            "dpo",
+            ["dpo.reference={d}/other"],
+            ("other/config.json", '{"a": 2}'),
+            "dpo.reference: {d}/other changed (config.json)",
+        ),
+    ],
+)
+def test_a_finished_run_whose_files_changed_is_not_up_to_date(inputs, recipe, given, change, line):
+    """Everything the config names that decides what a run trains is part of its record:
+    a file that changed since final/ (even under its old size and time, as `cp -p` leaves
+    it) is a change of the setting that names it, as a new value would be: not 'already
+    finished', a fresh start over final/ refused naming it. The same files unchanged are
+    the same run."""
+    from llmtrain.methods import METHODS
+    from llmtrain.output.rundir import already_finished, check_rerun, final_changes
+
+    d, out = inputs, inputs / "out"
+    base = [f"output_dir={out}", f"model.name_or_path={d}/model", f"data.train={d}/train.jsonl"]
+    overrides = base + [g.format(d=d) for g in given]
+    cfg = load_config(None, overrides, schema=METHODS[recipe].schema)
+    finish(out, cfg, recipe)
+    assert already_finished(cfg, 1) == 9  # nothing changed: up to date
+    name, text = change
+    rewrite(d / name, text, keep_time=True) if (d / name).exists() else (d / name).write_text(text)
+    assert final_changes(cfg, 1, {"step": 9, **json.loads((out / "final" / STATE_FILE).read_text())}) == [
+        line.format(d=d)
+    ]
+    assert already_finished(cfg, 1) is None
+    with pytest.raises(CheckpointError, match=r"holds a finished run .* with other settings \(" + r".*changed"):
+        check_rerun(cfg, None, 1)
+
+
+def test_a_large_file_is_known_by_its_size_and_time(inputs, monkeypatch):
+    """Weights of tens of GB are not read at every start: a file above files.HASHED_BYTES is
+    known by its size and modification time (a model retrained into the directory writes
+    it anew), a smaller one by its content."""
+    from llmtrain import files
+    from llmtrain.output.rundir import already_finished
+
+    monkeypatch.setattr(files, "HASHED_BYTES", 16)
+    d, out = inputs, inputs / "out"
+    cfg = load_config(None, [f"output_dir={out}", f"model.name_or_path={d}/model", f"data.train={d}/train.jsonl"])
+    finish(out, cfg, "finetune")
+    rewrite(d / "model" / "model.safetensors", "v" * 64, keep_time=True)  # 64 bytes: not read
+    assert already_finished(cfg, 1) == 9
+    rewrite(d / "model" / "model.safetensors", "v" * 64)  # written anew
+    assert already_finished(cfg, 1) is None
+
+
+def test_a_resume_after_a_file_changed_names_it(inputs, capsys):
+    """A checkpoint written before the reward function changed: the run goes on with the
+    new one, as with any other changed setting, saying so."""
+    from llmtrain.config import to_yaml
+    from llmtrain.methods import METHODS
+    from llmtrain.output.rundir import warn_changes
+
+    d = inputs
+    cfg = load_config(
+        None,
+        [f"model.name_or_path={d}/model", f"data.train={d}/train.jsonl", f"grpo.rewards=[{d}/score.py:score]"],
+        schema=METHODS["grpo"].schema,
+    )
+    checkpoint = recorded_checkpoint(d / "out", identity("grpo", cfg))
+    (checkpoint / "config.yaml").write_text(to_yaml(cfg))
+    warn_changes(checkpoint, cfg)
+    assert capsys.readouterr().err == ""
+    rewrite(d / "score.py", "def score(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    warn_changes(checkpoint, cfg)
+    assert f"the run goes on with the new ones: grpo.rewards: {d}/score.py changed" in (capsys.readouterr().err)
+
+
+def test_hub_names_and_settings_that_do_not_alter_the_run_are_not_fingerprinted(inputs):
+    cfg = load_config(
+        None, ["model.name_or_path=owner/model", f"data.train={inputs}/train.jsonl", f"output_dir={inputs}"]
+    )
+    assert identity("finetune", cfg)["inputs"] == {}  # output_dir is where it writes, not what it reads
