@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from llmtrain.config import Config, load_config
@@ -403,10 +405,10 @@ def test_a_config_file_without_output_dir_gets_one_named_after_it(tmp_path):
     """Not the default runs/demo, where runs of different configs (and the demo) would meet."""
     path = tmp_path / "my_sft.yaml"
     path.write_text("model:\n  name_or_path: m\ndata:\n  train: d.jsonl\n")
-    assert load_config(path).output_dir == "runs/my_sft"
-    assert load_config(path, ["output_dir=elsewhere"]).output_dir == "elsewhere"
+    assert load_config(path).output_dir == str(Path.cwd() / "runs/my_sft")  # absolute: see test_paths
+    assert load_config(path, ["output_dir=elsewhere"]).output_dir == str(Path.cwd() / "elsewhere")
     path.write_text(path.read_text() + "output_dir: mine\n")
-    assert load_config(path).output_dir == "mine"
+    assert load_config(path).output_dir == str(Path.cwd() / "mine")
 
 
 @pytest.mark.parametrize("schema", [Config, DPOConfig, GRPOConfig, RewardConfig], ids=lambda s: s.__name__)
