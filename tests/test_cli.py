@@ -189,3 +189,28 @@ def test_a_signal_while_a_finished_one_process_run_exits_is_ignored(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "flushed\n", proc.stderr
     assert "Exception ignored" not in proc.stderr and "stopped on" not in proc.stderr
+
+
+@pytest.mark.parametrize("code", [0, 2])
+def test_a_one_process_run_exits_though_a_thread_it_started_never_ends(code):
+    """A thread that is no daemon (a reward function's) kept the process alive after final/,
+    with the stop signals ignored: only SIGKILL ended it. Python waits THREAD_WAIT_S for it,
+    then the run exits with its own code, naming the thread, after its atexit handlers."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from llmtrain import cli\n"
+        "from llmtrain.errors import DataError\n"
+        "cli.THREAD_WAIT_S = 0.5\n"
+        "def main(argv):\n"
+        "    threading.Thread(target=time.sleep, args=(600,), name='poller').start()\n"
+        "    atexit.register(lambda: print('atexit ran', flush=True))\n"
+        f"    if {code}:\n"
+        "        raise DataError('data.train: bad')\n"
+        "cli.run_cli(main, [])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code and proc.stdout == "atexit ran\n", proc.stderr
+    assert "warning: thread(s) 'poller' still running 0.5 s after the run was over" in proc.stderr
