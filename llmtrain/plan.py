@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from . import demo
-from .cli import user_errors
+from .cli import exit_past_threads, user_errors
 from .config import load_config, to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
 from .data.batches import EpochSampler
@@ -438,8 +438,16 @@ def main(argv: list[str] | None = None) -> None:
         said = f"unknown command {argv[0]!r}; " if argv else ""
         print(f"error: {said}the command is `llmtrain plan`; `llmtrain --help` lists what there is", file=sys.stderr)
         sys.exit(2)
-    with user_errors():
-        plan(argv[1:])
+    code = 1
+    try:
+        with user_errors():
+            plan(argv[1:])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:  # a reward module plan imported may have left a thread running: plan still exits
+        exit_past_threads(code)
 
 
 if __name__ == "__main__":
