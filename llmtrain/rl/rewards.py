@@ -9,6 +9,10 @@ arguments are the data set's other columns (one value per completion) and
 `trainer_state` (global_step, max_steps, epoch). A function names only the columns it
 reads, or takes **kwargs. None (or NaN) leaves a completion unscored by that function.
 
+A user's file is loaded by its path under a module name of its own (`load_function`), its
+import and every call run contained (usercode.contained: whatever it raises, an exit
+included, is one line; the process state it changes is put back), and every call gets its own
+copies of its arguments, so no edit reaches the tokens that are trained or the next function.
 Every call is checked: an exception, a wrong signature, a column the data lacks, or
 anything but a number or None per completion is one line naming the function
 (`RewardError`). The first generation batch is scored before any update, so a broken
