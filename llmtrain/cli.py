@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -321,11 +322,17 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     backend = process_group_backend()
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **({"backend": backend} if backend else {}))
     if state.num_processes == 1:
+        code = 1  # a bug's traceback, or Ctrl-C's KeyboardInterrupt
         try:
             with user_errors(state):
                 main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+            raise
         finally:  # the run is over: a stop signal now would only interrupt the exit (atexit handlers)
             stop_signals(signal.SIG_IGN)
+            exit_past_threads(code)
         return
     try:
         with user_errors(state):
@@ -365,9 +372,16 @@ def exit_now(code) -> None:
     meanwhile (the launcher stops the other processes once one has exited) is ignored: the
     run is over and this code is its outcome, where the stop handler would report a stop
     from inside an atexit handler."""
+    stop_signals(signal.SIG_IGN)
+    leave(code)
+
+
+def leave(code) -> None:
+    """Run the atexit handlers, flush the output and end the process with `code` (an int,
+    None for 0, or a message for 1, as sys.exit takes them), leaving the interpreter's own
+    teardown out. Callable from any thread."""
     import atexit
 
-    stop_signals(signal.SIG_IGN)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -379,6 +393,47 @@ def exit_now(code) -> None:
         sys.stderr.flush()
         code = 1
     os._exit(code)
+
+
+# How long a one-process run that is over lets Python wait for threads still running
+# before it exits without them (`exit_past_threads`).
+THREAD_WAIT_S = 5.0
+
+
+def exit_past_threads(code) -> None:
+    """A one-process run is over, with exit code `code`. On its way out Python waits for
+    every thread that is no daemon, with the stop signals ignored: a thread that never ends
+    (one started by a reward function) would keep the process alive after final/, and only
+    SIGKILL would end it (a Slurm job would hold its node to its time limit). Where such
+    threads run, a daemon thread watches the exit: if they still run THREAD_WAIT_S after
+    Python began to wait for them, it names them in a warning and ends the process with the
+    run's code, after the atexit handlers (`leave`), as a multi-process run always ends
+    (`exit_now`). Python's own exit is left alone otherwise: it shuts down thread pools
+    (whose idle threads end then) and runs the handlers itself; a process that goes on after
+    run_cli (tests run several commands in one) is never ended."""
+    if not running_threads():
+        return
+
+    def watch():
+        threading.main_thread().join()  # returns once Python's exit has begun (threading._shutdown)
+        time.sleep(THREAD_WAIT_S)
+        left = running_threads()
+        if not left:
+            return  # they ended: Python's exit goes on by itself
+        names = ", ".join(repr(t.name) for t in left)
+        with contextlib.suppress(Exception):  # a closed stderr: exit all the same
+            sys.stderr.write(
+                f"warning: thread(s) {names} still running {THREAD_WAIT_S:g} s after the run was over (started by "
+                "a reward function or other code of yours?); exiting without waiting for them\n"
+            )
+        leave(code)
+
+    threading.Thread(target=watch, name="llmtrain-exit-watch", daemon=True).start()
+
+
+def running_threads() -> list[threading.Thread]:
+    """The threads Python waits for at exit (no daemons), besides the main thread."""
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
 
 
 def stop_signals(action) -> None:

@@ -22,9 +22,9 @@ import torch
 import yaml
 
 from . import demo
-from .cli import refuse_options, run_config, user_errors
+from .cli import exit_past_threads, refuse_options, run_config, user_errors
 from .config import to_yaml
-from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, check
+from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, absolute_paths, check
 from .data.batches import EpochSampler
 from .data.mixture import packer, split_and_mix, training_set
 from .data.stream import StreamedRows
@@ -277,6 +277,7 @@ def plan(argv: list[str]) -> None:
     method = METHODS[args.recipe or recipe_named(args.config, args.overrides)]
     refuse_options(unknown, argv, parser, method.schema)  # --learning_rate 1e-5: train.lr=1e-5
     cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())  # as the recipe reads it
+    absolute_paths(cfg)
     launch = read_launch(args.accelerate_config, cfg)
     demo.resolve_demo_names(cfg)
     check(cfg)
@@ -430,8 +431,16 @@ def main(argv: list[str] | None = None) -> None:
         said = f"unknown command {argv[0]!r}; " if argv else ""
         print(f"error: {said}the command is `llmtrain plan`; `llmtrain --help` lists what there is", file=sys.stderr)
         sys.exit(2)
-    with user_errors():
-        plan(argv[1:])
+    code = 1
+    try:
+        with user_errors():
+            plan(argv[1:])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:  # a reward module plan imported may have left a thread running: plan still exits
+        exit_past_threads(code)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from . import demo, safefs
 from .cli import parse_args
 from .config import to_yaml
-from .config.load import check
+from .config.load import absolute_paths, check
 from .core.window import Outcome
 from .data.build import build_datasets
 from .distributed.launch import main_first, setup_accelerator
@@ -37,6 +37,7 @@ def run(name: str, argv: list[str] | None = None) -> None:
     stop = StopRequest().install()  # SIGUSR1/SIGTERM/SIGINT: exit; while training, after a checkpoint
     beside = Path(sys.argv[0]).resolve().parent / "configs"  # the script's, wherever llmtrain is installed
     cfg, args = parse_args(argv, method, demo_config(method, beside), sections())
+    absolute_paths(cfg)  # before any code of the user's runs, which may change the working directory
     safefs.check_caches(demo.uses_demo(cfg))  # an unusable cache is one line now, not a traceback later
     accelerator = setup_accelerator(cfg)
     with main_first(accelerator):

@@ -449,3 +449,28 @@ def test_without_config_a_missing_demo_asks_for_one(tmp_path):
     assert e.value.problems == ["--config: required; dpo has no demo, so give your YAML"]
     cfg = run_config(None, ["model.name_or_path=m", "data.train=d.jsonl"], method, None, sections(), print)
     assert cfg.output_dir == "runs/dpo"  # no demo to speak of: no note
+
+
+@pytest.mark.parametrize("code", [0, 2])
+def test_a_one_process_run_exits_though_a_thread_it_started_never_ends(code):
+    """A thread that is no daemon (a reward function's) kept the process alive after final/,
+    with the stop signals ignored: only SIGKILL ended it. Python waits THREAD_WAIT_S for it,
+    then the run exits with its own code, naming the thread, after its atexit handlers."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from llmtrain import cli\n"
+        "from llmtrain.errors import DataError\n"
+        "cli.THREAD_WAIT_S = 0.5\n"
+        "def main(argv):\n"
+        "    threading.Thread(target=time.sleep, args=(600,), name='poller').start()\n"
+        "    atexit.register(lambda: print('atexit ran', flush=True))\n"
+        f"    if {code}:\n"
+        "        raise DataError('data.train: bad')\n"
+        "cli.run_cli(main, [])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code and proc.stdout == "atexit ran\n", proc.stderr
+    assert "warning: thread(s) 'poller' still running 0.5 s after the run was over" in proc.stderr

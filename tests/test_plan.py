@@ -111,6 +111,16 @@ def test_plan_of_an_rl_run_counts_its_generations_and_reference(base_config, tin
     assert out.rstrip().endswith("<|im_start|>assistant")  # the first prompt, rendered for generation
     missing = plan(*common, "--recipe", "grpo", "grpo.rewards=[accuracy,format]", env=cache_env)
     assert missing.returncode == 2 and "grpo.format_pattern: the 'format' reward needs" in missing.stderr
+    # plan imports reward modules (docs/grpo.md): one that leaves a thread running at its top
+    # is named, and plan still exits (it waited for the thread forever).
+    threads = tmp_path / "threads.py"
+    threads.write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), name='poller').start()\n"
+        "def f(completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    proc = plan(*common, *grpo, "--recipe", "grpo", f"grpo.rewards=[{threads}:f]", env=cache_env)
+    assert proc.returncode == 0 and f"grpo.rewards: {threads}:f: its import started thread(s) 'poller'" in proc.stderr
+    assert "warning: thread(s) 'poller' still running 5 s after the run was over" in proc.stderr
 
 
 def test_plan_of_a_stream_samples_its_start(base_config, tiny_model, chat_file, cache_env, tmp_path):

@@ -674,6 +674,43 @@ def expand_paths(cfg: Config, problems: list[str]) -> None:
     map_paths(cfg, expand)
 
 
+RESUME_WORDS = ("auto", "none")  # checkpoint.resume's values that are not paths
+
+
+def absolute_paths(cfg: Config) -> None:
+    """Make the tree's local paths absolute, against the working directory the config is
+    loaded in, so that no later change of that directory (code of the user's that the run
+    imports or calls: a reward function that calls os.chdir, or its thread) moves what the
+    run reads or writes. output_dir and a checkpoint.resume path always; any other path key
+    where its value names an existing file or directory (a model, data file, template file;
+    a part of a grpo.rewards name written as a path: file.py or with a '/'). A hub name, a
+    demo name, template text or a missing file stays as written, and so its error names it."""
+    try:
+        cwd = Path.cwd()
+    except OSError:  # a working directory since removed: nothing relative can be found anyway
+        return
+
+    def local(value: str, always: bool = False) -> str:
+        if not value or os.path.isabs(value):
+            return value
+        try:
+            found = always or os.path.exists(value)
+        except ValueError:  # a null character: path_problems names it
+            return value
+        return str(cwd / value) if found else value
+
+    def absolute(key: str, value: str, kind) -> str:
+        if kind.text and "{" in value:  # template text
+            return value
+        if kind.parts:
+            return ":".join(local(p) if p.endswith(".py") or "/" in p else p for p in value.split(":"))
+        if key == "output_dir" or (key == "checkpoint.resume" and value not in RESUME_WORDS):
+            return local(value, always=True)
+        return local(value)
+
+    map_paths(cfg, absolute)
+
+
 def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

@@ -314,8 +314,21 @@ def changed_settings(saved_yaml: str, cfg) -> list[str]:
     return [
         f"{key}: {shown(old.get(key))} -> {shown(value)}"
         for key, value in new.items()
-        if not key.startswith(SAME_RUN) and key in old and old[key] != value
+        if not key.startswith(SAME_RUN) and key in old and not same_setting(old[key], value)
     ]
+
+
+def same_setting(old, new) -> bool:
+    """Whether a saved setting is the one loaded now. A relative path that a run saved
+    before the recipe made the config's paths absolute (config.load.absolute_paths) is the same as
+    the absolute path it names from the working directory now."""
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(map(same_setting, old, new))
+    if isinstance(old, dict) and isinstance(new, dict):
+        return old.keys() == new.keys() and all(same_setting(old[k], new[k]) for k in old)
+    if isinstance(old, str) and isinstance(new, str) and old and not os.path.isabs(old) and os.path.isabs(new):
+        return new == str(Path.cwd() / old)
+    return old == new
 
 
 def already_finished(cfg, world_size: int) -> int | None:

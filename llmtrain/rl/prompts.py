@@ -32,7 +32,7 @@ from ..data.rows import (
     render_chat,
 )
 from ..errors import DataError, RewardError, warn
-from .rewards import load_rewards, usable_answer
+from .rewards import PASSED, load_rewards, usable_answer
 
 
 def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
@@ -133,11 +133,24 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
 
 
 def prompt_source_columns(src, tokenizer, cfg: DataConfig) -> None:
-    """A source of prompts has a 'prompt' column (the prompt kind's columns check)."""
+    """A source of prompts has a 'prompt' column, and no column named like an argument
+    that every reward call passes itself (the prompt kind's columns check)."""
     if "prompt" not in src.columns:
         raise DataError(
             f"{src.key}: {src.name}: prompt rows need a 'prompt' column (a string or a list of messages), plus the "
             f"columns your rewards read; found columns {sorted(src.columns)}"
+        )
+    check_column_names(src.columns, f"{src.key}: {src.name}")
+
+
+def check_column_names(columns, where: str) -> None:
+    """Refuse a column named like an argument every reward call passes itself
+    (rewards.PASSED): the two cannot both reach a function (TRL's call fails on the
+    duplicate keyword argument; taken silently, the column would replace the argument)."""
+    if clash := sorted(set(columns) & set(PASSED)):
+        raise DataError(
+            f"{where}: column {', '.join(map(repr, clash))} has the name of an argument that every reward function "
+            f"receives ({', '.join(PASSED)}), so the functions could not receive the column; rename it"
         )
 
 
@@ -166,11 +179,14 @@ def grpo_prompts(cfg) -> DataKind:
 
     def check_split(key, prompts):
         columns, usable, rows = set(), 0, 0
-        for text in prompts["columns"]:  # each row decoded once, for both checks
+        for text in prompts["columns"]:  # each row decoded once, for all three checks
             row = json.loads(text)
             columns |= row.keys()
             usable += usable_answer(row.get("answer"))
             rows += 1
+        # The sources' checks saw the columns of their first rows; here are every row's.
+        files = cfg.data.names("eval" if key == "data.eval" else "train")
+        check_column_names(columns, f"{key} ({', '.join(files)}): a row")
         conversations = any(p.startswith("[") for p in prompts["prompt"])  # each a JSON string or message list
         try:
             load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern, conversations)

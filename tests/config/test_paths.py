@@ -11,6 +11,7 @@ import typing
 import pytest
 
 from llmtrain.config import load_config
+from llmtrain.config.load import absolute_paths
 from llmtrain.config.validate import PathKey, named, path_kind, path_values
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, sections
@@ -198,3 +199,42 @@ def test_environment_variables_are_expanded_in_path_keys_and_an_unset_one_is_an_
         "data.train: '${NOPE}/c.jsonl' names the environment variable $NOPE, which is not set; export it before "
         "launching, or write the path out",
     ]
+
+
+def test_local_paths_are_absolute_so_that_a_later_change_of_directory_moves_nothing(tmp_path, monkeypatch):
+    """User code the run imports or calls may change the working directory (a reward
+    function's os.chdir, from a thread too): every local path is made absolute before it runs, so
+    checkpoints, final/ and the files read stay where the command meant. output_dir and a
+    checkpoint.resume path always; others where they name an existing file or directory. A
+    hub or demo name, a missing file (its error names it as given), template text and a
+    reward module's name stay as written."""
+    from llmtrain.rl.config import GRPOConfig
+
+    for name in ("data/a.jsonl", "data/b.jsonl", "chat.jinja", "r.py", "models/m/config.json", "rm/config.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    overrides = [
+        "output_dir=runs/x",
+        "model.name_or_path=models/m",
+        "data.train=[data/a.jsonl,{path: data/b.jsonl, fraction: 0.5}]",
+        "data.eval=missing.jsonl",
+        "data.chat_template=chat.jinja",
+        "checkpoint.resume=runs/old/checkpoints/step-2",
+        "grpo.rewards=[accuracy,r.py:fn,my_module:fn,reward_model:./rm,reward_model:owner/rm]",
+    ]
+    cfg = load_config(None, overrides, GRPOConfig)
+    absolute_paths(cfg)  # as recipe.run does, before any user code
+    assert cfg.output_dir == f"{tmp_path}/runs/x" and cfg.model.name_or_path == f"{tmp_path}/models/m"
+    assert cfg.data.train[0] == f"{tmp_path}/data/a.jsonl" and cfg.data.train[1].path == f"{tmp_path}/data/b.jsonl"
+    assert cfg.data.eval in ("missing.jsonl", ["missing.jsonl"]) and cfg.data.chat_template == f"{tmp_path}/chat.jinja"
+    assert cfg.checkpoint.resume == f"{tmp_path}/runs/old/checkpoints/step-2"
+    assert cfg.grpo.rewards == ["accuracy", f"{tmp_path}/r.py:fn", "my_module:fn", f"reward_model:{tmp_path}/rm"] + [
+        "reward_model:owner/rm"
+    ]
+    cfg = load_config(
+        None, ["model.name_or_path=owner/name", "data.train=demo:train", f"data.chat_template={TEMPLATE}"]
+    )
+    absolute_paths(cfg)
+    assert cfg.model.name_or_path == "owner/name" and cfg.data.train in ("demo:train", ["demo:train"])
+    assert cfg.data.chat_template == TEMPLATE and cfg.checkpoint.resume == "auto"

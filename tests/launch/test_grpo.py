@@ -15,9 +15,11 @@ from llmtrain.demo import make_prompts, write_jsonl
 from tests.support.runs import (
     kill_run,
     launch,
+    launch_command,
     metrics,
     recipe_args,
     rewind,
+    run_python,
     run_recipe,
     start_run,
     train_rows,
@@ -193,6 +195,47 @@ def test_a_broken_reward_function_is_one_line(args, cache_env, files, tmp_path):
     proc = grpo(args(tmp_path / "b", f"grpo.rewards=[{needs}:r]", "grpo.reward_weights=[]"), cache_env, check=False)
     assert proc.returncode == 2 and "needs column(s) ['solution']" in proc.stderr
     assert "Loading weights" not in proc.stdout + proc.stderr  # found before the model loads
+
+
+# A reward file that works, but meddles with the process at its top and in every call.
+MEDDLING = """
+import os, threading, time, torch
+torch.set_grad_enabled(False)
+threading.Thread(target=time.sleep, args=(3600,), name="forever").start()
+
+def even(prompts, completions, completion_ids, **kwargs):
+    scores = [sum(t % 2 == 0 for t in ids) / len(ids) for ids in completion_ids]
+    for ids in completion_ids:
+        ids[:] = [0] * len(ids)
+    os.chdir(os.path.join(os.path.dirname(__file__), "elsewhere"))
+    torch.set_grad_enabled(False)
+    return scores
+"""
+
+
+def test_a_reward_module_that_meddles_with_the_process_trains_the_same_and_exits(
+    args, cache_env, one_process, tmp_path
+):
+    """Gradients turned off at its top and in each call, the working directory changed, the
+    completion_ids it receives edited in place, a thread that never ends: the run trains
+    what the plain one does, writes its relative output_dir where it was started, and
+    exits 0 (before, in turn: a bare backward traceback; final/ under elsewhere/; other
+    tokens trained; a process alive after final/ that only SIGKILL ended)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "meddling.py").write_text(MEDDLING)
+    argv = args(Path("out"), *RUN, "train.micro_batch_size=4", "grpo.rewards=[meddling.py:even,accuracy]")
+    proc = run_python(launch_command(argv, "one", recipe=GRPO_RECIPE), cache_env, 600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert (tmp_path / "out" / "final").is_dir() and not (tmp_path / "elsewhere" / "out").exists()
+    assert_same_steps(tmp_path / "out", one_process, "meddling")
+    name = f"grpo.rewards: {tmp_path}/meddling.py:even"  # its path made absolute (config.load.absolute_paths)
+    for said in (
+        f"{name}: its import changed torch's grad mode (to False); llmtrain put it back",
+        f"{name}: its import started thread(s) 'forever' that still run",
+        f"{name} changed the working directory (to '{tmp_path}/elsewhere')",
+        "warning: thread(s) 'forever' still running 5 s after the run was over",
+    ):
+        assert said in proc.stderr, (said, proc.stderr[-3000:])
 
 
 def test_rewards_see_every_column_and_the_training_state_in_evaluation_too(args, cache_env, tmp_path):

@@ -40,6 +40,24 @@ def test_changed_settings_name_what_alters_the_run():
     ]  # how it reports, checkpoints or where it writes do not change the run
 
 
+def test_a_relative_path_saved_before_paths_were_absolute_is_the_same_setting(tmp_path, monkeypatch):
+    """A run saved before the recipe made paths absolute recorded them as given: rerun from
+    the same directory, it is the same run, not one with changed data."""
+    from llmtrain.config import to_yaml
+    from llmtrain.config.load import absolute_paths
+
+    (tmp_path / "a.jsonl").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    now = load_config(None, ["model.name_or_path=m", "data.train=[a.jsonl]"])
+    absolute_paths(now)
+    assert now.data.train == [str(tmp_path / "a.jsonl")]
+    saved = to_yaml(now).replace(str(tmp_path / "a.jsonl"), "a.jsonl")
+    assert changed_settings(saved, now) == []
+    assert changed_settings(saved.replace("a.jsonl", "b.jsonl"), now) == [
+        f"data.train: ['b.jsonl'] -> ['{tmp_path}/a.jsonl']"
+    ]
+
+
 def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
     rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.2}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')

@@ -77,3 +77,27 @@ def test_a_split_of_prompts_with_its_columns(tokenizer, tmp_path, cache_env, mon
     )
     assert len(ds) == 2 and prompt_columns(ds) == {"answer", "tests"}
     assert stats.summary("data.train").startswith("data.train: 2/3 rows kept;")
+
+
+@pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids", "trainer_state"])
+def test_a_column_named_like_an_argument_every_reward_receives_is_refused(tokenizer, tmp_path, monkeypatch, column):
+    """It would replace (or be lost to) that argument in every reward call; refused naming the
+    column and the file, from the source's first rows or, further down, from the whole split."""
+    from llmtrain.config import load_config
+    from llmtrain.errors import DataError
+    from llmtrain.rl.config import GRPOConfig
+    from llmtrain.rl.prompts import grpo_prompts
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    early, late = tmp_path / "early.jsonl", tmp_path / "late.jsonl"
+    write_jsonl([{"prompt": "a?", column: "x"}], early)
+    write_jsonl([{"prompt": f"{i}?"} for i in range(120)] + [{"prompt": "b?", column: "x"}], late)
+    for path, where in ((early, f"data.train: {early}"), (late, f"data.train ({late}): a row")):
+        overrides = ["model.name_or_path=m", f"data.train={path}", "grpo.rewards=[format]", "grpo.format_pattern=.*"]
+        cfg = load_config(None, overrides, GRPOConfig)
+        with pytest.raises(DataError) as e:
+            grpo_prompts(cfg).prepare("data.train", cfg.data.names(), tokenizer, cfg.data)
+        assert str(e.value) == (
+            f"{where}: column {column!r} has the name of an argument that every reward function receives (prompts, "
+            "completions, completion_ids, trainer_state), so the functions could not receive the column; rename it"
+        )

@@ -3,12 +3,15 @@ name with TRL's signature, and one line naming the function for everything that 
 wrong with one."""
 
 import math
+import os
+import sys
 
 import pytest
 import torch
 
 from llmtrain.errors import RewardError
 from llmtrain.rl.rewards import accuracy, format_reward, load_rewards, score, trainer_state
+from tests.support.runs import ROOT
 
 
 def test_accuracy_compares_numbers_as_numbers_and_words_exactly():
@@ -85,7 +88,7 @@ def test_a_column_some_rows_lack_is_passed_as_none_whichever_rows_are_drawn_toge
     [
         (None, "nowhere.py:f", "no file"),
         ("x = 1\n", "{path}:f", "has no function 'f'"),
-        ("raise ImportError('no numpy here')\n", "{path}:f", "loading {path}:f failed: ImportError: no numpy here"),
+        ("raise ImportError('no numpy here')\n", "{path}:f", "{path}:f: its import raised ImportError: no numpy here"),
         ("def f(completions, solution): return [1.0]\n", "{path}:f", "needs column(s) ['solution']"),
         ("def f(completions, /): return [1.0]\n", "{path}:f", "by position only"),
         (None, "accuracy_typo", "neither a built-in"),
@@ -219,3 +222,118 @@ def test_arrays_and_tensors_are_taken_as_lists(tmp_path):
                  "def t(completions, **kw): return torch.tensor([0.0, 2.0])\n")  # fmt: skip
     rewards = load_rewards([f"{path}:a", f"{path}:t"], set())
     assert score(rewards, ["p", "q"], ["a", "b"], [[1], [2]], [{}, {}], None).tolist() == [[1.0, 0.0], [0.5, 2.0]]
+
+
+def test_a_module_that_exits_is_one_line_at_import_and_at_every_load(tmp_path):
+    """A script's `sys.exit(main())` at the end of a reward file would end the run with exit
+    status 0 and nothing saved; the failed import is not kept, so every load reports it."""
+    path = write(
+        tmp_path, "def f(completions, **kw):\n    return [1.0] * len(completions)\n\nimport sys\nsys.exit(0)\n"
+    )
+    for _ in range(2):
+        with pytest.raises(RewardError) as e:
+            load_rewards([f"{path}:f"], set())
+        assert str(e.value).startswith(
+            f"grpo.rewards: {path}:f: its import exited (SystemExit(0), from exit() or sys.exit()) (my_rewards.py:5); "
+            "code that llmtrain runs must return, not exit"
+        )
+
+
+def test_a_function_that_exits_is_one_line_naming_it(tmp_path):
+    path = write(tmp_path, "def f(completions, **kw):\n    exec('exit()')\n")
+    (reward,) = load_rewards([f"{path}:f"], set())
+    with pytest.raises(RewardError, match=r"^grpo.rewards: .*my_rewards.py:f exited \(SystemExit\(\), from exit\(\) or "
+                       r"sys.exit\(\)\) \(my_rewards.py:2\); code that llmtrain runs must return"):  # fmt: skip
+        score([reward], ["p"], ["a"], [[1]], [{}], None)
+
+
+def test_a_module_or_function_that_turns_gradients_off_leaves_training_its_own(tmp_path, capsys):
+    """torch.set_grad_enabled(False) at a module's top, or in a call, would end the run in a
+    bare traceback at the next backward: it is put back, and said once."""
+    path = write(
+        tmp_path,
+        "import os, torch\ntorch.set_grad_enabled(False)\n"
+        "def f(completions, **kw):\n    torch.set_grad_enabled(False)\n    os.chdir(os.path.dirname(__file__))\n"
+        "    return [1.0] * len(completions)\n",
+    )
+    cwd = os.getcwd()
+    try:
+        (reward,) = load_rewards([f"{path}:f"], set())
+        assert torch.is_grad_enabled()
+        for _ in range(2):
+            score([reward], ["p"], ["a"], [[1]], [{}], None)
+            assert torch.is_grad_enabled() and os.getcwd() == cwd
+    finally:
+        torch.set_grad_enabled(True)
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert err.count(f"warning: grpo.rewards: {path}:f: its import changed torch's grad mode (to False)") == 1
+    assert err.count(f"warning: grpo.rewards: {path}:f changed torch's grad mode (to False)") == 1
+    assert err.count(f"warning: grpo.rewards: {path}:f changed the working directory (to '{tmp_path}')") == 1
+
+
+def test_a_function_edits_only_its_own_copies(tmp_path):
+    """A function that edits what it receives in place changes neither the tokens that are
+    trained (the caller's lists) nor what the next function receives."""
+    path = write(
+        tmp_path,
+        "def edits(prompts, completions, completion_ids, answer, trainer_state, **kw):\n"
+        "    for ids in completion_ids:\n        ids[:] = [0]\n"
+        "    answer[0] = 'changed'; prompts.clear(); completions[0] = ''; trainer_state.global_step = -1\n"
+        "    return [0.0] * len(completion_ids)\n"
+        "def reads(prompts, completions, completion_ids, answer, trainer_state, **kw):\n"
+        "    return [float(len(i) + len(p) + len(c) + (a == '7') + trainer_state.global_step)\n"
+        "            for i, p, c, a in zip(completion_ids, prompts, completions, answer)]\n",
+    )
+    rewards = load_rewards([f"{path}:edits", f"{path}:reads"], {"answer"})
+    ids, prompts, completions, rows = [[5, 6, 7]], ["pq"], ["abcd"], [{"answer": "7"}]
+    state = trainer_state(10, 20, 0)
+    table = score(rewards, prompts, completions, ids, rows, state)
+    assert table[0].tolist() == [0.0, 3 + 2 + 4 + 1 + 10]
+    assert ids == [[5, 6, 7]] and prompts == ["pq"] and completions == ["abcd"] and rows == [{"answer": "7"}]
+    assert state.global_step == 10
+
+
+def test_a_module_name_finds_the_working_directorys_file_before_a_recipe_or_the_standard_library(tmp_path, monkeypatch):
+    """'reward:fn' and 'code:fn' name the user's reward.py and code.py in the working
+    directory, though recipes/reward.py comes first on sys.path (the recipe's directory)
+    and `code` is the standard library's."""
+    import code  # noqa: F401 (imported already, as a library may have done)
+
+    body = "def fn(completions, **kw):\n    return [2.0] * len(completions)\n"
+    for name in ("reward", "dpo", "code"):
+        (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    rewards = load_rewards(["reward:fn", "dpo:fn", "code:fn", "reward.py:fn"], set())
+    assert score(rewards, ["p"], ["a"], [[1]], [{}], None).tolist() == [[2.0] * 4]
+    assert all(r.file == str(tmp_path / f"{n}.py") for r, n in zip(rewards, ("reward", "dpo", "code", "reward")))
+
+
+def test_a_reward_module_imports_helpers_beside_it_and_its_package_relative_ones(tmp_path, monkeypatch):
+    """A file imports a helper module beside it while it loads; a package of the working
+    directory ('pkg.rewards:fn') imports its own modules relatively; a dataclass in a file
+    works (its module is in sys.modules while it runs)."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "scoring_helper.py").write_text("BONUS = 3.0\n")
+    (tmp_path / "lib" / "scored.py").write_text(
+        "from dataclasses import dataclass\nimport scoring_helper\n@dataclass\nclass Box:\n    value: float\n"
+        "def fn(completions, **kw):\n    return [Box(scoring_helper.BONUS).value] * len(completions)\n"
+    )
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "util.py").write_text("WEIGHT = 4.0\n")
+    (tmp_path / "pkg" / "rewards.py").write_text(
+        "from .util import WEIGHT\ndef fn(completions, **kw):\n    return [WEIGHT] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards([f"{tmp_path / 'lib' / 'scored.py'}:fn", "pkg.rewards:fn"], set())
+    assert score(rewards, ["p"], ["a"], [[1]], [{}], None).tolist() == [[3.0, 4.0]]
+    assert str(tmp_path / "lib") not in sys.path and str(tmp_path) not in sys.path  # only while they loaded
+
+
+def test_a_module_found_nowhere_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match=r"^grpo.rewards: nowhere_rewards:fn: no module 'nowhere_rewards' in the "
+                       rf"working directory \({tmp_path}\) nor installed; run from the directory"):  # fmt: skip
+        load_rewards(["nowhere_rewards:fn"], set())

@@ -1,0 +1,246 @@
+"""User code run inside the trainer (reward functions now; tools and environments next):
+`contained` runs a block of it, so that what the code does to the process stays its own or
+is named. Invariants, for any block run inside it:
+
+- Whatever it raises, BaseException included (SystemExit from exit() or sys.exit(), an
+  asyncio CancelledError), leaves the block as the caller's UserError: one line naming the
+  code, the line of its file the exception came from, and what it did. Two pass through
+  unchanged, because they are a stop the user asked for: KeyboardInterrupt (a second Ctrl-C
+  while training) and the SystemExit that the stop-signal handler raises while the block
+  runs (distributed/stop.StopRequest, outside training).
+- The process state the run depends on is what it was before the block: the working
+  directory (a run's paths are absolute too, config.load.absolute_paths, for threads the
+  code leaves running), torch's grad mode, default dtype and device, deterministic and
+  anomaly flags, thread count and matmul precision (cuDNN and TF32 flags too), the warnings
+  filters, the umask, sys.stdout and sys.stderr, and the stop signals' handlers (`SETTINGS`).
+  Each one the code changed is put back, with a warning naming the code and the setting,
+  once per code and setting. Inference mode left on cannot be left from outside the
+  `with` block that entered it: that is an error.
+- A thread it started that is not a daemon and still runs is named in a warning, once; the
+  process does not wait for such threads when the run is over (cli.run_cli).
+
+Left to the caller: what the code receives (pass copies: rl/rewards.Reward deep-copies its
+arguments, so no edit reaches the trained tokens or another function). Left alone by choice:
+the random number generators. The code shares the run's seeded generators, which checkpoints
+save, so code that draws random numbers is reproduced on resume; put back after every call,
+they would hand the code the same numbers each time (GRPO's loop draws none between calls).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .distributed.stop import GRACEFUL, StopRequest
+from .errors import UserError, describe, warn
+
+PACKAGE = str(Path(__file__).resolve().parent)
+EXIT_FIX = (
+    "code that llmtrain runs must return, not exit: a module's script part (sys.exit(main())) goes under "
+    "`if __name__ == '__main__':`, and exec()ed code that may call exit() needs try/except SystemExit"
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A piece of process state that user code could change for the whole run: read before
+    and after a block, and put back when it differs."""
+
+    name: str  # what a warning calls it
+    get: Callable[[], object]
+    put: Callable[[object], None]
+    hint: str = ""  # how the code should do it instead
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the code removed the directory it moved to
+        return None
+
+
+def _umask() -> int:
+    """The umask, read from /proc where it can be (setting it to read it would, for a
+    moment, give other threads' new files another mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o077)
+        os.umask(mask)
+        return mask
+
+
+def _default_device(device) -> None:
+    torch.set_default_device(None if device.type == "cpu" else device)  # no device context where none was
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _put_deterministic(mode: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
+def _chdir(directory: str | None) -> None:
+    if directory is not None:
+        os.chdir(directory)
+
+
+def _warning_filters(filters: list) -> None:
+    warnings.resetwarnings()  # tells the warnings machinery that its filters changed
+    warnings.filters.extend(filters)
+
+
+def _stop_handlers() -> dict:
+    return {sig: signal.getsignal(sig) for sig in GRACEFUL}
+
+
+def _put_stop_handlers(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+def _flag(owner, prefix: str, name: str) -> Setting:
+    """A flag set by assignment, such as torch.backends.cudnn.benchmark."""
+    return Setting(f"{prefix}.{name}", lambda: getattr(owner, name), lambda value: setattr(owner, name, value))
+
+
+SETTINGS = [
+    Setting("the working directory", _cwd, _chdir, "use absolute paths"),
+    Setting(
+        "torch's grad mode",
+        torch.is_grad_enabled,
+        torch.set_grad_enabled,
+        "use `with torch.no_grad():` around the code that needs it",
+    ),
+    Setting("torch's default dtype", torch.get_default_dtype, torch.set_default_dtype, "give tensors their dtype"),
+    Setting("torch's default device", torch.get_default_device, _default_device, "give tensors their device"),
+    Setting("torch.use_deterministic_algorithms", _deterministic, _put_deterministic),
+    Setting("torch's anomaly detection", torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+    Setting("torch's thread count", torch.get_num_threads, torch.set_num_threads),
+    Setting("torch's float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    *(
+        _flag(torch.backends.cudnn, "torch.backends.cudnn", f)
+        for f in ("enabled", "benchmark", "deterministic", "allow_tf32")
+    ),
+    *(
+        _flag(torch.backends.cuda.matmul, "torch.backends.cuda.matmul", f)
+        for f in ("allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+    ),
+    Setting(
+        "the warnings filters",
+        lambda: list(warnings.filters),
+        _warning_filters,
+        "use `with warnings.catch_warnings():`",
+    ),
+    Setting("the umask", _umask, os.umask),
+    Setting("sys.stdout", lambda: sys.stdout, lambda f: setattr(sys, "stdout", f), "use contextlib.redirect_stdout"),
+    Setting("sys.stderr", lambda: sys.stderr, lambda f: setattr(sys, "stderr", f), "use contextlib.redirect_stderr"),
+]
+STOP_HANDLERS = Setting("the stop signals' handlers", _stop_handlers, _put_stop_handlers)
+
+_warned: set[tuple[str, str]] = set()  # (code, what it changed): each warned about once
+
+
+def warn_once(what: str, changed: str, did: str) -> None:
+    if (what, changed) not in _warned:
+        _warned.add((what, changed))
+        warn(f"{what} {did}")
+
+
+def llmtrains_own(handler) -> bool:
+    """Whether a signal handler is one the stop protocol itself sets (distributed/stop: its
+    handler, or Python's KeyboardInterrupt after a first Ctrl-C while training)."""
+    return handler is signal.default_int_handler or getattr(handler, "__module__", "").startswith("llmtrain.")
+
+
+def changed_handlers(before: dict, after: dict) -> bool:
+    return any(after[sig] != before[sig] and not llmtrains_own(after[sig]) for sig in before)
+
+
+@contextmanager
+def contained(what: str, error: type[UserError], fix: str, file: str | None = None):
+    """Run the block (user code) as the module docstring says. `what` names the code in its
+    messages ('grpo.rewards: rewards.py:short'); `error` is the UserError an exception
+    becomes, '<what> raised <exception> (<file>:<line>); <fix>'; `file` is the code's own
+    file, whose line is the one named (else the innermost line outside llmtrain)."""
+    main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
+    before = [s.get() for s in SETTINGS]
+    handlers = STOP_HANDLERS.get() if main else None
+    threads = set(threading.enumerate())
+    inference = torch.is_inference_mode_enabled()
+    failure = None
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as e:
+        if any(tb.tb_frame.f_code is StopRequest._exit.__code__ for tb in frames(e)):
+            raise  # a stop signal that came while the code ran: the run stops as it would anywhere
+        code = "" if e.code is None else repr(e.code)
+        failure = f"{what} exited (SystemExit({code}), from exit() or sys.exit()){where(e, file)}; {EXIT_FIX}"
+    except BaseException as e:
+        failure = f"{what} raised {describe(e)}{where(e, file)}; {fix}"
+    finally:
+        for setting, was in zip(SETTINGS, before):
+            if (now := setting.get()) != was:
+                setting.put(was)
+                to = f" (to {now!r})" if isinstance(now, (bool, int, str, tuple, torch.dtype, torch.device)) else ""
+                hint = f"; {setting.hint}" if setting.hint else ""
+                warn_once(what, setting.name, f"changed {setting.name}{to}; llmtrain put it back{hint}")
+        if handlers is not None and changed_handlers(handlers, after := STOP_HANDLERS.get()):
+            STOP_HANDLERS.put({sig: h if llmtrains_own(h) else handlers[sig] for sig, h in after.items()})
+            warn_once(
+                what,
+                STOP_HANDLERS.name,
+                "replaced the handler of a stop signal (SIGINT, SIGTERM, SIGUSR1 or SIGHUP); llmtrain put its own "
+                "back, which stops the run after a checkpoint",
+            )
+        left = [t.name for t in threading.enumerate() if t not in threads and t.is_alive() and not t.daemon]
+        if left:
+            warn_once(
+                what,
+                "threads",
+                f"started thread(s) {', '.join(repr(n) for n in left)} that still run; the process will not wait for "
+                "them once the run is over (make them daemon threads, or join them before returning)",
+            )
+    if failure is None and torch.is_inference_mode_enabled() and not inference:
+        failure = (
+            f"{what} left torch's inference mode on, which cannot be undone from outside; {fix} (enter it only as "
+            "`with torch.inference_mode():`)"
+        )
+    if failure is not None:
+        raise error(failure) from None
+
+
+def frames(e: BaseException):
+    """The traceback entries of `e`, outermost first."""
+    tb = e.__traceback__
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def where(e: BaseException, file: str | None) -> str:
+    """' (<file>:<line>)': the innermost line of `file` in e's traceback, else the innermost
+    one outside llmtrain; '' when there is none."""
+    entries = [tb for tb in frames(e) if not tb.tb_frame.f_code.co_filename.startswith(PACKAGE)]
+    if file is not None:
+        own = [tb for tb in entries if tb.tb_frame.f_code.co_filename == file]
+        entries = own or entries
+    if not entries:
+        return ""
+    tb = entries[-1]
+    return f" ({Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno})"
