@@ -17,6 +17,7 @@ from .distributed.launch import process_group_backend
 from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
 from .errors import UserError
+from .observe.console import survive_closed_streams
 
 
 def parse_args(
@@ -105,9 +106,12 @@ def report_once(e: UserError, state=None) -> None:
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run main(argv), reporting user errors once (see `user_errors`)."""
+    """Run main(argv), reporting user errors once (see `user_errors`); a closed stdout or
+    stderr (`| tee` gone, a terminal hung up) ends no run (`survive_closed_streams`)."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
+
+    survive_closed_streams()
 
     # Set up the process group first, so only one process reports. It must honour
     # ACCELERATE_USE_CPU exactly as Accelerator() will, or CPU runs launched with

@@ -41,6 +41,7 @@ from .model import (
     load_tokenizer,
     meta_model,
 )
+from .observe.console import survive_closed_streams
 from .train import check_lengths
 
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
@@ -431,6 +432,7 @@ with no --config, the recipes run the offline demo."""
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    survive_closed_streams()  # `llmtrain plan | head` ends no plan in a traceback
     if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["plan", "-h"], ["plan", "--help"]):
         print(usage())
         return

@@ -23,6 +23,7 @@ waiting for them, holding the output directory and the devices.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -59,7 +60,8 @@ class StopRequest:
         self.signum = self.signum or signum
         self.requests += 1
         if self.note:  # os.write: print's buffered stream may be mid-write in this thread
-            os.write(2, f"{signal.Signals(signum).name}: {self.note}\n".encode())
+            with contextlib.suppress(OSError):  # stderr gone (`| tee` exited on the same Ctrl-C): still save
+                os.write(2, f"{signal.Signals(signum).name}: {self.note}\n".encode())
         elif signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
