@@ -1,9 +1,10 @@
 """`llmtrain plan`: see a run before spending GPU hours.
 
-Prints, without loading any weights: the resolved config; the launch settings from the
-Accelerate config file (DeepSpeed and FSDP sections included) with conflicts flagged;
-world size, global batch, steps per epoch; a per-GPU memory estimate; and one tokenized
-training row with its trained tokens marked.
+Prints, without loading any weights or training anything: the resolved config (the demo's
+assets that a run would train first stood in for, and named: demo.stand_ins); the launch
+settings from the Accelerate config file (DeepSpeed and FSDP sections included) with
+conflicts flagged; world size, global batch, steps per epoch; a per-GPU memory estimate;
+and one tokenized training row with its trained tokens marked.
 
     llmtrain plan --config recipes/configs/llama_full.yaml --accelerate-config accelerate_configs/multi_gpu.yaml
 """
@@ -274,7 +275,7 @@ def plan(argv: list[str]) -> None:
     method = METHODS[name]
     cfg = load_config(config, args.overrides, method.schema, sections())
     launch = read_launch(args.accelerate_config, cfg)
-    demo.resolve_demo_names(cfg)
+    stand_ins = demo.resolve_demo_names(cfg, train=False)  # trains nothing: what needs training is stood in for
     check(cfg)
 
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
@@ -330,6 +331,10 @@ def plan(argv: list[str]) -> None:
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())
+    if stand_ins:
+        print("\n== demo assets a run builds first ==")
+        for line in stand_ins:
+            print(f"  {line}")
     print(f"\n== launch ({launch.source}) ==")
     for key, value in sorted(launch.settings.items()):
         print(f"  {key}: {value}")

@@ -389,3 +389,19 @@ def test_without_a_config_each_recipe_plans_its_own_demo(tmp_path):
     assert config_and_recipe(None, None, ["dpo.beta=0.2"])[0].name == "dpo_demo.yaml"
     given = tmp_path / "mine.yaml"
     assert config_and_recipe(given, "dpo", []) == (given, "dpo")
+
+
+def test_plan_of_a_demo_whose_model_is_not_trained_yet_trains_nothing(cache_env, tmp_path):
+    """The GRPO demo on a fresh cache: plan builds what takes seconds (the base model, the
+    prompts), plans the SFT model from the base model it shares config and tokenizer with,
+    and says the run trains it first; before, plan trained it (minutes)."""
+    cache = tmp_path / "cache"
+    proc = plan("--recipe", "grpo", env=dict(cache_env, LLMTRAIN_CACHE=str(cache)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "== demo assets a run builds first ==\n  demo:tiny-llama-sft is not built yet: the run builds it" in proc.stdout
+    )
+    assert f"name_or_path: {cache / 'demo-v3' / 'tiny-llama'}\n" in proc.stdout
+    assert "steps per epoch:" in proc.stdout
+    built = sorted(p.name for p in (cache / "demo-v3").iterdir())
+    assert built == ["eval.jsonl", "rl-words-eval.jsonl", "rl-words-train.jsonl", "tiny-llama", "train.jsonl"]
