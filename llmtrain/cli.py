@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -76,6 +77,7 @@ def report_once(e: UserError, state=None) -> None:
     main process says, through the process group's store, that it has reported; if that
     does not come (the error was this process's alone), it prints the error itself."""
     lines = "".join(f"error: {line}\n" for line in str(e).splitlines())
+    tell_launcher(lines)  # every process that met it: the launcher's report shows it for each
     multi = state is not None and state.num_processes > 1
     if not multi and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
         # Started as one of several processes that formed no group (no GPU and no
@@ -103,6 +105,20 @@ def report_once(e: UserError, state=None) -> None:
             time.sleep(0.05)
     sys.stderr.write(lines)
     sys.stderr.flush()
+
+
+def tell_launcher(lines: str) -> None:
+    """Write a user error where torchrun's failure report reads a failed process's own
+    account (the file TORCHELASTIC_ERROR_FILE names; torchrun sets it for each process), so
+    that the report's "Root Cause" shows the error instead of a link to torch's docs. The
+    report itself cannot be left out: torchrun (torch.distributed.launcher.api.launch_agent)
+    raises ChildFailedError whenever a process exits with a code other than 0, and
+    `accelerate launch` lets it end in a traceback; exit 0, the one quiet path, would tell
+    the shell, Slurm and CI that a refused run succeeded."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": lines.rstrip(), "timestamp": int(time.time())}))
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:

@@ -57,8 +57,7 @@ def take(path: Path, wait: Callable[[str], None] | None = None, what: str = "out
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "its holder"
+            holder = read_holder(handle)
             if wait is None:
                 raise Busy(holder) from None
             wait(holder)
@@ -73,3 +72,14 @@ def take(path: Path, wait: Callable[[str], None] | None = None, what: str = "out
         handle.close()
         raise
     return handle
+
+
+def read_holder(handle: IO) -> str:
+    """What a held lock file says of its holder; a holder that has just taken it writes
+    that a moment later, so an empty file is read again for up to half a second."""
+    for _ in range(10):
+        handle.seek(0)
+        if holder := handle.read().strip():
+            return holder
+        time.sleep(0.05)
+    return "its holder"

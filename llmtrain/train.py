@@ -396,9 +396,13 @@ def stop_early(run: Run, window: Window) -> Outcome:
         run.accelerator.print(f"stopped on {run.stop.name} before step 1; nothing was trained yet")
         return Outcome.STOPPED
     path = last_step_checkpoint(run)
+    # The same command continues (checkpoint.resume=auto is the default, and a given path
+    # continues the run it started, rundir.find_start); only resume=none must be changed.
+    again = (
+        "run again with checkpoint.resume=auto" if run.cfg.checkpoint.resume == "none" else "run the same command again"
+    )
     run.accelerator.print(
-        f"stopped on {run.stop.name} after step {step}; checkpoint {path} is complete; run again "
-        "with checkpoint.resume=auto to continue"
+        f"stopped on {run.stop.name} after step {step}; checkpoint {path} is complete; {again} to continue"
     )
     return Outcome.STOPPED
 

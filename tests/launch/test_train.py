@@ -232,7 +232,8 @@ def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     stopped = train_rows(out)[-1]["step"]
-    assert f"stopped on SIGUSR1 after step {stopped}" in output
+    assert f"stopped on SIGUSR1 after step {stopped}; checkpoint " in output
+    assert "is complete; run the same command again to continue" in output  # resume=auto is the default
     assert (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
     assert not (out / "final").exists()
 
@@ -473,6 +474,9 @@ def test_bad_data_is_one_clear_error(common, cache_env, tmp_path, case, nproc):
     assert len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: data.train: {data} {message}"), errors[0]
     assert "Traceback" not in proc.stderr.split("error:")[0]  # nothing before it but the run's own lines
+    if nproc > 1:  # torchrun's report after it names the same error as the root cause, not a link to its docs
+        root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+        assert f"traceback : {errors[0]}" in root_cause, root_cause
 
 
 def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp_path):
