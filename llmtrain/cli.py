@@ -19,6 +19,7 @@ from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
 from .errors import UserError
 from .observe.console import survive_closed_streams
+from .observe.quiet import quiet_bars_off_terminal
 
 
 def parse_args(
@@ -128,6 +129,7 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     from accelerate.utils import parse_flag_from_env
 
     survive_closed_streams()
+    quiet_bars_off_terminal()
 
     # Set up the process group first, so only one process reports. It must honour
     # ACCELERATE_USE_CPU exactly as Accelerator() will, or CPU runs launched with

@@ -43,6 +43,7 @@ from .model import (
     meta_model,
 )
 from .observe.console import survive_closed_streams
+from .observe.quiet import quiet_bars_off_terminal
 from .train import check_lengths
 
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
@@ -438,6 +439,7 @@ with no --config, the recipes run the offline demo."""
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     survive_closed_streams()  # `llmtrain plan | head` ends no plan in a traceback
+    quiet_bars_off_terminal()
     if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["plan", "-h"], ["plan", "--help"]):
         print(usage())
         return

@@ -18,6 +18,10 @@ a reader, says once that output was lost. metrics.jsonl keeps the numbers either
 
 Only a reader that is gone is forgiven (EPIPE, EIO); any other failed write (a full disk
 under a redirected log) still raises.
+
+The training progress bar (`progress`) is a tqdm bar on a terminal; elsewhere (a log file,
+a pipe, a Slurm job's output), where every redraw would be a frame in the log, it is a line
+every PROGRESS_LINE_S seconds and one at the last step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import errno
 import logging
 import os
 import sys
+import time
 
 GONE = (errno.EPIPE, errno.EIO)  # the pipe's reader exited; the terminal hung up
 
@@ -101,3 +106,48 @@ def survive_closed_streams() -> None:
                 survivor = handler.stream = swapped[id(handler.stream)]
                 if getattr(vars(handler).get("flush"), "__self__", None) is survivor._stream:
                     handler.flush = survivor.flush  # transformers' handler flushes sys.stderr itself
+
+
+PROGRESS_LINE_S = 30  # how often a progress line is written where stderr is no terminal
+
+
+def progress(total: int, initial: int, desc: str):
+    """The training progress display: update(n), set_postfix(dict), close(), as tqdm's."""
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+    return ProgressLines(total, initial, desc)
+
+
+class ProgressLines:
+    """A progress bar's figures as a line on stderr every `every_s` seconds and at the last
+    step: 'train: step 120/600 (20%), 0.42 s/step, 3:21 left; loss 1.2345, lr 3.00e-03, ...'."""
+
+    def __init__(self, total: int, initial: int, desc: str, every_s: float = PROGRESS_LINE_S):
+        self.total, self.n, self.desc, self.every_s = total, initial, desc, every_s
+        self.first, self.start = initial, time.monotonic()
+        self.last = self.start
+        self.postfix: dict = {}
+
+    def set_postfix(self, values: dict, refresh: bool = True) -> None:
+        self.postfix = dict(values)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every_s or self.n >= self.total:
+            self.last = now
+            print(self.line(now), file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        per_step = (now - self.start) / max(1, self.n - self.first)
+        left = int(per_step * max(0, self.total - self.n))
+        figures = ", ".join(f"{k} {v}" for k, v in self.postfix.items())
+        return (
+            f"{self.desc}: step {self.n}/{self.total} ({self.n / max(1, self.total):.0%}), {per_step:.2f} s/step, "
+            f"{left // 60}:{left % 60:02d} left" + (f"; {figures}" if figures else "")
+        )
+
+    def close(self) -> None:
+        pass

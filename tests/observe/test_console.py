@@ -1,6 +1,7 @@
 """stdout and stderr survive a reader that is gone (llmtrain.observe.console): writes and
 flushes stop raising, the descriptor then writes to /dev/null for every writer, the other
-stream says so once, and a logging handler made before the guard writes through it too."""
+stream says so once, and a logging handler made before the guard writes through it too.
+Off a terminal the training progress is a line now and then, not a bar's frames."""
 
 import io
 import logging
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from llmtrain.observe.console import Survivor, survive_closed_streams
+from llmtrain.observe import console
+from llmtrain.observe.console import ProgressLines, Survivor, survive_closed_streams
 
 
 def closed_pipe() -> io.TextIOWrapper:
@@ -69,3 +71,18 @@ def test_a_logging_handler_made_before_the_guard_writes_through_it(monkeypatch):
     finally:
         logger.removeHandler(handler)
         stream.close()
+
+
+def test_off_a_terminal_progress_is_a_line_every_so_often_and_at_the_end(monkeypatch, capsys):
+    clock = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    bar = ProgressLines(total=10, initial=2, desc="train", every_s=30)
+    for _ in range(8):
+        clock[0] += 5  # 5 s a step: a line after 30 s (step 8), then the last step's
+        bar.set_postfix({"loss": "1.2345"})
+        bar.update(1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "train: step 8/10 (80%), 5.00 s/step, 0:10 left; loss 1.2345",
+        "train: step 10/10 (100%), 5.00 s/step, 0:00 left; loss 1.2345",
+    ]

@@ -1,5 +1,7 @@
 """The third-party lines llmtrain drops (llmtrain.quiet) are gone once llmtrain is imported,
-and only those: another line from the same logger still shows."""
+and only those: another line from the same logger still shows. Off a terminal, the
+libraries' progress bars are off once a recipe or plan starts, unless the user's variable
+says otherwise."""
 
 import subprocess
 import sys
@@ -19,8 +21,8 @@ get_logger("accelerate.utils.other").warning("another warning")
 """
 
 
-def output(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def output(code: str, env: dict | None = None) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout + proc.stderr
 
@@ -57,3 +59,24 @@ def test_transformers_warnings_about_its_renamed_checkpointing_are_dropped(first
     out = output(code)
     assert ("is deprecated" in out) == (first == "")
     assert "another warning" in out
+
+
+BARS = """
+from llmtrain.observe.quiet import quiet_bars_off_terminal
+quiet_bars_off_terminal()
+import datasets
+datasets.Dataset.from_dict({"a": list(range(10))}).map(lambda row: row, desc="tokenizing rows.jsonl")
+from transformers.utils import logging
+list(logging.tqdm(range(3), desc="Writing model shards"))
+"""
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["off_a_terminal", "kept_by_the_users_variables"])
+def test_library_progress_bars_are_off_where_stderr_is_no_terminal(keep):
+    """In a log file each redraw of a bar is a frame of its own (datasets' map over a data
+    set wrote hundreds)."""
+    import os
+
+    env = dict(os.environ, HF_DATASETS_DISABLE_PROGRESS_BARS="0", HF_HUB_DISABLE_PROGRESS_BARS="0") if keep else None
+    out = output(BARS, env)
+    assert ("tokenizing rows.jsonl" in out) == keep and ("Writing model shards" in out) == keep, out
