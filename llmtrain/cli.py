@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import json
 import math
 import os
 import re
@@ -26,6 +27,8 @@ from .distributed.launch import process_group_backend
 from .distributed.stop import GRACEFUL
 from .distributed.watchdog import default_store
 from .errors import ConfigError, UserError
+from .observe.console import survive_closed_streams
+from .observe.quiet import quiet_bars_off_terminal
 
 
 def parse_args(argv: list[str] | None, method, demo: Path | None, sections: dict[str, str] | None = None):
@@ -282,6 +285,7 @@ def report_once(e: UserError, state=None) -> None:
     main process says, through the process group's store, that it has reported; if that
     does not come (the error was this process's alone), it prints the error itself."""
     lines = "".join(f"error: {line}\n" for line in str(e).splitlines())
+    tell_launcher(lines)  # every process that met it: the launcher's report shows it for each
     multi = state is not None and state.num_processes > 1
     if not multi and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
         # Started as one of several processes that formed no group (no GPU and no
@@ -311,10 +315,28 @@ def report_once(e: UserError, state=None) -> None:
     sys.stderr.flush()
 
 
+def tell_launcher(lines: str) -> None:
+    """Write a user error where torchrun's failure report reads a failed process's own
+    account (the file TORCHELASTIC_ERROR_FILE names; torchrun sets it for each process), so
+    that the report's "Root Cause" shows the error instead of a link to torch's docs. The
+    report itself cannot be left out: torchrun (torch.distributed.launcher.api.launch_agent)
+    raises ChildFailedError whenever a process exits with a code other than 0, and
+    `accelerate launch` lets it end in a traceback; exit 0, the one quiet path, would tell
+    the shell, Slurm and CI that a refused run succeeded."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": lines.rstrip(), "timestamp": int(time.time())}))
+
+
 def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run main(argv), reporting user errors once (see `user_errors`)."""
+    """Run main(argv), reporting user errors once (see `user_errors`); a closed stdout or
+    stderr (`| tee` gone, a terminal hung up) ends no run (`survive_closed_streams`)."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
+
+    survive_closed_streams()
+    quiet_bars_off_terminal()
 
     # Set up the process group first, so only one process reports. It must honour
     # ACCELERATE_USE_CPU exactly as Accelerator() will, or CPU runs launched with

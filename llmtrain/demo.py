@@ -1,24 +1,40 @@
 """The embedded offline demo: a tiny Llama-architecture model, a tokenizer trained here,
 and a generated instruction data set whose answers can be checked.
 
-Nothing is downloaded. `resolve_demo_names` turns the reserved names `demo:tiny-llama`,
-`demo:train` and `demo:eval` into real paths, building the assets once into a cache
-directory; the model and tokenizer are then loaded through the same `from_pretrained`
-path a user's model takes.
+Nothing is downloaded. `resolve_demo_names` turns the reserved names (`demo:tiny-llama`,
+`demo:train`, ... config/validate.DEMO_NAMES) into real paths, building the assets once
+into a cache directory; the model and tokenizer are then loaded through the same
+`from_pretrained` path a user's model takes.
+
+One process builds at a time (`building`: a lock beside the cache, locks.py): every
+builder (`build_*`) that finds its products missing takes it, and one that finds them
+built takes nothing, so a run never waits for a build it does not need. A second run that
+needs what another is building waits, saying for whom, then uses it. An asset appears
+whole or not at all (built aside and renamed into place), and what a killed builder left
+half done is removed by the next one. The SFT model is trained by a child process that
+dies with its parent (distributed/stop.run_child). `llmtrain plan` trains nothing
+(`resolve_demo_names(train=False)`): it builds what takes seconds (the base model, the
+chat rows, the RL prompts) and plans the rest from stand-ins it names (`stand_ins`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import shutil
+import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
-from . import safefs
+from . import locks, safefs
 from .config.schema import as_list
 from .config.validate import DEMO_NAMES, PathKey, map_paths, named
+from .distributed.stop import run_child
+from .errors import warn
 
 DEMO_VERSION = "v3"
 CHAT_TEMPLATE = (
@@ -187,6 +203,79 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+# --- building, one process at a time ------------------------------------------------------
+
+_DEPTH = threading.local()  # how deep this thread is in `building` (builders call builders)
+
+
+@contextmanager
+def building(root: Path):
+    """Hold the demo cache's lock (beside it: root itself appears by a rename) while
+    building into `root`. Another holder is waited for, saying once for whom; a builder's
+    nested builders hold it once. Holding it, what a killed builder left half done is
+    removed first (`clean_leftovers`)."""
+    if getattr(_DEPTH, "n", 0):
+        _DEPTH.n += 1
+        try:
+            yield
+        finally:
+            _DEPTH.n -= 1
+        return
+    root.parent.mkdir(parents=True, exist_ok=True)
+    path = root.parent / f"{root.name}.lock"
+
+    def wait(holder: str) -> None:
+        print(f"demo: waiting for {holder}, which is building the demo's assets in {root}; then this run uses them")
+        sys.stdout.flush()
+
+    try:
+        handle = locks.take(path, wait, what="LLMTRAIN_CACHE")
+    except locks.NoLocks as e:
+        handle = None
+        warn(
+            f"LLMTRAIN_CACHE: cannot lock {path} ({e.reason}); two runs that build the demo at once would collide: "
+            "start one alone first, or set LLMTRAIN_CACHE to a local directory"
+        )
+    _DEPTH.n = 1
+    try:
+        clean_leftovers(root)
+        yield
+    finally:
+        _DEPTH.n = 0
+        if handle is not None:
+            handle.close()
+
+
+def clean_leftovers(root: Path) -> None:
+    """What a builder killed mid-build left (called holding the lock, so no builder is at
+    work): its scratch directories beside root, its temporary files in root, the SFT
+    build's run directory."""
+    for path in root.parent.glob(f"{root.name}.tmp-*"):
+        safefs.rmtree(path)
+    if root.is_dir():
+        for path in root.glob(".tmp-*"):
+            path.unlink(missing_ok=True)
+        safefs.rmtree(root / "sft-run")
+
+
+def builds(*products: str):
+    """A builder of `products` (paths under the cache root, its first argument): where
+    they all exist it returns at once, taking no lock; otherwise it runs holding the lock
+    (`building`), skipping what another builder finished meanwhile."""
+
+    def wrap(build):
+        @functools.wraps(build)
+        def locked(root: Path, *args, **kwargs):
+            if all((root / p).exists() for p in products):
+                return None
+            with building(root):
+                return build(root, *args, **kwargs)
+
+        return locked
+
+    return wrap
+
+
 # --- tokenizer and model -------------------------------------------------------------------
 
 
@@ -250,11 +339,12 @@ def build_model_dir(
     return path
 
 
+@builds("tiny-llama/config.json", "train.jsonl", "eval.jsonl")
 def build_assets(root: Path, train_rows: int = 3000, eval_rows: int = 200) -> None:
-    """Write train.jsonl, eval.jsonl and tiny-llama/ under root (atomically)."""
+    """Write train.jsonl, eval.jsonl and tiny-llama/ under root (atomically: root itself
+    is renamed into place whole)."""
     if (root / "tiny-llama" / "config.json").exists():
         return
-    root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp-", dir=root.parent))
     train, evals = make_rows(train_rows, seed=1), make_rows(eval_rows, seed=2)
     write_jsonl(train, tmp / "train.jsonl")
@@ -275,11 +365,15 @@ def write_once(root: Path, name: str, rows: list[dict]) -> None:
     os.replace(tmp, root / name)
 
 
+# The demo's pairs: file -> (rows, seed).
+PAIRS = {"pairs-train.jsonl": (2000, 3), "pairs-eval.jsonl": (200, 4)}
+
+
+@builds(*PAIRS)
 def build_pairs(root: Path) -> None:
     """pairs-train.jsonl (2000) and pairs-eval.jsonl (200) under root, once: the questions'
     right answers against tiny-llama-sft's own wrong ones (see make_pairs)."""
-    todo = [(name, n, seed) for name, n, seed in (("pairs-train.jsonl", 2000, 3), ("pairs-eval.jsonl", 200, 4))]
-    todo = [t for t in todo if not (root / t[0]).exists()]
+    todo = [(name, n, seed) for name, (n, seed) in PAIRS.items() if not (root / name).exists()]
     if not todo:
         return
     build_sft_model(root)
@@ -305,6 +399,7 @@ def unpaired_rows(pairs: list[dict]) -> list[dict]:
     return rows
 
 
+@builds("kto-train.jsonl", "kto-eval.jsonl")
 def build_unpaired(root: Path) -> None:
     """kto-train.jsonl (4000 rows) and kto-eval.jsonl (400) under root, once: the demo's
     pairs (build_pairs) as unpaired rows."""
@@ -335,6 +430,7 @@ def make_prompts(n: int, seed: int) -> list[dict]:
     return rows
 
 
+@builds(DEMO_NAMES["demo:prompts-train"], DEMO_NAMES["demo:prompts-eval"])
 def build_prompts(root: Path) -> None:
     """The RL demo's prompts under root, once: 2000 for training, 200 held out."""
     for name, n, seed in ((DEMO_NAMES["demo:prompts-train"], 2000, 5), (DEMO_NAMES["demo:prompts-eval"], 200, 6)):
@@ -345,23 +441,25 @@ def build_prompts(root: Path) -> None:
 SFT_OVERRIDES = ["train.epochs=2", "checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
 
 
+@builds("tiny-llama-sft/config.json")
 def build_sft_model(root: Path) -> None:
     """tiny-llama-sft/ under root: the SFT demo's model (recipes/finetune.py with its
     demo config), trained for two epochs of three, so that its answers are right about
     half the time, which leaves the preference demo something to improve. Runs the recipe in a
-    process of its own, outside any distributed job this one belongs to."""
-    import subprocess
-    import sys
-
+    process of its own, outside any distributed job this one belongs to, that dies with
+    this one (run_child). The assets it trains on are built first, here: it finds them
+    built and never waits for the lock this builder holds."""
     target = root / "tiny-llama-sft"
     if (target / "config.json").exists():
         return
+    build_assets(root)
     script = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
     if not script.is_file():
         raise FileNotFoundError(f"{script} is missing: the preference demo trains its starting model with it")
     run_dir = root / "sft-run"
     safefs.rmtree(run_dir)
-    print(f"building the preference demo's starting model: {script.name}'s demo, two epochs (about a minute)")
+    print(f"building the preference demo's starting model: {script.name}'s demo, two epochs ({SFT_TIME})")
+    sys.stdout.flush()
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
     env = {
         k: v
@@ -369,11 +467,54 @@ def build_sft_model(root: Path) -> None:
         if not k.startswith(launcher + ("ROLE_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_"))
         or k == "ACCELERATE_USE_CPU"
     }
-    done = subprocess.run([sys.executable, str(script), f"output_dir={run_dir}", *SFT_OVERRIDES], env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"building the demo's SFT model failed (exit {done.returncode}); see the lines above")
+    code = run_child([sys.executable, str(script), f"output_dir={run_dir}", *SFT_OVERRIDES], env)
+    if code != 0:
+        raise RuntimeError(f"building the demo's SFT model failed (exit {code}); see the lines above")
     os.replace(run_dir / "final", target)
     safefs.rmtree(run_dir)
+
+
+SFT_TIME = "about a minute on an idle CPU, longer on a busy one"
+
+
+def built(path: Path) -> bool:
+    """Whether a demo asset is in the cache (a model directory: its config.json)."""
+    return (path / "config.json").exists() if path.suffix != ".jsonl" else path.exists()
+
+
+def stand_ins(root: Path, names: set[str], paths: dict[str, Path]) -> list[str]:
+    """For `llmtrain plan`, which trains nothing: each of `names` that needs the SFT model
+    trained and is not built yet gets a stand-in in `paths` that plans alike, and a line
+    saying so. The SFT model: the base model it is trained from (the same config and
+    tokenizer, so the same parameters, memory and tokens). The pairs and KTO rows, made from
+    its answers: the same questions and right answers with made-up wrong ones (the same
+    rows, their rejected answers a few tokens apart), written to plan-stand-ins/ in the
+    cache, never where the run looks."""
+    notes = []
+    sft = "demo:tiny-llama-sft"
+    if sft in names and not built(paths[sft]):
+        paths[sft] = root / DEMO_NAMES["demo:tiny-llama"]
+        notes.append(
+            f"{sft} is not built yet: the run builds it first (recipes/finetune.py's demo, two epochs: {SFT_TIME}); "
+            "planned with demo:tiny-llama's config and tokenizer, which it shares"
+        )
+    rows = {"pairs": make_pairs, "kto": lambda n, seed: unpaired_rows(make_pairs(n, seed))}
+    aside = root / "plan-stand-ins"
+    for kind, make in rows.items():
+        todo = sorted(n for n in names if n.startswith(f"demo:{kind}-") and not built(paths[n]))
+        for name in todo:
+            n, seed = PAIRS[f"pairs-{name.rsplit('-', 1)[1]}.jsonl"]
+            aside.mkdir(exist_ok=True)
+            if not (aside / DEMO_NAMES[name]).exists():
+                write_once(aside, DEMO_NAMES[name], make(n, seed))
+            paths[name] = aside / DEMO_NAMES[name]
+        if todo:
+            are, them = ("are", "them") if len(todo) > 1 else ("is", "it")
+            notes.append(
+                f"{' and '.join(todo)} {are} not built yet: the run builds {them} from {sft}'s answers; planned on "
+                f"stand-in rows in {aside}, the same questions and right answers with made-up wrong ones"
+            )
+    return notes
 
 
 def uses_demo(cfg) -> bool:
@@ -381,28 +522,34 @@ def uses_demo(cfg) -> bool:
     return any(name in DEMO_NAMES for _, name in named(cfg))
 
 
-def resolve_demo_names(cfg) -> None:
+def resolve_demo_names(cfg, train: bool = True) -> list[str]:
     """Replace demo:* names in cfg (wherever it names a model or data set) with paths to the
-    built assets, building them if needed."""
+    built assets, building them if needed. With train=False (`llmtrain plan`) the SFT model
+    is never trained: what needs it and is not built yet is planned from stand-ins
+    (`stand_ins`), and the lines saying so are returned."""
     if not uses_demo(cfg):
-        return
+        return []
     root = cache_dir()
+    names = {name for _, name in named(cfg) if name in DEMO_NAMES}
+    paths = {name: root / file for name, file in DEMO_NAMES.items()}
     build_assets(root)
-    names = [name for _, name in named(cfg)]
-    if any(n.startswith("demo:pairs") for n in names):
-        build_pairs(root)
-    if any(n.startswith("demo:kto") for n in names):
-        build_unpaired(root)
     if any(n.startswith("demo:prompts") for n in names):
         build_prompts(root)
-    if "demo:tiny-llama-sft" in names:
-        build_sft_model(root)
+    notes = [] if train else stand_ins(root, names, paths)
+    if train:
+        if any(n.startswith("demo:pairs") for n in names):
+            build_pairs(root)
+        if any(n.startswith("demo:kto") for n in names):
+            build_unpaired(root)
+        if "demo:tiny-llama-sft" in names:
+            build_sft_model(root)
 
     def fix(key: str, name: str, kind: PathKey) -> str:
-        return str(root / DEMO_NAMES[name]) if kind.asset and name in DEMO_NAMES else name
+        return str(paths[name]) if kind.asset and name in DEMO_NAMES else name
 
     map_paths(cfg, fix)
     cfg.data.train, cfg.data.eval = as_list(cfg.data.train), as_list(cfg.data.eval)  # as every run records them
+    return notes
 
 
 def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, dict[str, float]]:
@@ -427,8 +574,6 @@ def kind(question: str) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:2] != ["score"] or len(sys.argv) < 3:
         sys.exit("usage: python -m llmtrain.demo score MODEL_DIR [MODEL_DIR ...]")
     if missing := [p for p in sys.argv[2:] if not (Path(p) / "config.json").is_file()]:

@@ -1,9 +1,10 @@
 """`llmtrain plan`: see a run before spending GPU hours.
 
-Prints, without loading any weights: the resolved config; the launch settings from the
-Accelerate config file (DeepSpeed and FSDP sections included) with conflicts flagged;
-world size, global batch, steps per epoch; a per-GPU memory estimate; and one tokenized
-training row with its trained tokens marked.
+Prints, without loading any weights or training anything: the resolved config (the demo's
+assets that a run would train first stood in for, and named: demo.stand_ins); the launch
+settings from the Accelerate config file (DeepSpeed and FSDP sections included) with
+conflicts flagged; world size, global batch, steps per epoch; a per-GPU memory estimate;
+and one tokenized training row with its trained tokens marked.
 
     llmtrain plan --config recipes/configs/llama_full.yaml --accelerate-config accelerate_configs/multi_gpu.yaml
 """
@@ -41,6 +42,8 @@ from .model import (
     load_tokenizer,
     meta_model,
 )
+from .observe.console import survive_closed_streams
+from .observe.quiet import quiet_bars_off_terminal
 from .train import check_lengths
 
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
@@ -279,7 +282,7 @@ def plan(argv: list[str]) -> None:
     cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())  # as the recipe reads it
     absolute_paths(cfg)
     launch = read_launch(args.accelerate_config, cfg)
-    demo.resolve_demo_names(cfg)
+    stand_ins = demo.resolve_demo_names(cfg, train=False)  # trains nothing: what needs training is stood in for
     check(cfg)
 
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
@@ -335,6 +338,10 @@ def plan(argv: list[str]) -> None:
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())
+    if stand_ins:
+        print("\n== demo assets a run builds first ==")
+        for line in stand_ins:
+            print(f"  {line}")
     print(f"\n== launch ({launch.source}) ==")
     for key, value in sorted(launch.settings.items()):
         print(f"  {key}: {value}")
@@ -424,6 +431,8 @@ with no --config and no model or data named, the recipes run the offline demo.""
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    survive_closed_streams()  # `llmtrain plan | head` ends no plan in a traceback
+    quiet_bars_off_terminal()
     if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["plan", "-h"], ["plan", "--help"]):
         print(usage())
         return

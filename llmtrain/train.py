@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object, send_to_device
-from tqdm.auto import tqdm
 
 from .config import Config, to_yaml
 from .config.load import flat_dict
@@ -34,6 +33,7 @@ from .distributed.stop import StopRequest
 from .distributed.watchdog import Watchdog
 from .errors import CheckpointError, DataError, TrainingError, warn
 from .model import compile_blocks
+from .observe import console
 from .observe.metrics import MetricsLog, tracker_name
 from .observe.profiler import StepProfiler
 from .observe.throughput import StepMeter, peak_memory_gib
@@ -160,7 +160,7 @@ def setup(
     )
     progress = None
     if cfg.log.progress_bar and accelerator.is_main_process:
-        progress = tqdm(total=total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+        progress = console.progress(total_steps, state.step, "train")  # off a terminal, a line every 30 s
     profiler = StepProfiler(t.profile_range(), cfg.output_dir, accelerator, watchdog.beat)
     return Run(
         cfg=cfg,
@@ -265,13 +265,13 @@ def report(run: Run, window: Window, result: StepResult) -> None:
         for line in run.data.shown():  # completions an RL run shows, once per generation round
             run.accelerator.print(line)
     if run.progress is not None:
-        run.progress.update(1)
         bar = {"loss": f"{result.loss:.4f}"}
         bar |= {short: f"{result.metrics[name]:.3f}" for name, short in run.objective.progress_metrics.items()}
         bar |= {"lr": f"{result.lr:.2e}", f"{run.objective.unit}_s": f"{result.count / result.seconds:.0f}"}
         bar |= {"mfu": f"{figures['mfu']:.1%}"} if "mfu" in figures else {}
         bar |= {"wait": f"{figures['data_wait']:.1%}", "mem": f"{peak_memory_gib(run.accelerator.device):.2f}G"}
-        run.progress.set_postfix(bar)
+        run.progress.set_postfix(bar, refresh=False)
+        run.progress.update(1)  # draws the step with its figures
 
 
 def check_skips(run: Run, result: StepResult) -> None:
@@ -399,9 +399,13 @@ def stop_early(run: Run, window: Window) -> Outcome:
         run.accelerator.print(f"stopped on {run.stop.name} before step 1; nothing was trained yet")
         return Outcome.STOPPED
     path = last_step_checkpoint(run)
+    # The same command continues (checkpoint.resume=auto is the default, and a given path
+    # continues the run it started, rundir.find_start); only resume=none must be changed.
+    again = (
+        "run again with checkpoint.resume=auto" if run.cfg.checkpoint.resume == "none" else "run the same command again"
+    )
     run.accelerator.print(
-        f"stopped on {run.stop.name} after step {step}; checkpoint {path} is complete; run again "
-        "with checkpoint.resume=auto to continue"
+        f"stopped on {run.stop.name} after step {step}; checkpoint {path} is complete; {again} to continue"
     )
     return Outcome.STOPPED
 

@@ -2,8 +2,20 @@
 rejected one wrong, in the three row shapes, with the model's own wrong answers where it
 has them; the same pairs as KTO's unpaired rows."""
 
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from llmtrain import demo
 from llmtrain.demo import OPPOSITES, make_pairs, unpaired_rows
 from llmtrain.preference.pairs import pair_messages
+
+PYTHON = sys.executable  # the fake_build fixture swaps sys.executable
 
 
 def right_answer(question: str) -> str:
@@ -70,9 +82,6 @@ def test_unpaired_rows_are_the_pairs_answers_labelled_in_two_blocks(tokenizer):
 
 
 def test_scoring_a_directory_that_holds_no_model_is_one_line(tmp_path):
-    import subprocess
-    import sys
-
     proc = subprocess.run(
         [sys.executable, "-m", "llmtrain.demo", "score", str(tmp_path / "runs" / "dpo-demo" / "final")],
         capture_output=True,
@@ -84,3 +93,152 @@ def test_scoring_a_directory_that_holds_no_model_is_one_line(tmp_path):
         f"error: {tmp_path / 'runs' / 'dpo-demo' / 'final'}: no model directory (no config.json); give the "
         "directory a run saved, e.g. runs/dpo-demo/final"
     ]
+
+
+# A stand-in for `python recipes/finetune.py output_dir=DIR ...` in the SFT build: it notes
+# that it ran (its pid, in $FAKE_LOG), and writes DIR/final/config.json after $FAKE_SLEEP s.
+FAKE_PYTHON = """#!{python}
+import os, sys, time
+from pathlib import Path
+out = Path(next(a for a in sys.argv if a.startswith("output_dir=")).split("=", 1)[1])
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(f"{{os.getpid()}}\\n")
+(out / "final").mkdir(parents=True, exist_ok=True)
+time.sleep(float(os.environ["FAKE_SLEEP"]))
+(out / "final" / "config.json").write_text("{{}}")
+"""
+
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    """A demo cache whose base assets are built (stand-ins), and an SFT build that runs the
+    fake recipe above (sys.executable swapped for it): (cache root, the log of its runs)."""
+    root = tmp_path / "cache" / "demo-v3"
+    (root / "tiny-llama").mkdir(parents=True)
+    for name in ("tiny-llama/config.json", "train.jsonl", "eval.jsonl"):
+        (root / name).write_text("{}\n")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=PYTHON))
+    fake.chmod(0o755)
+    log = tmp_path / "builds.log"
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_SLEEP", "1")
+    return root, log
+
+
+def test_two_builders_started_together_build_once_and_both_use_it(fake_build, capsys):
+    """Two runs that need the SFT model, started together on a fresh cache: the second
+    deleted the first's half-built model. Now the second waits, saying once for whom, and
+    finds it built."""
+    root, log = fake_build
+    errors = []
+
+    def build():
+        try:
+            demo.build_sft_model(root)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert len(log.read_text().split()) == 1  # trained once
+    assert (root / "tiny-llama-sft" / "config.json").exists() and not (root / "sft-run").exists()
+    waits = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo: waiting for")]
+    assert len(waits) == 1 and f"pid {os.getpid()} on " in waits[0], waits
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from llmtrain import locks
+handle = locks.take(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_builder_killed_mid_build_is_waited_for_then_taken_over(fake_build, capsys):
+    """The next builder waits for a live holder, naming it; once that holder is killed
+    (SIGKILL: the kernel frees its lock), it takes the lock, removes what the dead one left
+    half built, and builds."""
+    root, log = fake_build
+    scraps = [root.parent / "demo-v3.tmp-abc123", root / "sft-run" / "final"]
+    for path in scraps:
+        path.mkdir(parents=True)
+    lock = root.parent / "demo-v3.lock"
+    holder = subprocess.Popen([PYTHON, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        builder = threading.Thread(target=demo.build_sft_model, args=(root,))
+        builder.start()
+        builder.join(timeout=1)
+        assert builder.is_alive() and not log.exists()  # waiting
+        holder.kill()
+        builder.join(timeout=60)
+        assert not builder.is_alive()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(log.read_text().split()) == 1 and (root / "tiny-llama-sft" / "config.json").exists()
+    assert not any(path.exists() for path in scraps)
+    waits = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo: waiting for")]
+    assert len(waits) == 1 and f"pid {holder.pid} on " in waits[0], waits
+
+
+PARENT = """
+import sys
+from pathlib import Path
+sys.executable = sys.argv[2]
+from llmtrain import demo
+demo.build_sft_model(Path(sys.argv[1]))
+"""
+
+
+def test_a_killed_parent_leaves_no_sft_build_running(fake_build, tmp_path):
+    """The SFT build's child (a training run, here the fake recipe sleeping) dies with the
+    process that started it, SIGKILL included: before, it trained on as an orphan."""
+    import psutil
+
+    root, log = fake_build
+    parent = subprocess.Popen([PYTHON, "-c", PARENT, str(root), sys.executable], env=dict(os.environ, FAKE_SLEEP="60"))
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = psutil.Process(int(log.read_text().split()[0]))
+        parent.kill()
+        parent.wait()
+        assert not psutil.wait_procs([child], timeout=10)[1]  # gone
+    finally:
+        parent.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(int(log.read_text().split()[0])).kill()
+
+
+def test_resolving_for_a_plan_trains_nothing_and_names_its_stand_ins(fake_build, monkeypatch):
+    """`llmtrain plan` (train=False) on a fresh cache: the SFT model is stood in for by the
+    base model it is trained from, its pairs and KTO rows by rows with made-up wrong answers
+    in plan-stand-ins/, never where a run looks; each said in a line. Nothing is trained."""
+    from llmtrain.config import load_config
+
+    root, log = fake_build
+    monkeypatch.setenv("LLMTRAIN_CACHE", str(root.parent))
+    cfg = load_config(
+        None, ["model.name_or_path=demo:tiny-llama-sft", "data.train=demo:pairs-train", "data.eval=demo:kto-eval"]
+    )
+    notes = demo.resolve_demo_names(cfg, train=False)
+    assert not log.exists() and not (root / "tiny-llama-sft").exists()  # no training child ran
+    aside = root / "plan-stand-ins"
+    assert cfg.model.name_or_path == str(root / "tiny-llama")
+    assert (cfg.data.train, cfg.data.eval) == ([str(aside / "pairs-train.jsonl")], [str(aside / "kto-eval.jsonl")])
+    assert len((aside / "pairs-train.jsonl").read_text().splitlines()) == 2000
+    assert len((aside / "kto-eval.jsonl").read_text().splitlines()) == 400
+    assert not (root / "pairs-train.jsonl").exists() and not (root / "kto-eval.jsonl").exists()
+    assert notes[0].startswith("demo:tiny-llama-sft is not built yet: the run builds it first (")
+    assert [n.split(" is not built yet")[0] for n in notes[1:]] == ["demo:pairs-train", "demo:kto-eval"]

@@ -407,3 +407,19 @@ def test_plan_reads_its_settings_by_the_recipes_rule(capsys, monkeypatch):
         plan(["--config", "recipes/configs/grpo_demo.yaml", "model.name_or_path=org/m", "data.train=p.jsonl"])
     assert [q.split(":")[0] for q in e.value.problems] == ["data.eval", "output_dir"]
     assert capsys.readouterr().out.startswith("note: recipes/configs/grpo_demo.yaml is a demo config, ")
+
+
+def test_plan_of_a_demo_whose_model_is_not_trained_yet_trains_nothing(cache_env, tmp_path):
+    """The GRPO demo on a fresh cache: plan builds what takes seconds (the base model, the
+    prompts), plans the SFT model from the base model it shares config and tokenizer with,
+    and says the run trains it first; before, plan trained it (minutes)."""
+    cache = tmp_path / "cache"
+    proc = plan("--recipe", "grpo", env=dict(cache_env, LLMTRAIN_CACHE=str(cache)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "== demo assets a run builds first ==\n  demo:tiny-llama-sft is not built yet: the run builds it" in proc.stdout
+    )
+    assert f"name_or_path: {cache / 'demo-v3' / 'tiny-llama'}\n" in proc.stdout
+    assert "steps per epoch:" in proc.stdout
+    built = sorted(p.name for p in (cache / "demo-v3").iterdir())
+    assert built == ["eval.jsonl", "rl-words-eval.jsonl", "rl-words-train.jsonl", "tiny-llama", "train.jsonl"]

@@ -19,10 +19,15 @@ as on SIGTERM, when that launcher dies (`stop_with_launcher`): otherwise a launc
 is killed, or that exits on a signal it does not pass on (accelerate's one-process
 launcher passes on none; torchrun not SIGUSR1), leaves its workers training on with no one
 waiting for them, holding the output directory and the devices.
+
+No process llmtrain starts outlives it (`run_child`: the demo's SFT build): the kernel
+stops the child when its parent dies, however it dies, and a parent that stops on a signal
+or an error stops the child first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -59,7 +64,8 @@ class StopRequest:
         self.signum = self.signum or signum
         self.requests += 1
         if self.note:  # os.write: print's buffered stream may be mid-write in this thread
-            os.write(2, f"{signal.Signals(signum).name}: {self.note}\n".encode())
+            with contextlib.suppress(OSError):  # stderr gone (`| tee` exited on the same Ctrl-C): still save
+                os.write(2, f"{signal.Signals(signum).name}: {self.note}\n".encode())
         elif signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -190,12 +196,58 @@ def stop_with_launcher() -> None:
     if not sys.platform.startswith("linux"):
         return
     parent = launcher_parent()
-    if parent is None:
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+    if parent is None or not signal_on_parent_death(signal.SIGTERM):
         return
     if os.getppid() != parent:  # the launcher died before the request took hold
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def signal_on_parent_death(signum: int, prctl=None) -> bool:
+    """Ask the kernel to send this process `signum` when its parent dies (Linux's
+    PR_SET_PDEATHSIG; strictly, when the parent's thread that started it ends). Whether
+    the request took hold. `prctl`: libc's, loaded beforehand (in a child between fork
+    and exec, nothing may be loaded)."""
+    if prctl is None:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return prctl(pr_set_pdeathsig, signum, 0, 0, 0) == 0
+
+
+# How long a child told to stop (SIGTERM) may take to end before it is killed: a recipe
+# finishes its step and writes a checkpoint first.
+CHILD_STOP_S = 60
+
+
+def run_child(argv: list[str], env: dict) -> int:
+    """Run `argv` to its end and return its exit code, as subprocess.run does, in a process
+    that does not outlive this one: on Linux the kernel sends it SIGTERM when this process
+    dies, SIGKILL included (set between fork and exec, so no moment is left uncovered); and
+    when the wait here ends in an exception (a stop signal's SystemExit, Ctrl-C's
+    KeyboardInterrupt, anything), the child is sent SIGTERM, given CHILD_STOP_S to end,
+    then killed, before the exception goes on."""
+    import subprocess
+
+    preexec = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+        def preexec() -> None:  # in the child, before exec: only a system call and a check
+            signal_on_parent_death(signal.SIGTERM, prctl)
+            if os.getppid() != parent:  # this process died before the request took hold
+                os._exit(128 + signal.SIGTERM)
+
+    child = subprocess.Popen(argv, env=env, preexec_fn=preexec)
+    try:
+        return child.wait()
+    except BaseException:
+        child.terminate()
+        try:
+            child.wait(timeout=CHILD_STOP_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise

@@ -91,7 +91,7 @@ class Watchdog:
                     blame = "another process has probably died or hung (its log names it)"
                 print(
                     f"error: rank {self.rank}: no progress for {self.timeout_s:g} s, stuck at {self.where}; "
-                    f"{blame}. The newest complete checkpoint is intact: resume with checkpoint.resume=auto. "
+                    f"{blame}. The newest complete checkpoint is intact: run the same command again to resume from it. "
                     "If a step, evaluation or checkpoint write really takes this long, raise train.hang_timeout_s.",
                     file=sys.stderr,
                     flush=True,

@@ -1,10 +1,15 @@
 """Third-party log lines (and warnings) known to be harmless in llmtrain's runs, dropped at the logger that
 emits them, and only those lines: they came on every process or every checkpoint and buried
-the run's own lines. Anything else those libraries log still shows."""
+the run's own lines. Anything else those libraries log still shows.
+
+Off a terminal (a log file, a pipe, a Slurm job's output) the libraries' progress bars are
+turned off too (`quiet_bars_off_terminal`): each redraw is a frame written into the log."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 KNOWN_HARMLESS = {
@@ -51,3 +56,24 @@ def quiet_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropLine) and f.text == text for f in logger.filters):
             logger.addFilter(DropLine(text))
+
+
+def quiet_bars_off_terminal() -> None:
+    """Where stderr is no terminal, turn off the libraries' progress bars: datasets' (reading,
+    tokenizing, filtering), transformers' (loading and saving weights) and the hub's
+    (downloads). In a log each redraw is a frame of its own, hundreds per data set; llmtrain's
+    own lines say what each stage did (rows kept and dropped, steps), and its training bar
+    becomes a line now and then (observe/console.progress). A variable the user set decides
+    instead: HF_DATASETS_DISABLE_PROGRESS_BARS=0, HF_HUB_DISABLE_PROGRESS_BARS=0 keep them.
+    Called by the recipes and `llmtrain plan` at start (not at import: a notebook, whose
+    stderr is no terminal either, draws its bars as widgets)."""
+    if sys.stderr.isatty():
+        return
+    if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
+        import datasets
+
+        datasets.disable_progress_bars()
+    if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # the hub's too

@@ -412,7 +412,7 @@ def save(
         )
         raise WriteFailed(
             f"checkpoint: writing {tmp} failed ({error}); {kept}. Free space in "
-            f"{root} (or fix its permissions), then run again with checkpoint.resume=auto",
+            f"{root} (or fix its permissions), then run the same command again to resume",
             error,
             root,
         )

@@ -1,11 +1,9 @@
 """One run per output directory, and what a rerun finds there.
 
 A run holds an exclusive lock on output_dir for its lifetime (`lock`): an flock on
-output_dir/.llmtrain.lock, taken by the main process. The kernel releases it however the
-process ends (a crash, SIGKILL), so a lock is never stale on one machine; on a shared
-filesystem that supports locks (NFSv4, Lustre mounted with flock) it also holds across
-nodes, and the server releases the lock of a crashed node when its lease runs out. The
-lock file says who holds it, so a second run stops at once naming the first.
+output_dir/.llmtrain.lock, taken by the main process (locks.py: never stale, across nodes
+where the filesystem supports locks). The lock file says who holds it, so a second run
+stops at once naming the first.
 
 A finished run leaves final/train_state.json, the state it was exported at. A rerun of a
 finished run says so and exits instead of exporting again; a fresh start in a directory
@@ -18,14 +16,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .. import safefs
+from .. import locks, safefs
 from ..config.load import BoundedLoader, as_dict
 from ..config.validate import iter_paths
 from ..errors import CheckpointError, shown, warn
@@ -217,40 +213,22 @@ _HELD: dict[str, object] = {}  # output_dir -> the open lock file, for the life 
 
 def lock(output_dir: str, accelerator) -> None:
     """Hold output_dir for this run, from the main process until it ends (the kernel
-    releases the lock then, however it ends). Every process raises the same
+    releases the lock then, however it ends: locks.py). Every process raises the same
     CheckpointError if another run holds it."""
-    import fcntl
-
     from accelerate.utils import broadcast_object_list
 
     refused = [""]
     if accelerator.is_main_process and output_dir not in _HELD:
         path = Path(output_dir) / LOCK_FILE
-        try:  # O_NOFOLLOW: a link planted in place of the lock file is refused, never followed
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-        except OSError:
-            if path.is_symlink():
-                raise safefs.link_error(path) from None
-            raise
-        handle = os.fdopen(fd, "r+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
+            _HELD[output_dir] = locks.take(path)
+        except locks.Busy as e:
             refused[0] = (
-                f"output_dir: {output_dir} is in use by another run ({handle.read().strip() or 'its holder'}); "
+                f"output_dir: {output_dir} is in use by another run ({e.holder}); "
                 "wait for it to end, or choose another output_dir"
             )
-            handle.close()
-        except OSError as e:  # a filesystem without locks: go on, unguarded
-            warn(f"output_dir: cannot lock {path} ({e.strerror}); a second run into it would not be stopped")
-            handle.close()
-        else:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            handle.flush()
-            _HELD[output_dir] = handle
+        except locks.NoLocks as e:  # go on, unguarded
+            warn(f"output_dir: cannot lock {path} ({e.reason}); a second run into it would not be stopped")
     if accelerator.num_processes > 1:
         broadcast_object_list(refused)
     if refused[0]:

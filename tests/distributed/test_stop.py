@@ -187,3 +187,36 @@ def test_a_process_stops_when_the_launcher_that_started_it_dies(tmp_path, name, 
     finally:
         if child.is_running():
             child.kill()
+
+
+SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+STARTER = f"""
+import signal, sys
+from llmtrain.distributed.stop import run_child
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as a run's stop handler: an exception in the wait
+run_child([sys.executable, "-c", {SLEEPER!r}], {{}})
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_child_does_not_outlive_its_parent(sig):
+    """run_child's child (the demo's SFT build) ends with the process that started it:
+    killed (the kernel sends it SIGTERM), or stopped by a signal that ends its wait in an
+    exception (it is stopped and waited for before the exception goes on)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", STARTER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        assert not psutil.wait_procs([child], timeout=10)[1]  # gone
+    finally:
+        parent.kill()
+    if sig == signal.SIGTERM:
+        assert parent.returncode == 143 and "Traceback" not in parent.stderr.read()

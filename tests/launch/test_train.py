@@ -4,6 +4,7 @@ DDP processes on CPU), on a tiny model."""
 import json
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -231,9 +232,31 @@ def test_sigusr1_checkpoints_and_exits_zero(common, resume_data, cache_env, tmp_
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     stopped = train_rows(out)[-1]["step"]
-    assert f"stopped on SIGUSR1 after step {stopped}" in output
+    assert f"stopped on SIGUSR1 after step {stopped}; checkpoint " in output
+    assert "is complete; run the same command again to continue" in output  # resume=auto is the default
     assert (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
     assert not (out / "final").exists()
+
+
+def test_ctrl_c_with_a_closed_pipe_still_checkpoints_and_the_rerun_resumes(common, resume_data, cache_env, tmp_path):
+    """`python recipes/finetune.py ... 2>&1 | tee log`, then Ctrl-C: tee exits too, and the
+    run's next writes (an eval line at every step here, then the stop message) meet a closed
+    pipe. The run still stops at a step with a checkpoint and its signal's exit code, and the
+    same command continues from it."""
+    out, evals = tmp_path / "tee", tmp_path / "eval.jsonl"
+    write_jsonl(make_rows(2, seed=5), evals)
+    args = common(resume_data, out) + ["train.micro_batch_size=2", f"data.eval={evals}", "eval.every_steps=1"]
+    proc = start_run(args, cache_env, nproc=1)  # stdout and stderr into one pipe; 60 steps
+    assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(train_rows(out)) >= 3, proc)
+    proc.stdout.close()  # tee is gone
+    time.sleep(0.3)  # the next eval lines meet the closed pipe first
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 128 + signal.SIGINT
+    stopped = train_rows(out)[-1]["step"]
+    assert stopped < 60 and (out / "checkpoints" / f"step-{stopped}" / "train_state.json").exists()
+    rerun = run_recipe(args, cache_env)
+    assert f"resumed from {out / 'checkpoints' / f'step-{stopped}'} at step {stopped}" in rerun.stdout + rerun.stderr
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 61))
 
 
 # Rank 1's training loop reads a clock that runs a million times fast (llmtrain.train's
@@ -360,6 +383,8 @@ def test_outputs_export_and_reload(common, tiny_model, chat_file, cache_env, tmp
         cache_env,
     )
     assert "sample> 'What is 1 + 1?' ->" in proc.stdout
+    # stderr is a file here, no terminal: no bar frames (the libraries' or the loop's), one progress line
+    assert "\r" not in proc.stderr and "train: step 6/6 (100%), " in proc.stderr, proc.stderr[-2000:]
     for name in [
         "config.yaml",
         "run.json",
@@ -452,6 +477,9 @@ def test_bad_data_is_one_clear_error(common, cache_env, tmp_path, case, nproc):
     assert len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: data.train: {data} {message}"), errors[0]
     assert "Traceback" not in proc.stderr.split("error:")[0]  # nothing before it but the run's own lines
+    if nproc > 1:  # torchrun's report after it names the same error as the root cause, not a link to its docs
+        root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+        assert f"traceback : {errors[0]}" in root_cause, root_cause
 
 
 def test_missing_model_is_one_clear_error(base_config, chat_file, cache_env, tmp_path):

@@ -1,5 +1,7 @@
 """The third-party lines llmtrain drops (llmtrain.quiet) are gone once llmtrain is imported,
-and only those: another line from the same logger still shows."""
+and only those: another line from the same logger still shows. Off a terminal, the
+libraries' progress bars are off once a recipe or plan starts, unless the user's variable
+says otherwise."""
 
 import subprocess
 import sys
@@ -57,3 +59,21 @@ def test_transformers_warnings_about_its_renamed_checkpointing_are_dropped(first
     out = output(code)
     assert ("is deprecated" in out) == (first == "")
     assert "another warning" in out
+
+
+BARS = """
+from llmtrain.observe.quiet import quiet_bars_off_terminal
+quiet_bars_off_terminal()
+import datasets
+datasets.Dataset.from_dict({"a": list(range(10))}).map(lambda row: row, desc="tokenizing rows.jsonl")
+from transformers.utils import logging
+list(logging.tqdm(range(3), desc="Writing model shards"))
+"""
+
+
+def test_library_progress_bars_are_off_where_stderr_is_no_terminal():
+    """In a log file each redraw of a bar is a frame of its own (datasets' map over a data
+    set wrote hundreds). HF_DATASETS_DISABLE_PROGRESS_BARS=0 and HF_HUB_DISABLE_PROGRESS_BARS=0
+    keep them (not run here: another interpreter start)."""
+    out = output(BARS)
+    assert "tokenizing rows.jsonl" not in out and "Writing model shards" not in out, out
