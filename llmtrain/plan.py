@@ -173,16 +173,37 @@ def launch_device(launch: Launch) -> str:
     return "cuda" if torch.cuda.is_available() or launch.distributed_type == "MULTI_GPU" else "cpu"
 
 
-def cpu_group_unset(launch: Launch) -> bool:
-    """Whether the accelerate config asks for several CPU processes (DDP or FSDP2 over
-    gloo) while ACCELERATE_USE_CPU is unset, so they would not form one group. DeepSpeed
-    on CPU is the exception: it must run without it."""
+def process_warning(launch: Launch) -> str | None:
+    """Why the launch would not start, as one process group, the processes its config names
+    (the recipe then stops: distributed/launch.py), with the launch that does; None when it
+    would. accelerate launch runs a MULTI_CPU config without mpirun through its one-process
+    launcher, which starts one process whatever num_processes says (ACCELERATE_USE_CPU
+    changes nothing there); DDP on CPU is a MULTI_GPU config with use_cpu, whose processes
+    form a group only with ACCELERATE_USE_CPU=1 (the launcher does not pass use_cpu on).
+    DeepSpeed on CPU is the exception: it must run without it."""
     from accelerate.utils import parse_flag_from_env
 
-    on_cpu = launch.settings.get("use_cpu") or launch.distributed_type == "MULTI_CPU"
-    return bool(
-        on_cpu and launch.num_processes > 1 and not launch.zero_stage and not parse_flag_from_env("ACCELERATE_USE_CPU")
-    )
+    if launch.distributed_type == "MULTI_CPU":
+        if launch.num_processes > 1 and not (launch.settings.get("mpirun_config") or {}).get("mpirun_hostfile"):
+            return (
+                f"distributed_type MULTI_CPU without mpirun starts ONE process on each machine, not the "
+                f"{launch.num_processes} of num_processes (accelerate launch's one-process launcher), and the "
+                "recipe stops; for DDP on CPU use distributed_type: MULTI_GPU with use_cpu: true (as "
+                "accelerate_configs/cpu_ddp.yaml) and run `ACCELERATE_USE_CPU=1 accelerate launch --config_file ...`"
+            )
+        return None
+    if (
+        launch.settings.get("use_cpu")
+        and launch.num_processes > 1
+        and not launch.zero_stage
+        and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    ):
+        return (
+            f"this config starts {launch.num_processes} CPU processes, but ACCELERATE_USE_CPU=1 is not "
+            "set: without it they do not join one process group and the recipe stops; run "
+            "`ACCELERATE_USE_CPU=1 accelerate launch ...`"
+        )
+    return None
 
 
 def count_params(cfg, mcfg=None, zero3: bool = False) -> tuple[int, int, object, bool, int]:
@@ -353,12 +374,9 @@ def plan(argv: list[str]) -> None:
     )
     for conflict in launch.conflicts:
         print(f"  CONFLICT: {conflict}")
-    if cpu_group_unset(launch):
-        print(
-            f"  WARNING: this config starts {launch.num_processes} CPU processes, but ACCELERATE_USE_CPU=1 is not "
-            "set: without it they do not join one process group and the recipe stops; run "
-            "`ACCELERATE_USE_CPU=1 accelerate launch ...`"
-        )
+    warning = process_warning(launch)
+    if warning:
+        print(f"  WARNING: {warning}")
     print("\n== batch ==")
     print(f"  world size: {world}")
     print(

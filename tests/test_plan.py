@@ -10,6 +10,7 @@ from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, demo_config
 from llmtrain.plan import Launch, count_params, memory_estimate
+from tests.support import accelerate_config
 from tests.support.runs import ROOT, run_python
 
 LLMTRAIN = str(Path(sys.executable).parent / "llmtrain")
@@ -423,3 +424,71 @@ def test_plan_of_a_demo_whose_model_is_not_trained_yet_trains_nothing(cache_env,
     assert "steps per epoch:" in proc.stdout
     built = sorted(p.name for p in (cache / "demo-v3").iterdir())
     assert built == ["eval.jsonl", "rl-words-eval.jsonl", "rl-words-train.jsonl", "tiny-llama", "train.jsonl"]
+
+
+def answers_table() -> dict[str, list[tuple[str, str]]]:
+    """docs/launching.md's answers to `accelerate config`: each machine's (question, answer)
+    pairs in the order asked, the questions it is not asked left out."""
+    text = (ROOT / "docs" / "launching.md").read_text()
+    lines = ("| question |" + text.split("| question |", 1)[1]).splitlines()
+    rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in lines]
+    rows = rows[: next(i for i, line in enumerate(lines) if not line.startswith("|"))]
+    machines, body = rows[0], rows[2:]
+    return {m: [(r[0], r[i]) for r in body if r[i] != "—"] for i, m in enumerate(machines) if i}
+
+
+def launch_of(monkeypatch, tmp_path, config, use_cpu_env: bool):
+    """What plan reads from `config` (an accelerate ClusterConfig), launched with or without
+    ACCELERATE_USE_CPU=1."""
+    from llmtrain.plan import read_launch
+
+    path = tmp_path / "accelerate.yaml"
+    config.to_yaml_file(str(path))
+    if use_cpu_env:
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    else:
+        monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    return read_launch(str(path), load_config(None, ["model.name_or_path=m", "data.train=d.jsonl"]))
+
+
+def test_the_docs_answers_to_accelerate_config_start_the_processes_they_name(monkeypatch, tmp_path):
+    """Each machine's answers in docs/launching.md give a config that starts its processes as
+    one group (launched as the docs say: ACCELERATE_USE_CPU=1 for DDP on CPU)."""
+    from llmtrain.plan import process_warning
+
+    table = answers_table()
+    want = {
+        "CPU, one process": ("NO", 1, "no"),
+        "CPU, DDP over 2 processes": ("MULTI_GPU", 2, "no"),
+        "1 GPU, bf16": ("NO", 1, "bf16"),
+        "8 GPUs, DDP, bf16": ("MULTI_GPU", 8, "bf16"),
+    }
+    assert set(table) == set(want)
+    for machine, answers in table.items():
+        launch = launch_of(
+            monkeypatch, tmp_path, accelerate_config.answer(monkeypatch, answers), machine.startswith("CPU")
+        )
+        assert (launch.distributed_type, launch.num_processes, launch.mixed_precision) == want[machine], machine
+        assert process_warning(launch) is None, machine
+
+
+def test_a_multi_cpu_config_without_mpirun_is_one_process_in_the_plan(monkeypatch, tmp_path):
+    """The issue's answers (multi-CPU, no mpirun, 2 processes): accelerate launch starts one
+    process, with or without ACCELERATE_USE_CPU, so the plan says that and names the launch
+    that works, not ACCELERATE_USE_CPU=1. With mpirun the processes start."""
+    from llmtrain.plan import process_warning
+
+    answers = accelerate_config.MULTI_CPU_ANSWERS
+    config = accelerate_config.answer(monkeypatch, answers)
+    config.to_yaml_file(str(tmp_path / "written.yaml"))
+    assert (tmp_path / "written.yaml").read_text() == accelerate_config.MULTI_CPU_CONFIG  # what the tests launch
+    for use_cpu_env in (False, True):
+        warning = process_warning(launch_of(monkeypatch, tmp_path, config, use_cpu_env))
+        assert warning.startswith(
+            "distributed_type MULTI_CPU without mpirun starts ONE process on each machine, not the 2"
+        )
+        assert "distributed_type: MULTI_GPU with use_cpu: true" in warning and "is not set" not in warning
+    at = [q for q, _ in answers].index("Do you want accelerate to launch mpirun?")
+    mpirun = [(answers[at][0], "yes"), ("Please enter the path to the hostfile", "hosts")]
+    config = accelerate_config.answer(monkeypatch, [*answers[:at], *mpirun, *answers[at + 1 :]])
+    assert process_warning(launch_of(monkeypatch, tmp_path, config, False)) is None

@@ -43,6 +43,7 @@ def setup_accelerator(cfg: Config):
         set_seed,
     )
 
+    check_process_count()
     backend = process_group_backend()
     handlers = [InitProcessGroupKwargs(backend=backend)] if backend else []
     tracker = tracker_name(cfg.log.tracker)
@@ -80,6 +81,42 @@ def setup_accelerator(cfg: Config):
         )
     set_seed(cfg.train.seed)
     return accelerator
+
+
+# The variables an MPI launcher (mpirun) gives each process its world size in; Accelerate
+# reads them for a multi-CPU launch through mpirun.
+MPI_WORLD_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_process_count() -> None:
+    """Refuse a launch that started fewer processes than it was asked for. accelerate launch
+    gives what is neither --multi_gpu, DeepSpeed nor FSDP (a `distributed_type: MULTI_CPU`
+    config, which `accelerate config` writes for "multi-CPU", --cpu, a bare --num_processes)
+    to its one-process launcher, which without mpirun starts one process whatever
+    num_processes says: the run would train alone, one process's share of the global batch a
+    step, without a word. That launcher tells it only one way: it exports MASTER_ADDR when
+    asked for several processes or machines, and no WORLD_SIZE. The launcher's own
+    environment says whether it set MASTER_ADDR or passed on the user's (a Slurm script's
+    export); where it cannot be read (not Linux) nothing is checked."""
+    if "WORLD_SIZE" in os.environ or any(key in os.environ for key in MPI_WORLD_SIZE):
+        return  # torchrun, DeepSpeed's launcher or mpirun started the processes and said how many
+    if "MASTER_ADDR" not in os.environ:
+        return
+    parent = os.getppid()
+    argv, environ = proc_strings(parent, "cmdline"), proc_strings(parent, "environ")
+    if argv is None or environ is None or not launched_by_launcher(argv):
+        return
+    if any(v.startswith("MASTER_ADDR=") for v in environ):
+        return  # the user's MASTER_ADDR, passed on
+    raise ConfigError(
+        [
+            "launch: accelerate launch was asked for several processes but started only this one, which would "
+            "train alone (its one-process launcher runs a distributed_type: MULTI_CPU config, --cpu or a bare "
+            "--num_processes, without mpirun); for DDP on CPU run `ACCELERATE_USE_CPU=1 accelerate launch "
+            "--multi_gpu --num_processes N ...` or --config_file accelerate_configs/cpu_ddp.yaml, on GPUs add "
+            "--multi_gpu (docs/launching.md)"
+        ]
+    )
 
 
 def use_cpu_cores(device_type: str) -> int | None:

@@ -128,10 +128,10 @@ class StopRequest:
 
 
 # The launchers' names on their command lines: torchrun and its modules, `python -m
-# accelerate.commands.launch`, DeepSpeed's per-node launcher; and `accelerate` (the command
-# or its module) when followed by `launch`.
+# accelerate.commands.launch` and its `accelerate-launch` command, DeepSpeed's per-node
+# launcher; and `accelerate` (the command or its module) when followed by `launch`.
 LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch"}
-LAUNCHERS |= {"deepspeed.launcher.launch"}
+LAUNCHERS |= {"accelerate-launch", "deepspeed.launcher.launch"}
 ACCELERATE = ("accelerate", "accelerate.commands.accelerate_cli")
 
 

@@ -12,6 +12,7 @@ from accelerate.utils import DistributedType
 from llmtrain.config import load_config
 from llmtrain.distributed.launch import check_topology, configure_deepspeed, process_group_backend
 from llmtrain.errors import ConfigError
+from tests.support.accelerate_config import MULTI_CPU_CONFIG
 
 
 def fake(kind, fsdp_version=2, precision="no", scaler=None):
@@ -248,3 +249,63 @@ def test_the_thread_count_stays_within_the_quota(monkeypatch):
     unlimited = launch.physical_cores()
     monkeypatch.setattr(launch, "cpu_quota", lambda: unlimited + 8.0)
     assert launch.physical_cores() == unlimited  # a quota above the cores changes nothing
+
+
+COUNT_SCRIPT = """
+from llmtrain.distributed.launch import check_process_count
+from llmtrain.errors import ConfigError
+try:
+    check_process_count()
+    print("count ok")
+except ConfigError as e:
+    print("count refused:", e)
+"""
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "-q"]
+
+
+def test_a_multi_cpu_config_without_mpirun_starts_one_process_and_is_refused(tmp_path):
+    """accelerate launch runs a MULTI_CPU config without mpirun (and --cpu or a bare
+    --num_processes N) through its one-process launcher: one process, whatever it names.
+    The check reads what the real launcher leaves (test_the_process_count_check_reads_the_launcher
+    takes each case)."""
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text(MULTI_CPU_CONFIG)  # what `accelerate config` wrote from the issue's answers
+    script = tmp_path / "count.py"
+    script.write_text(COUNT_SCRIPT)
+    drop = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "ACCELERATE_USE_CPU")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"HF_HOME": str(tmp_path / "hf")}
+    command = [*ACCELERATE, "--config_file", str(config), str(script)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("count"))
+    assert line.startswith("count refused: launch: accelerate launch was asked for several processes")
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N" in line
+
+
+@pytest.mark.parametrize(
+    ("env", "parent_argv", "parent_env", "refused"),
+    [
+        ({"MASTER_ADDR": "127.0.0.1"}, ["python", "accelerate", "launch", "--cpu"], [], True),
+        ({"MASTER_ADDR": "127.0.0.1"}, ["accelerate-launch", "x.py"], ["PATH=/bin"], True),
+        # the launcher passed on the user's MASTER_ADDR (a Slurm script's export): nothing to say
+        ({"MASTER_ADDR": "h"}, ["accelerate", "launch"], ["MASTER_ADDR=h"], False),
+        ({}, ["accelerate", "launch"], [], False),  # one process asked for: no MASTER_ADDR
+        ({"MASTER_ADDR": "h", "WORLD_SIZE": "2"}, ["torchrun"], [], False),  # the launcher said how many
+        ({"MASTER_ADDR": "h", "PMI_SIZE": "2"}, ["hydra_pmi_proxy"], [], False),  # mpirun
+        ({"MASTER_ADDR": "h"}, ["bash", "job.sh"], [], False),  # no launcher
+        ({"MASTER_ADDR": "h"}, ["accelerate", "launch"], None, False),  # the launcher cannot be read
+    ],
+)
+def test_the_process_count_check_reads_the_launcher(monkeypatch, env, parent_argv, parent_env, refused):
+    import llmtrain.distributed.launch as launch
+
+    for key in ("MASTER_ADDR", "WORLD_SIZE", *launch.MPI_WORLD_SIZE):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launch, "proc_strings", lambda pid, name: parent_argv if name == "cmdline" else parent_env)
+    if refused:
+        with pytest.raises(ConfigError, match="started only this one"):
+            launch.check_process_count()
+    else:
+        launch.check_process_count()

@@ -117,6 +117,7 @@ def test_a_hangup_ignored_at_start_stays_ignored():
     [
         (["/venv/bin/python3", "/venv/bin/accelerate", "launch", "--num_processes", "1", "train.py"], True),
         (["python", "-m", "accelerate.commands.launch", "train.py"], True),
+        (["/venv/bin/python3", "/venv/bin/accelerate-launch", "train.py"], True),  # its own command
         (["python", "-m", "accelerate.commands.accelerate_cli", "launch", "train.py"], True),
         (["/venv/bin/python3", "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], True),
         (["python", "-u", "-m", "torch.distributed.run", "train.py"], True),
