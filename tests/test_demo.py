@@ -194,8 +194,8 @@ def test_a_builder_killed_mid_build_is_waited_for_then_taken_over(fake_build, ca
 PARENT = """
 import sys
 from pathlib import Path
-sys.executable = sys.argv[2]
 from llmtrain import demo
+sys.executable = sys.argv[2]  # the recipe's interpreter, swapped for the fake after llmtrain loaded
 demo.build_sft_model(Path(sys.argv[1]))
 """
 

@@ -202,17 +202,28 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def signal_on_parent_death(signum: int, prctl=None) -> bool:
+def signal_on_parent_death(signum: int) -> bool:
     """Ask the kernel to send this process `signum` when its parent dies (Linux's
     PR_SET_PDEATHSIG; strictly, when the parent's thread that started it ends). Whether
-    the request took hold. `prctl`: libc's, loaded beforehand (in a child between fork
-    and exec, nothing may be loaded)."""
-    if prctl is None:
-        import ctypes
+    the request took hold."""
+    import ctypes
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
     return prctl(pr_set_pdeathsig, signum, 0, 0, 0) == 0
+
+
+# The interpreter run_child's children start in (this one's, as it was when llmtrain loaded),
+# and what it runs: ask for SIGTERM on the parent's death, make sure the parent is still the
+# one that asked (it may have died first), then become the command.
+INTERPRETER = sys.executable
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(128 + signal.SIGTERM)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 # How long a child told to stop (SIGTERM) may take to end before it is killed: a recipe
@@ -223,24 +234,18 @@ CHILD_STOP_S = 60
 def run_child(argv: list[str], env: dict) -> int:
     """Run `argv` to its end and return its exit code, as subprocess.run does, in a process
     that does not outlive this one: on Linux the kernel sends it SIGTERM when this process
-    dies, SIGKILL included (set between fork and exec, so no moment is left uncovered); and
-    when the wait here ends in an exception (a stop signal's SystemExit, Ctrl-C's
+    dies, SIGKILL included (asked for before `argv` starts, so no moment is left uncovered);
+    and when the wait here ends in an exception (a stop signal's SystemExit, Ctrl-C's
     KeyboardInterrupt, anything), the child is sent SIGTERM, given CHILD_STOP_S to end,
     then killed, before the exception goes on."""
     import subprocess
 
-    preexec = None
     if sys.platform.startswith("linux"):
-        import ctypes
-
-        prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
-
-        def preexec() -> None:  # in the child, before exec: only a system call and a check
-            signal_on_parent_death(signal.SIGTERM, prctl)
-            if os.getppid() != parent:  # this process died before the request took hold
-                os._exit(128 + signal.SIGTERM)
-
-    child = subprocess.Popen(argv, env=env, preexec_fn=preexec)
+        # The request is made by a small interpreter that then becomes `argv` (the request
+        # survives exec), not by a preexec_fn between fork and exec: Python code there can
+        # deadlock in a process with threads (a lock another thread held at the fork).
+        argv = [INTERPRETER, "-c", DIE_WITH_PARENT, str(os.getpid()), *argv]
+    child = subprocess.Popen(argv, env=env)
     try:
         return child.wait()
     except BaseException:
