@@ -64,7 +64,8 @@ CASES = {
     "a number in data.train's list": (
         "finetune",
         [*SFT, "data.train=[a.jsonl, 5]"],
-        "data.train[1]: expected a string or a mapping {path: ..., fraction: ...}, got 5",
+        "data.train[1]: expected a string or a mapping {path: ..., fraction: ...}, got 5; YAML reads it unquoted as "
+        "a number: put it in quotes for a text",
     ),
     "a data.eval mapping": (
         "finetune",

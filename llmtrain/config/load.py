@@ -364,8 +364,9 @@ def _fits(value: Any, tp: Any) -> bool:
 
 def _pair_text(value: Any) -> str | None:
     """'Uppercase: wolf' for {'Uppercase': 'wolf'}: the text a mapping of one pair of plain
-    values was written as, unquoted; None for anything else."""
-    if not isinstance(value, dict) or len(value) != 1:
+    values was written as, unquoted; None for anything else, and for {path: ...}, the shape of
+    a data source entry, which is written as a mapping on purpose."""
+    if not isinstance(value, dict) or len(value) != 1 or "path" in value:
         return None
     (k, v), plain = next(iter(value.items())), (str, int, float, bool, type(None))
     if not isinstance(k, plain) or not isinstance(v, plain):
