@@ -193,3 +193,20 @@ def test_the_padding_mask_timing_pads_as_llmtrain_pads_and_compares_the_same_wor
     _, given = mask_bench.passes(model, data, True, torch.device("cpu"))
     _, left_out = mask_bench.passes(model, data, False, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(given, left_out, strict=True))
+
+
+def test_the_cpu_load_benchmark_compares_libgomps_own_wait_with_llmtrains():
+    """benchmarks/cpu_load.py's first row must be the behaviour before llmtrain set a spin
+    count (libgomp's 300,000 spins, which llmtrain then leaves alone), its second llmtrain's
+    default, its third sleeping at once."""
+    import subprocess
+    import sys
+
+    cpu_load = load("cpu_load")
+    probe = "import os, llmtrain; print(os.getenv('OMP_WAIT_POLICY'), os.getenv('GOMP_SPINCOUNT'))"
+    seen = []
+    for extra in cpu_load.VARIANTS.values():
+        env = cpu_load.base_env() | extra
+        proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        seen.append(proc.stdout.split())
+    assert seen[:3] == [["None", "300000"], ["None", "3000"], ["PASSIVE", "None"]]
