@@ -199,7 +199,9 @@ def test_the_job_keeps_the_checkpoint_to_start_from_wherever_it_is_given(tmp_pat
     checkpoint.resume=auto unless the command line named the key, so the job trained from
     scratch."""
     from llmtrain.cli import parse_args
+    from llmtrain.methods import METHODS
 
+    finetune = METHODS["finetune"]
     env, log = stand_in_slurm(tmp_path, SRUN_ARGS)
     given = str(tmp_path / "runs/a/checkpoints/step-100")
     base = "model:\n  name_or_path: m\ndata:\n  train: d.jsonl\n"
@@ -214,10 +216,10 @@ def test_the_job_keeps_the_checkpoint_to_start_from_wherever_it_is_given(tmp_pat
     ]
     for args, resume in cases:
         for extra in ({"SLURM_RESTART_COUNT": "0"}, {"SLURM_RESTART_COUNT": "1", "LLMTRAIN_MAX_RESTARTS": "2"}):
-            cfg, _ = parse_args(recipe_args_of_job(env | extra, log, *args), None)
+            cfg, _ = parse_args(recipe_args_of_job(env | extra, log, *args), finetune, None)
             assert cfg.checkpoint.resume == resume, args
     with pytest.raises(ConfigError, match="checkpoint.resume: none cannot hold in a job that restarts itself"):
-        parse_args(recipe_args_of_job(env, log, "--config", str(plain), "checkpoint.resume=none"), None)
+        parse_args(recipe_args_of_job(env, log, "--config", str(plain), "checkpoint.resume=none"), finetune, None)
 
 
 def test_multi_node_job_matches_a_single_process_run(cluster, args, reference, cache_env, tmp_path):
