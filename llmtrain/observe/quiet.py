@@ -69,11 +69,22 @@ def quiet_bars_off_terminal() -> None:
     stderr is no terminal either, draws its bars as widgets)."""
     if sys.stderr.isatty():
         return
+    # A library not loaded yet reads its variable when it loads (and a child process, the
+    # demo's SFT build, inherits it); one loaded already is told directly. Importing them
+    # here instead would add a second or more to every command that stops early.
     if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
-        import datasets
-
-        datasets.disable_progress_bars()
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].disable_progress_bars()
+        else:
+            os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
     if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
-        from transformers.utils import logging as transformers_logging
+        if "transformers" in sys.modules or "huggingface_hub" in sys.modules:
+            from huggingface_hub.utils import disable_progress_bars
 
-        transformers_logging.disable_progress_bar()  # the hub's too
+            disable_progress_bars()
+            if "transformers" in sys.modules:
+                from transformers.utils import logging as transformers_logging
+
+                transformers_logging.disable_progress_bar()
+        else:
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars follow the hub's
