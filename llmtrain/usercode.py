@@ -24,10 +24,15 @@ arguments, so no edit reaches the trained tokens or another function). Left alon
 the random number generators. The code shares the run's seeded generators, which checkpoints
 save, so code that draws random numbers is reproduced on resume; put back after every call,
 they would hand the code the same numbers each time (GRPO's loop draws none between calls).
+
+`code_files` names the files such code consists of, read and never run: what a run records of
+it in its identity (output/rundir.inputs), so that an edit to any of them is a change of the run.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.machinery
 import os
 import signal
 import sys
@@ -244,3 +249,108 @@ def where(e: BaseException, file: str | None) -> str:
         return ""
     tb = entries[-1]
     return f" ({Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno})"
+
+
+# Bounds on what `code_files` reads: files followed, and the size of a file it parses.
+MAX_CODE_FILES = 200
+MAX_SOURCE_BYTES = 4 << 20
+
+
+def code_files(spec: str) -> list[Path]:
+    """The files of the user's that loading `spec` runs, with its function named after the
+    last ':' (rl/rewards.load_function: 'path/to/file.py:function', or 'module:function' for
+    a module or package of the working directory): that file, then every module of the
+    user's it imports, directly or through another (`local_imports`). Empty for a name that
+    loads no file of the user's (a built-in, an installed module)."""
+    where, colon, _ = spec.rpartition(":")
+    if not colon or not where:
+        return []
+    cwd = Path.cwd()
+    if where.endswith(".py") or "/" in where:
+        file = Path(where).expanduser()
+        return local_imports([file], [file.parent, cwd]) if file.is_file() else []
+    parts = where.split(".")
+    if (cwd / parts[0] / "__init__.py").is_file():  # a package: its __init__ and the module named in it
+        found = _module_files(parts, cwd)
+    else:
+        file = cwd.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        found = [file] if file.is_file() else []
+    return local_imports(found, [cwd]) if found else []
+
+
+def local_imports(files: list[Path], roots: list[Path]) -> list[Path]:
+    """`files` and the modules of `roots` (the directories the loader puts on sys.path) that
+    they import, followed through each imported file, up to MAX_CODE_FILES. Read from each
+    file's import statements (ast), so an import made by name at run time (importlib) is
+    missed. A name Python finds elsewhere first (the standard library, an installed package,
+    sys.path before the roots) is not the user's, as it is not when the code runs."""
+    roots = [r.resolve() for r in roots]
+    others = [p for p in sys.path if Path(p or ".").resolve() not in roots]
+    seen: dict[Path, None] = {}
+    queue = [f.resolve() for f in files]
+    while queue and len(seen) < MAX_CODE_FILES:
+        file = queue.pop(0)
+        if file in seen:
+            continue
+        seen[file] = None
+        for parts, base in _imports(file):
+            if base is None:  # absolute: the user's only where nothing before the roots has it
+                if parts[0] in sys.builtin_module_names or _found_elsewhere(parts[0], others):
+                    continue
+                queue += [f for root in roots for f in _module_files(parts, root)]
+            else:
+                queue += _module_files(parts, base)
+    return list(seen)
+
+
+def _imports(file: Path) -> list[tuple[list[str], Path | None]]:
+    """(dotted name as parts, the directory a relative import starts from, None for an
+    absolute one) of each module `file` imports; `from m import n` gives m and m.n (n may be
+    a submodule). A file that cannot be read or parsed gives none (loading it reports why)."""
+    try:
+        if file.stat().st_size > MAX_SOURCE_BYTES:
+            return []
+        tree = ast.parse(file.read_bytes(), str(file))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name.split("."), None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = None
+            if node.level:
+                base = file.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+            module = node.module.split(".") if node.module else []
+            if module:
+                found.append((module, base))
+            found += [([*module, alias.name], base) for alias in node.names if alias.name != "*"]
+    return found
+
+
+def _found_elsewhere(name: str, path: list[str]) -> bool:
+    try:
+        return importlib.machinery.PathFinder.find_spec(name, path) is not None
+    except (ImportError, ValueError, OSError):
+        return False
+
+
+def _module_files(parts: list[str], root: Path) -> list[Path]:
+    """The files importing the dotted module `parts` from directory `root` runs: each
+    package's __init__.py on the way, and the module's own file."""
+    files, directory = [], root
+    for part in parts:
+        if not part.isidentifier():
+            break
+        package = directory / part / "__init__.py"
+        if package.is_file():
+            files.append(package)
+            directory = directory / part
+        elif (module := directory / f"{part}.py").is_file():
+            files.append(module)
+            break
+        else:
+            break
+    return files

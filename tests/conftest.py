@@ -14,6 +14,11 @@ from tests.support.architectures import build
 from tests.support.links import VICTIM_TEXT
 from tests.support.runs import BASE_CONFIG, FORKS, recipe_args, run_recipe
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the cores are shared between the suite's workers
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def cache_env(tmp_path_factory):

@@ -66,18 +66,20 @@ class PathKey:
     data set, which may also be a hub name or one of the demo's assets (`DEMO_NAMES`);
     `text`: the value may be Jinja template text instead (it holds a `{`), left as it is;
     `parts`: a name whose `:`-separated parts may be paths (grpo.rewards' reward_model:DIR
-    and path/to/file.py:function), each expanded as a path.
+    and path/to/file.py:function), each expanded as a path; `code`: a name that loads code
+    of the user's, whose files (usercode.code_files) are part of the run's identity.
     On a list, every entry is a path (a DataSource entry: its own PathKey fields)."""
 
     asset: bool = False
     text: bool = False
     parts: bool = False
+    code: bool = False
 
 
 PATH = PathKey()
 ASSET = PathKey(asset=True)  # model.name_or_path, data.train, data.eval, a method's reference model
 PATH_OR_TEXT = PathKey(text=True)  # data.chat_template
-PATHS_IN_NAME = PathKey(parts=True)  # grpo.rewards
+PATHS_IN_NAME = PathKey(parts=True, code=True)  # grpo.rewards
 
 # The demo's reserved names, each a file or directory in its cache (llmtrain/demo.py builds
 # them): a config may name them wherever it names a model or data set.

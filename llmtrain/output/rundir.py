@@ -27,6 +27,7 @@ from ..config.validate import iter_paths
 from ..errors import CheckpointError, shown, warn
 from ..files import content_hash, fingerprint, load_json, read_own, tree_fingerprint
 from ..observe.throughput import full_numel
+from ..usercode import code_files
 from . import checkpoint
 from .checkpoint import POSITION_KEYS, STATE_FILE, checkpoint_root, complete_checkpoints
 
@@ -449,13 +450,18 @@ def inputs(cfg) -> dict[str, dict]:
     ones by content, large ones by size and time); a directory (a model: the base, a
     reference, a reward model) by the files directly in it (`files.tree_fingerprint`). Each
     `:`-separated part of a name that holds paths (grpo.rewards' path/to/file.py:function and
-    reward_model:DIR) counts alone; a name that is no local path (a hub name, a built-in
-    reward, template text) has nothing to fingerprint."""
+    reward_model:DIR) counts alone; a name that loads code (grpo.rewards' module:function
+    too) brings the files of that code and the modules of the user's it imports
+    (usercode.code_files). A name that is no local path (a hub name, a built-in reward,
+    template text) has nothing to fingerprint."""
     found: dict[str, dict] = {}
     for key, value, kind in iter_paths(cfg):
         if key.startswith(SAME_RUN) or key == "data.train" or (kind.text and "{" in value):
             continue
-        for name in value.split(":") if kind.parts else [value]:
+        names = value.split(":") if kind.parts else [value]
+        if kind.code:
+            names += [str(f) for f in code_files(value) if str(f) not in names]
+        for name in names:
             path = Path(name)
             try:
                 if path.is_file():

@@ -400,6 +400,50 @@ def test_a_large_file_is_known_by_its_size_and_time(inputs, monkeypatch):
     assert already_finished(cfg, 1) is None
 
 
+REWARD_CODE = {
+    "score.py": "import json\nfrom helpers import scale\nimport lib.util\n\ndef score(completions, **kw):\n"
+    "    return [scale(1.0) for _ in completions]\n",
+    "helpers.py": "from lib import util\n\ndef scale(x):\n    return 2 * x\n",
+    "lib/__init__.py": "from .inner import *\n",
+    "lib/util.py": "from . import shared\n",
+    "lib/inner.py": "X = 1\n",
+    "lib/shared.py": "Y = 1\n",
+    "json.py": "# the standard library's json is what `import json` gives\n",
+    "unused.py": "# imported by nothing\n",
+}
+
+
+@pytest.mark.parametrize("spec", ["{d}/score.py:score", "score:score"])
+def test_the_modules_a_reward_function_imports_are_part_of_the_run(tmp_path, monkeypatch, spec):
+    """A reward file's own modules (helpers beside it, a package of the user's, relative
+    imports within it), read from its imports, are part of the run: editing any of them
+    is a change of grpo.rewards, given as a path or as a module of the working directory.
+    A file that the import finds elsewhere first (json.py: the standard library's) and a
+    file nothing imports are not."""
+    from llmtrain.methods import METHODS
+    from llmtrain.output.rundir import already_finished, final_changes
+
+    d, out = tmp_path, tmp_path / "out"
+    (d / "lib").mkdir()
+    for name, text in REWARD_CODE.items():
+        (d / name).write_text(text)
+    (d / "train.jsonl").write_text('{"prompt": "p", "answer": "1"}\n')
+    monkeypatch.chdir(d)
+    overrides = [f"output_dir={out}", "model.name_or_path=gpt2", f"data.train={d}/train.jsonl"]
+    cfg = load_config(None, [*overrides, f"grpo.rewards=[{spec.format(d=d)}]"], schema=METHODS["grpo"].schema)
+    finish(out, cfg, "grpo")
+    record = {"step": 9, **json.loads((out / "final" / STATE_FILE).read_text())}
+    for name in ("json.py", "unused.py"):
+        rewrite(d / name, "# changed\n", keep_time=True)
+        assert already_finished(cfg, 1) == 9, name
+    for name in ("score.py", "helpers.py", "lib/__init__.py", "lib/util.py", "lib/inner.py", "lib/shared.py"):
+        was = (d / name).read_text()
+        rewrite(d / name, was + "# changed\n", keep_time=True)
+        assert final_changes(cfg, 1, record) == [f"grpo.rewards: {d / name} changed"], name
+        rewrite(d / name, was)
+        assert already_finished(cfg, 1) == 9, name
+
+
 def test_a_resume_after_a_file_changed_names_it(inputs, capsys):
     """A checkpoint written before the reward function changed: the run goes on with the
     new one, as with any other changed setting, saying so."""

@@ -89,7 +89,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1
+SchedulerParameters=bf_interval=1,sched_interval=1
 InactiveLimit=0
 KillWait=30
 MinJobAge=600
