@@ -67,7 +67,9 @@ def parse_args(argv: list[str] | None, method, demo: Path | None, sections: dict
 
     cfg = run_config(args.config, args.overrides, method, demo, sections, say)
     if args.restartable:
-        check_restartable(cfg)
+        check_restartable(cfg, "recipes/slurm/job.sh: a requeue or a worker restart")
+    elif restarts := int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0):  # torchrun gives every worker it
+        check_restartable(cfg, f"accelerate launch --max_restarts {restarts}: a worker restart")
     return cfg, args
 
 
@@ -245,19 +247,19 @@ def option_problem(arg: str, argv: list[str], options: list[str], schema: type) 
 NUMBER = re.compile(r"-?\d+(\.\d*)?([eE][-+]?\d+)?")
 
 
-def check_restartable(cfg: Config) -> None:
-    """--restartable: a job that restarts itself (a Slurm requeue, workers restarted by
-    `accelerate launch --max_restarts`) runs the same command at each start, and each must
-    continue from the newest checkpoint the job wrote. checkpoint.resume=auto (the default)
-    does; a checkpoint path does too (its run continues from its own newest checkpoint,
-    output/rundir.find_start); none would refuse the job's own checkpoints at the first
-    restart, so it is refused here, at the first start."""
+def check_restartable(cfg: Config, how: str) -> None:
+    """A job that restarts itself (`how`: a Slurm requeue with --restartable, workers
+    restarted by `accelerate launch --max_restarts`) runs the same command at each start,
+    and each must continue from the newest checkpoint the job wrote. checkpoint.resume=auto
+    (the default) does; a checkpoint path does too (its run continues from its own newest
+    checkpoint, output/rundir.find_start); none would refuse the job's own checkpoints at
+    the first restart, as if another run had written them, so it is refused here, at the
+    first start."""
     if cfg.checkpoint.resume == "none":
         raise ConfigError(
             [
-                "checkpoint.resume: none cannot hold in a job that restarts itself (recipes/slurm/job.sh: a requeue or "
-                "a worker restart must continue from the job's own checkpoints); leave it at auto, and give a new "
-                "output_dir to be sure of a fresh start"
+                f"checkpoint.resume: none cannot hold in a job that restarts itself ({how} must continue from the "
+                "job's own checkpoints); leave it at auto, and give a new output_dir to be sure of a fresh start"
             ]
         )
 

@@ -277,6 +277,19 @@ def test_a_restartable_job_refuses_a_resume_it_cannot_keep(tmp_path):
     assert cli.parse_args([*base, "checkpoint.resume=none"], FINETUNE, None)[0].checkpoint.resume == "none"
 
 
+def test_workers_that_torchrun_restarts_refuse_a_resume_they_cannot_keep(monkeypatch):
+    """`accelerate launch --max_restarts N` restarts the workers with the same command (torchrun
+    gives each TORCHELASTIC_MAX_RESTARTS): resume=none is refused at the first start, naming
+    the launch, not at the first restart as if another run had written the job's checkpoints."""
+    base = ["model.name_or_path=m", "data.train=d.jsonl", "checkpoint.resume=none"]
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert cli.parse_args(base, FINETUNE, None)[0].checkpoint.resume == "none"
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(ConfigError, match=r"itself \(accelerate launch --max_restarts 3: a worker restart must"):
+        cli.parse_args(base, FINETUNE, None)
+    assert cli.parse_args(base[:-1], FINETUNE, None)[0].checkpoint.resume == "auto"
+
+
 # --- Where a run's settings come from (cli.run_config; docs/config.md) ---------------------
 
 MINE = {"model.name_or_path": "org/my-model", "data.train": "mine.jsonl", "data.eval": "mine-eval.jsonl"}
