@@ -25,14 +25,18 @@ the random number generators. The code shares the run's seeded generators, which
 save, so code that draws random numbers is reproduced on resume; put back after every call,
 they would hand the code the same numbers each time (GRPO's loop draws none between calls).
 
-`code_files` names the files such code consists of, read and never run: what a run records of
+`load_function` loads such code by the name a config gives it ('path/to/file.py:function',
+'module:function'), and `code_files` names the files it consists of, read and never run: what a run records of
 it in its identity (output/rundir.inputs), so that an edit to any of them is a change of the run.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib
 import importlib.machinery
+import importlib.util
 import os
 import signal
 import sys
@@ -251,6 +255,106 @@ def where(e: BaseException, file: str | None) -> str:
     return f" ({Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno})"
 
 
+IMPORT_FIX = "fix the module"
+
+
+def load_function(spec: str, key: str, error: type[UserError], builtins: str = "") -> tuple[Callable, str | None]:
+    """The function of 'path/to/file.py:function', or of 'module:function' (config key `key`,
+    whose other names are `builtins`; a problem is `error`, one line naming them): a module of the
+    working directory (module.py, or a package directory module/ and dotted names in it),
+    else an installed one. Returns it with its file. A file of the user's is loaded by its
+    path under a name of its own (`load_file`), never looked up by its bare name on
+    sys.path, where the recipe's directory (reward.py, dpo.py) or the standard library
+    (code.py) would give another file of the same name. Its top-level code runs once per
+    process, contained (usercode.contained), with its own directory and the working
+    directory on sys.path meanwhile (`importable`), so that it can import helper modules
+    beside it."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        kinds = f"neither {builtins} nor" if builtins else "not"
+        raise error(f"{key}: {spec!r} is {kinds} 'module:function' or 'path/to/file.py:function'")
+    if where.endswith(".py") or "/" in where:
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise error(f"{key}: {spec}: no file {path}; give the path of a .py file")
+        with importable(path.parent, Path.cwd()):
+            module = load_file(path, spec, key, error)
+    else:
+        with importable(Path.cwd()):
+            module = load_module(where, spec, key, error)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise error(f"{key}: {where} has no function {name!r}")
+    return fn, getattr(module, "__file__", None)
+
+
+def load_module(name: str, spec: str, key: str, error: type[UserError]):
+    """Module `name` of 'module:function': the working directory's (a package directory, or
+    a file, dotted names within them), loaded by path (`load_file`), else an installed one."""
+    parts = name.split(".")
+    cwd = Path.cwd()
+    if (cwd / parts[0] / "__init__.py").is_file():  # a package: its own modules import relatively
+        package = load_file(cwd / parts[0], spec, key, error, package=True)
+        if len(parts) == 1:
+            return package
+        with contained(f"{key}: {spec}: its import", error, IMPORT_FIX):
+            return importlib.import_module(".".join([package.__name__, *parts[1:]]))
+    file = cwd.joinpath(*parts[:-1], f"{parts[-1]}.py")
+    if file.is_file():
+        return load_file(file, spec, key, error)
+    try:
+        found = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise error(
+            f"{key}: {spec}: no module {parts[0]!r} in the working directory ({cwd}) nor installed; run from "
+            "the directory that holds it, or name its file: path/to/file.py:function"
+        )
+    with contained(f"{key}: {spec}: its import", error, IMPORT_FIX):
+        return importlib.import_module(name)
+
+
+def load_file(path: Path, spec: str, key: str, error: type[UserError], package: bool = False):
+    """The module of a file of the user's (or the package of a directory), imported once
+    per process under a name of its own made from its resolved path. It is in sys.modules
+    while its code runs, as an import puts it (dataclasses and pickling look it up there),
+    and taken out again if that code fails, so the next load reports the failure again."""
+    resolved = path.resolve()
+    module_name = f"llmtrain_user_{hashlib.sha256(str(resolved).encode()).hexdigest()[:16]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    origin = resolved / "__init__.py" if package else resolved
+    search = [str(resolved)] if package else None
+    found = importlib.util.spec_from_file_location(module_name, origin, submodule_search_locations=search)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[module_name] = module
+    try:
+        with contained(f"{key}: {spec}: its import", error, IMPORT_FIX, str(origin)):
+            found.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+@contextmanager
+def importable(*directories: Path):
+    """`directories` on sys.path while a module of the user's loads, so that it can import the
+    helper modules beside it (the recipe's own directory is what Python puts there, not the
+    module's nor the working directory). They go last, and only for the load, so their other
+    files never stand in for an installed package (a json.py there; a matplotlib.py,
+    imported later by the loss plot)."""
+    added = [str(d) for d in dict.fromkeys(d.resolve() for d in directories)]
+    added = [d for d in added if d not in sys.path and not (d == str(Path.cwd().resolve()) and "" in sys.path)]
+    sys.path.extend(added)
+    try:
+        yield
+    finally:
+        for d in added:
+            sys.path.remove(d)
+
+
 # Bounds on what `code_files` reads: files followed, and the size of a file it parses.
 MAX_CODE_FILES = 200
 MAX_SOURCE_BYTES = 4 << 20
@@ -258,7 +362,7 @@ MAX_SOURCE_BYTES = 4 << 20
 
 def code_files(spec: str) -> list[Path]:
     """The files of the user's that loading `spec` runs, with its function named after the
-    last ':' (rl/rewards.load_function: 'path/to/file.py:function', or 'module:function' for
+    last ':' (`load_function`: 'path/to/file.py:function', or 'module:function' for
     a module or package of the working directory): that file, then every module of the
     user's it imports, directly or through another (`local_imports`). Empty for a name that
     loads no file of the user's (a built-in, an installed module)."""

@@ -9,7 +9,7 @@ arguments are the data set's other columns (one value per completion) and
 `trainer_state` (global_step, max_steps, epoch). A function names only the columns it
 reads, or takes **kwargs. None (or NaN) leaves a completion unscored by that function.
 
-A user's file is loaded by its path under a module name of its own (`load_function`), its
+A user's file is loaded by its path under a module name of its own (usercode.load_function), its
 import and every call run contained (usercode.contained: whatever it raises, an exit
 included, is one line; the process state it changes is put back), and every call gets its own
 copies of its arguments, so no edit reaches the tokens that are trained or the next function.
@@ -22,18 +22,12 @@ function stops the run before it has trained anything.
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +35,7 @@ import torch
 from ..data.answers import answer_ids
 from ..errors import RewardError, shown
 from ..model import check_reference, load_error
-from ..usercode import contained
+from ..usercode import contained, load_function
 
 STANDARD = ("prompts", "completions", "completion_ids")
 PASSED = (*STANDARD, "trainer_state")  # what every call passes itself: no data column may take these names
@@ -234,105 +228,7 @@ class Reward:
         return values
 
 
-IMPORT_FIX = "fix the module"
-
-
-def load_function(spec: str) -> tuple[Callable, str | None]:
-    """The function of 'path/to/file.py:function', or of 'module:function': a module of the
-    working directory (module.py, or a package directory module/ and dotted names in it),
-    else an installed one. Returns it with its file. A file of the user's is loaded by its
-    path under a name of its own (`load_file`), never looked up by its bare name on
-    sys.path, where the recipe's directory (reward.py, dpo.py) or the standard library
-    (code.py) would give another file of the same name. Its top-level code runs once per
-    process, contained (usercode.contained), with its own directory and the working
-    directory on sys.path meanwhile (`importable`), so that it can import helper modules
-    beside it."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise RewardError(
-            f"grpo.rewards: {spec!r} is neither a built-in (accuracy, format, reward_model:DIR) nor "
-            "'module:function' or 'path/to/file.py:function'"
-        )
-    if where.endswith(".py") or "/" in where:
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise RewardError(f"grpo.rewards: {spec}: no file {path}; give the path of a .py file")
-        with importable(path.parent, Path.cwd()):
-            module = load_file(path, spec)
-    else:
-        with importable(Path.cwd()):
-            module = load_module(where, spec)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"grpo.rewards: {where} has no function {name!r}")
-    return fn, getattr(module, "__file__", None)
-
-
-def load_module(name: str, spec: str):
-    """Module `name` of 'module:function': the working directory's (a package directory, or
-    a file, dotted names within them), loaded by path (`load_file`), else an installed one."""
-    parts = name.split(".")
-    cwd = Path.cwd()
-    if (cwd / parts[0] / "__init__.py").is_file():  # a package: its own modules import relatively
-        package = load_file(cwd / parts[0], spec, package=True)
-        if len(parts) == 1:
-            return package
-        with contained(f"grpo.rewards: {spec}: its import", RewardError, IMPORT_FIX):
-            return importlib.import_module(".".join([package.__name__, *parts[1:]]))
-    file = cwd.joinpath(*parts[:-1], f"{parts[-1]}.py")
-    if file.is_file():
-        return load_file(file, spec)
-    try:
-        found = importlib.util.find_spec(parts[0])
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
-        raise RewardError(
-            f"grpo.rewards: {spec}: no module {parts[0]!r} in the working directory ({cwd}) nor installed; run from "
-            "the directory that holds it, or name its file: path/to/file.py:function"
-        )
-    with contained(f"grpo.rewards: {spec}: its import", RewardError, IMPORT_FIX):
-        return importlib.import_module(name)
-
-
-def load_file(path: Path, spec: str, package: bool = False):
-    """The module of a file of the user's (or the package of a directory), imported once
-    per process under a name of its own made from its resolved path. It is in sys.modules
-    while its code runs, as an import puts it (dataclasses and pickling look it up there),
-    and taken out again if that code fails, so the next load reports the failure again."""
-    resolved = path.resolve()
-    module_name = f"llmtrain_user_{hashlib.sha256(str(resolved).encode()).hexdigest()[:16]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    origin = resolved / "__init__.py" if package else resolved
-    search = [str(resolved)] if package else None
-    found = importlib.util.spec_from_file_location(module_name, origin, submodule_search_locations=search)
-    module = importlib.util.module_from_spec(found)
-    sys.modules[module_name] = module
-    try:
-        with contained(f"grpo.rewards: {spec}: its import", RewardError, IMPORT_FIX, str(origin)):
-            found.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
-    return module
-
-
-@contextmanager
-def importable(*directories: Path):
-    """`directories` on sys.path while a reward module loads, so that it can import the
-    helper modules beside it (the recipe's own directory is what Python puts there, not the
-    module's nor the working directory). They go last, and only for the load, so their other
-    files never stand in for an installed package (a json.py there; a matplotlib.py,
-    imported later by the loss plot)."""
-    added = [str(d) for d in dict.fromkeys(d.resolve() for d in directories)]
-    added = [d for d in added if d not in sys.path and not (d == str(Path.cwd().resolve()) and "" in sys.path)]
-    sys.path.extend(added)
-    try:
-        yield
-    finally:
-        for d in added:
-            sys.path.remove(d)
+BUILTINS = "a built-in (accuracy, format, reward_model:DIR)"
 
 
 def load_rewards(
@@ -358,7 +254,7 @@ def load_rewards(
             fn = RewardModelScore(name)
             fn.check_prompts(conversations)
         else:
-            fn, file = load_function(name)
+            fn, file = load_function(name, "grpo.rewards", RewardError, BUILTINS)
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):
