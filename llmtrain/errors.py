@@ -53,6 +53,13 @@ class RewardError(DataError):
     A DataError, so one met during training stops every process after a checkpoint."""
 
 
+class ToolError(DataError):
+    """A tool (grpo.tools) that cannot be loaded or described, or whose calls keep hanging:
+    named in the message. What goes wrong within a call is the model's to see, not an error
+    (rl/tools.py). A DataError, so one met during training stops every process after a
+    checkpoint."""
+
+
 class LinkError(UserError):
     """A link where llmtrain writes, which it will not write through."""
 
