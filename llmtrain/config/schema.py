@@ -342,7 +342,8 @@ class LogConfig:
     project: str = "llmtrain"
     """Project name given to the tracker."""
     progress_bar: bool = True
-    """Show a progress bar on the main process."""
+    """Show training progress on the main process: a bar on a terminal, else (a log file, a
+    pipe) its figures as a line every 30 s."""
 
     def problems(self) -> list[str]:
         return [problem] if (problem := tracker_problem(self.tracker)) else []
