@@ -351,6 +351,7 @@ def build_assets(root: Path, train_rows: int = 3000, eval_rows: int = 200) -> No
     write_jsonl(evals, tmp / "eval.jsonl")
     corpus = [m["content"] for r in train for m in r["messages"]]
     build_model_dir(tmp / "tiny-llama", corpus)
+    safefs.opened(tmp)  # private while it was built (mkdtemp's 0700), the umask's modes now: a cache may be shared
     try:
         os.rename(tmp, root)
     except OSError:  # another process finished first

@@ -4,6 +4,7 @@ has them; the same pairs as KTO's unpaired rows."""
 
 import contextlib
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -242,3 +243,20 @@ def test_resolving_for_a_plan_trains_nothing_and_names_its_stand_ins(fake_build,
     assert not (root / "pairs-train.jsonl").exists() and not (root / "kto-eval.jsonl").exists()
     assert notes[0].startswith("demo:tiny-llama-sft is not built yet: the run builds it first (")
     assert [n.split(" is not built yet")[0] for n in notes[1:]] == ["demo:pairs-train", "demo:kto-eval"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_demos_assets_follow_the_umask(tmp_path, umask):
+    """The demo's model and data, built private, end with the modes the umask gives (a cache
+    may be shared, as LLMTRAIN_CACHE on a team's disk): no directory left 0700, no file 0600."""
+    was = os.umask(umask)
+    try:
+        demo.build_assets(tmp_path / "demo", train_rows=20, eval_rows=4)
+    finally:
+        os.umask(was)
+    paths = [tmp_path / "demo", *(tmp_path / "demo").rglob("*")]
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in paths}
+    assert {
+        name: mode for name, mode in modes.items() if mode != (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask
+    } == {}
+    assert "demo/tiny-llama/model.safetensors" in modes
