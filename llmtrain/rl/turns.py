@@ -1,0 +1,79 @@
+"""Turns of an episode as tokens: what follows a turn that called tools, rendered as the chat
+template renders tool messages, without tokenizing anything the policy sampled again.
+
+Token in, token out: an episode's tokens are the prompt's, then each turn's tokens exactly
+as sampled, then the tokens of the tool results and the next turn's header (`tool_suffix_ids`),
+and so on. Decoding a turn and tokenizing the conversation again could give other tokens for
+the same text (a merge across the turn's end, a normalised space), and the policy would then
+be trained on tokens it never sampled.
+
+`tool_suffix_ids` renders a stand-in conversation twice, with and without the tool messages
+(the user's message, then an assistant turn calling the same tool by name: some templates
+name it in the tool message's header), and keeps what the second adds. That is right only
+for a template that renders the earlier messages alike whatever follows them (prefix-
+preserving); one that does not is refused, in one line. A sampled turn ends at its stop
+token (stop_ids: the end-of-turn or end-of-text token), so the stand-in is cut just after
+its last stop token, and what a template writes after one (Qwen's newline after
+<|im_end|>) belongs to the suffix.
+"""
+
+from __future__ import annotations
+
+from ..errors import ToolError
+
+STAND_IN_USER = "Use the tool."
+
+
+def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None, template: str | None, prompt: bool):
+    ids = tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        chat_template=template,
+        add_generation_prompt=prompt,
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(ids)
+
+
+def tool_suffix_ids(
+    tokenizer,
+    tool_messages: list[dict],
+    stops: list[int],
+    tools: list[dict] | None = None,
+    template: str | None = None,
+    key: str = "grpo.tools",
+) -> list[int]:
+    """The tokens that follow a turn ending in a stop token (one of `stops`) and calling
+    tools: the tool messages, as the template renders them, and the header of the next
+    assistant turn. See the module docstring."""
+    calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in tool_messages]
+    before = [{"role": "user", "content": STAND_IN_USER}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    try:
+        prefix = render_ids(tokenizer, before, tools, template, prompt=False)
+        full = render_ids(tokenizer, before + tool_messages, tools, template, prompt=True)
+    except Exception as e:  # the template's own error (jinja raise_exception, a missing key)
+        raise ToolError(
+            f"{key}: the chat template cannot render tool calls and their results ({type(e).__name__}: {e}); use a "
+            "model whose template renders `tools`, assistant `tool_calls` and `tool` messages"
+        ) from None
+    ends = [i for i, t in enumerate(prefix) if t in stops]
+    if not ends:
+        raise ToolError(
+            f"{key}: the chat template ends an assistant turn with none of the stop tokens "
+            f"{tokenizer.convert_ids_to_tokens(stops)}, so a turn's end cannot be told; use a model whose template "
+            "ends each turn with its end-of-turn token"
+        )
+    prefix = prefix[: ends[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ToolError(
+            f"{key}: the chat template renders earlier messages differently once tool results follow them, so an "
+            "episode's tokens cannot be kept as sampled; use a model whose template keeps earlier turns as they are"
+        )
+    suffix = full[len(prefix) :]
+    if not all(m["content"] in tokenizer.decode(suffix) for m in tool_messages if m["content"]):
+        raise ToolError(
+            f"{key}: the chat template does not render `tool` messages (a tool's result is not in what follows the "
+            "turn); use a model whose template renders them"
+        )
+    return suffix
