@@ -324,7 +324,8 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = 0
-    """Evaluate every N optimizer steps (0: only at the end). Needs data.eval."""
+    """Evaluate every N optimizer steps too (0: only before the first step, the baseline, and
+    after the last). Needs data.eval."""
     micro_batch_size: int = 0
     """Rows per evaluation forward pass; 0 uses train.micro_batch_size."""
     sample_prompts: list[str] = field(default_factory=list)
