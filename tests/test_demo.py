@@ -114,7 +114,7 @@ time.sleep(float(os.environ["FAKE_SLEEP"]))
 def fake_build(tmp_path, monkeypatch):
     """A demo cache whose base assets are built (stand-ins), and an SFT build that runs the
     fake recipe above (sys.executable swapped for it): (cache root, the log of its runs)."""
-    root = tmp_path / "cache" / "demo-v3"
+    root = tmp_path / "cache" / "demo-v4"
     (root / "tiny-llama").mkdir(parents=True)
     for name in ("tiny-llama/config.json", "train.jsonl", "eval.jsonl"):
         (root / name).write_text("{}\n")
@@ -169,10 +169,10 @@ def test_a_builder_killed_mid_build_is_waited_for_then_taken_over(fake_build, ca
     (SIGKILL: the kernel frees its lock), it takes the lock, removes what the dead one left
     half built, and builds."""
     root, log = fake_build
-    scraps = [root.parent / "demo-v3.tmp-abc123", root / "sft-run" / "final"]
+    scraps = [root.parent / "demo-v4.tmp-abc123", root / "sft-run" / "final"]
     for path in scraps:
         path.mkdir(parents=True)
-    lock = root.parent / "demo-v3.lock"
+    lock = root.parent / "demo-v4.lock"
     holder = subprocess.Popen([PYTHON, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
