@@ -15,9 +15,17 @@ preserving); one that does not is refused, in one line. A sampled turn ends at i
 token (stop_ids: the end-of-turn or end-of-text token), so the stand-in is cut just after
 its last stop token, and what a template writes after one (Qwen's newline after
 <|im_end|>) belongs to the suffix.
+
+`parse_turn` reads a turn's tool calls with the tokenizer's own response parser
+(transformers' `parse_response`, from the tokenizer's `response_template`), so that a model's
+own tool-call format is read as its makers wrote it; a tokenizer without one is refused at
+start (`check_parser`). A turn whose calls cannot be parsed (cut-off JSON) calls nothing and
+is marked malformed, as TRL falls back to plain text: the episode ends there, counted.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from ..errors import ToolError
 
@@ -77,3 +85,42 @@ def tool_suffix_ids(
             "turn); use a model whose template renders them"
         )
     return suffix
+
+
+@dataclass
+class Turn:
+    """What a sampled turn says: its text and the tool calls it makes, as (name, arguments)."""
+
+    content: str
+    calls: list[tuple[str, object]] = field(default_factory=list)
+    malformed: bool = False  # it tried to call a tool in a form the parser could not read
+
+
+def check_parser(tokenizer, key: str = "grpo.tools") -> None:
+    """One line, at start, for a tokenizer whose tool calls cannot be read."""
+    if getattr(tokenizer, "response_template", None) is None:
+        raise ToolError(
+            f"{key}: the tokenizer has no response_template, so the model's tool calls cannot be read (transformers' "
+            "response parsing); use a model whose tokenizer ships one, or set tokenizer.response_template for its "
+            "chat format"
+        )
+
+
+def parse_turn(tokenizer, turn_ids: list[int], prefix_ids: list[int], stops: list[int], tools=None) -> Turn:
+    """The turn `turn_ids` (sampled after `prefix_ids`, its stop token included if it ended)
+    read by the tokenizer's response parser, with arguments typed by the tools' schemas."""
+    ids = turn_ids[:-1] if turn_ids and turn_ids[-1] in stops else turn_ids
+    try:
+        parsed = tokenizer.parse_response(list(ids), prefix=list(prefix_ids), tools=tools)
+    except ValueError:  # the parser's error for a region it cannot read (JSON cut short, say)
+        return Turn(tokenizer.decode(ids, skip_special_tokens=True), malformed=True)
+    calls, malformed = [], False
+    for call in parsed.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            malformed = True
+            continue
+        calls.append((name, function.get("arguments", {})))
+    content = parsed.get("content")
+    return Turn(content if isinstance(content, str) else "", calls, malformed)

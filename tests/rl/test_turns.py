@@ -7,7 +7,7 @@ template shapes written out here (ChatML with <tool_call> as Qwen's, and headers
 import pytest
 
 from llmtrain.errors import ToolError
-from llmtrain.rl.turns import tool_suffix_ids
+from llmtrain.rl.turns import check_parser, parse_turn, tool_suffix_ids
 
 # ChatML: tool calls inside the assistant turn, results in a user turn of <tool_response>s,
 # and a newline after every <|im_end|> (which a sampled turn does not include).
@@ -126,3 +126,48 @@ def test_templates_that_cannot_keep_a_turn_as_sampled_are_refused(tok):
         tool_suffix_ids(tok, tools, stops, template=drops)
     with pytest.raises(ToolError, match="ends an assistant turn with none of the stop tokens"):
         tool_suffix_ids(tok, tools, [tok.convert_tokens_to_ids("<|eot_id|>")], template=CHATML_TOOLS)
+
+
+# transformers' response parsing for the ChatML <tool_call> format above: the calls' JSON,
+# each made a {"type": "function", "function": ...} call.
+CHATML_RESPONSE = {
+    "version": 1,
+    "start_anchor": "<|im_start|>assistant\n",
+    "defaults": {"role": "assistant"},
+    "fields": {
+        "content": {},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close": "</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+
+
+def test_a_turns_tool_calls_are_read_by_the_tokenizers_own_parser(tok):
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(ToolError, match="the tokenizer has no response_template"):
+        check_parser(tok)
+    tok.response_template = CHATML_RESPONSE
+    check_parser(tok)
+    prefix = render(tok, [{"role": "user", "content": "What is 2 + 3 + 4?"}], CHATML_TOOLS, prompt=True)
+
+    def turn(text: str, ended: bool = True):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + ([stop] if ended else [])
+        return parse_turn(tok, ids, prefix, [stop], tools=[ADD])
+
+    two = turn(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+        '<tool_call>\n{"name": "add", "arguments": {"a": "5", "b": 4}}\n</tool_call>'
+    )
+    assert two.calls == [("add", {"a": 2, "b": 3}), ("add", {"a": 5, "b": 4})]  # "5" typed by the schema
+    assert not two.malformed
+    answer = turn("9")
+    assert (answer.content, answer.calls, answer.malformed) == ("9", [], False)
+    cut = turn('<tool_call>\n{"name": "add", "arguments": {"a": 2,', ended=False)  # the token budget ran out
+    assert cut.calls == [] and cut.malformed
+    nameless = turn('<tool_call>\n{"arguments": {"a": 2}}\n</tool_call>')
+    assert nameless.calls == [] and nameless.malformed
