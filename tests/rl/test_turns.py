@@ -62,17 +62,6 @@ ADD = {
 }
 
 
-@pytest.fixture
-def tok(tiny_model):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    tok.add_special_tokens(
-        {"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
-    )
-    return tok
-
-
 def render(tok, messages, template, prompt):
     return list(
         tok.apply_chat_template(
