@@ -18,8 +18,9 @@ its last stop token, and what a template writes after one (Qwen's newline after
 
 `parse_turn` reads a turn's tool calls with the tokenizer's own response parser
 (transformers' `parse_response`, from the tokenizer's `response_template`), so that a model's
-own tool-call format is read as its makers wrote it; a tokenizer without one is refused at
-start (`check_parser`). A turn whose calls cannot be parsed (cut-off JSON) calls nothing and
+own tool-call format is read as its makers wrote it; for a ChatML template with <tool_call>
+blocks (Qwen's) without one, ours (`CHATML_TOOL_CALLS`); any other is refused at start
+(`check_parser`). A turn whose calls cannot be parsed (cut-off JSON) calls nothing and
 is marked malformed, as TRL falls back to plain text: the episode ends there, counted.
 """
 
@@ -96,14 +97,42 @@ class Turn:
     malformed: bool = False  # it tried to call a tool in a form the parser could not read
 
 
-def check_parser(tokenizer, key: str = "grpo.tools") -> None:
-    """One line, at start, for a tokenizer whose tool calls cannot be read."""
-    if getattr(tokenizer, "response_template", None) is None:
-        raise ToolError(
-            f"{key}: the tokenizer has no response_template, so the model's tool calls cannot be read (transformers' "
-            "response parsing); use a model whose tokenizer ships one, or set tokenizer.response_template for its "
-            "chat format"
-        )
+# The tool-call format of ChatML templates that write calls as <tool_call>{json}</tool_call> in
+# the assistant turn (Qwen 2.5 and 3, and the many models tuned from them), for transformers'
+# response parser. Written here because most of those tokenizers ship no response_template yet;
+# a tokenizer that ships one is read by its own.
+CHATML_TOOL_CALLS = {
+    "version": 1,
+    "start_anchor": "<|im_start|>assistant\n",
+    "defaults": {"role": "assistant"},
+    "fields": {
+        "content": {},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close": "</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+
+
+def check_parser(tokenizer, template: str | None = None, key: str = "grpo.tools") -> None:
+    """Make sure the model's tool calls can be read, at start: the tokenizer's own
+    response_template, else ours for a ChatML template that writes <tool_call> blocks (set on
+    the tokenizer), else one line saying what to do."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return
+    text = template or getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(text, str) and "<tool_call>" in text and "<|im_start|>" in text:
+        tokenizer.response_template = CHATML_TOOL_CALLS
+        return
+    raise ToolError(
+        f"{key}: the tokenizer has no response_template and its chat template is not one whose tool calls llmtrain "
+        "reads (ChatML with <tool_call> blocks, as Qwen's), so the model's tool calls cannot be read; use such a "
+        "model, or set tokenizer.response_template (transformers' response parsing) for its format"
+    )
 
 
 def parse_turn(tokenizer, turn_ids: list[int], prefix_ids: list[int], stops: list[int], tools=None) -> Turn:

@@ -7,7 +7,7 @@ template shapes written out here (ChatML with <tool_call> as Qwen's, and headers
 import pytest
 
 from llmtrain.errors import ToolError
-from llmtrain.rl.turns import check_parser, parse_turn, tool_suffix_ids
+from llmtrain.rl.turns import CHATML_TOOL_CALLS, check_parser, parse_turn, tool_suffix_ids
 
 # ChatML: tool calls inside the assistant turn, results in a user turn of <tool_response>s,
 # and a newline after every <|im_end|> (which a sampled turn does not include).
@@ -138,10 +138,10 @@ CHATML_RESPONSE = {
 
 def test_a_turns_tool_calls_are_read_by_the_tokenizers_own_parser(tok):
     stop = tok.convert_tokens_to_ids("<|im_end|>")
-    with pytest.raises(ToolError, match="the tokenizer has no response_template"):
-        check_parser(tok)
-    tok.response_template = CHATML_RESPONSE
-    check_parser(tok)
+    with pytest.raises(ToolError, match="the tokenizer has no response_template and its chat template is not one"):
+        check_parser(tok)  # the demo's plain ChatML template writes no tool calls
+    check_parser(tok, CHATML_TOOLS)  # a ChatML template with <tool_call> blocks: llmtrain's parser for it
+    assert tok.response_template == CHATML_TOOL_CALLS == CHATML_RESPONSE
     prefix = render(tok, [{"role": "user", "content": "What is 2 + 3 + 4?"}], CHATML_TOOLS, prompt=True)
 
     def turn(text: str, ended: bool = True):
