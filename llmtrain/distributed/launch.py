@@ -16,7 +16,7 @@ from accelerate.utils import DistributedType, parse_flag_from_env
 from ..config import Config
 from ..errors import ConfigError, UserError
 from ..observe.metrics import tracker_name
-from .stop import launched_by_launcher, proc_strings
+from .stop import launcher_strings
 from .topology import Topology
 
 
@@ -100,13 +100,9 @@ def check_process_count() -> None:
     export); where it cannot be read (not Linux) nothing is checked."""
     if "WORLD_SIZE" in os.environ or any(key in os.environ for key in MPI_WORLD_SIZE):
         return  # torchrun, DeepSpeed's launcher or mpirun started the processes and said how many
-    if "MASTER_ADDR" not in os.environ:
+    if "MASTER_ADDR" not in os.environ or (launcher := launcher_strings()) is None:
         return
-    parent = os.getppid()
-    argv, environ = proc_strings(parent, "cmdline"), proc_strings(parent, "environ")
-    if argv is None or environ is None or not launched_by_launcher(argv):
-        return
-    if any(v.startswith("MASTER_ADDR=") for v in environ):
+    if any(v.startswith("MASTER_ADDR=") for v in launcher[1]):
         return  # the user's MASTER_ADDR, passed on
     raise ConfigError(
         [
@@ -133,10 +129,9 @@ def use_cpu_cores(device_type: str) -> int | None:
     environment and command line. Returns the threads set, or None where nothing changed."""
     if device_type != "cpu" or os.environ.get("OMP_NUM_THREADS") != "1" or torch.get_num_threads() != 1:
         return None
-    parent = os.getppid()
-    argv, environ = proc_strings(parent, "cmdline"), proc_strings(parent, "environ")
-    if argv is None or environ is None or not launched_by_launcher(argv):
+    if (launcher := launcher_strings()) is None:
         return None  # no launcher (a script that exported the variable, say), or one that cannot be read
+    argv, environ = launcher
     if any(v.startswith("OMP_NUM_THREADS=") for v in environ) or any(
         a.startswith("--num_cpu_threads_per_process") for a in argv
     ):

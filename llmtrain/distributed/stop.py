@@ -165,6 +165,17 @@ def launcher_parent() -> int | None:
     return parent if argv is not None and launched_by_launcher(argv) else None
 
 
+def launcher_strings() -> tuple[list[str], list[str]] | None:
+    """The command line and environment of this process's parent when it is a launcher and
+    both can be read (Linux); None otherwise. What a worker reads to tell the launcher's own
+    choices (its OMP_NUM_THREADS, its MASTER_ADDR) from the user's, passed on."""
+    parent = os.getppid()
+    argv, environ = proc_strings(parent, "cmdline"), proc_strings(parent, "environ")
+    if argv is None or environ is None or not launched_by_launcher(argv):
+        return None
+    return argv, environ
+
+
 # Bytes read of /proc/<pid>/<name>: a command line's program comes first, so its start is
 # enough; an environment is read whole (Linux caps arguments and environment together at a
 # quarter of the stack limit, 6 MiB at most) or not at all.

@@ -298,12 +298,13 @@ def test_a_multi_cpu_config_without_mpirun_starts_one_process_and_is_refused(tmp
 )
 def test_the_process_count_check_reads_the_launcher(monkeypatch, env, parent_argv, parent_env, refused):
     import llmtrain.distributed.launch as launch
+    import llmtrain.distributed.stop as stop
 
     for key in ("MASTER_ADDR", "WORLD_SIZE", *launch.MPI_WORLD_SIZE):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(launch, "proc_strings", lambda pid, name: parent_argv if name == "cmdline" else parent_env)
+    monkeypatch.setattr(stop, "proc_strings", lambda pid, name: parent_argv if name == "cmdline" else parent_env)
     if refused:
         with pytest.raises(ConfigError, match="started only this one"):
             launch.check_process_count()
