@@ -273,7 +273,7 @@ def load_function(spec: str, key: str, error: type[UserError], builtins: str = "
     if not where or not name:
         kinds = f"neither {builtins} nor" if builtins else "not"
         raise error(f"{key}: {spec!r} is {kinds} 'module:function' or 'path/to/file.py:function'")
-    if where.endswith(".py") or "/" in where:
+    if names_file(where):
         path = Path(where).expanduser()
         if not path.is_file():
             raise error(f"{key}: {spec}: no file {path}; give the path of a .py file")
@@ -293,15 +293,15 @@ def load_module(name: str, spec: str, key: str, error: type[UserError]):
     a file, dotted names within them), loaded by path (`load_file`), else an installed one."""
     parts = name.split(".")
     cwd = Path.cwd()
-    if (cwd / parts[0] / "__init__.py").is_file():  # a package: its own modules import relatively
-        package = load_file(cwd / parts[0], spec, key, error, package=True)
+    local = local_module(parts, cwd)
+    if local is not None and local[1]:  # a package: its own modules import relatively
+        package = load_file(local[0], spec, key, error, package=True)
         if len(parts) == 1:
             return package
         with contained(f"{key}: {spec}: its import", error, IMPORT_FIX):
             return importlib.import_module(".".join([package.__name__, *parts[1:]]))
-    file = cwd.joinpath(*parts[:-1], f"{parts[-1]}.py")
-    if file.is_file():
-        return load_file(file, spec, key, error)
+    if local is not None:
+        return load_file(local[0], spec, key, error)
     try:
         found = importlib.util.find_spec(parts[0])
     except (ImportError, ValueError):
@@ -313,6 +313,21 @@ def load_module(name: str, spec: str, key: str, error: type[UserError]):
         )
     with contained(f"{key}: {spec}: its import", error, IMPORT_FIX):
         return importlib.import_module(name)
+
+
+def names_file(where: str) -> bool:
+    """Whether the part of a name before its function ('path/to/file.py', 'module.sub')
+    names a file by its path rather than a module."""
+    return where.endswith(".py") or "/" in where
+
+
+def local_module(parts: list[str], cwd: Path) -> tuple[Path, bool] | None:
+    """Where 'module:function' finds the dotted module `parts` in the working directory:
+    (its package's directory, True) or (its file, False); None for none there."""
+    if (cwd / parts[0] / "__init__.py").is_file():
+        return cwd / parts[0], True
+    file = cwd.joinpath(*parts[:-1], f"{parts[-1]}.py")
+    return (file, False) if file.is_file() else None
 
 
 def load_file(path: Path, spec: str, key: str, error: type[UserError], package: bool = False):
@@ -370,16 +385,15 @@ def code_files(spec: str) -> list[Path]:
     if not colon or not where:
         return []
     cwd = Path.cwd()
-    if where.endswith(".py") or "/" in where:
+    if names_file(where):
         file = Path(where).expanduser()
         return local_imports([file], [file.parent, cwd]) if file.is_file() else []
     parts = where.split(".")
-    if (cwd / parts[0] / "__init__.py").is_file():  # a package: its __init__ and the module named in it
-        found = _module_files(parts, cwd)
-    else:
-        file = cwd.joinpath(*parts[:-1], f"{parts[-1]}.py")
-        found = [file] if file.is_file() else []
-    return local_imports(found, [cwd]) if found else []
+    local = local_module(parts, cwd)
+    if local is None:
+        return []
+    found = _module_files(parts, cwd) if local[1] else [local[0]]  # a package: its __init__, the module in it
+    return local_imports(found, [cwd])
 
 
 def local_imports(files: list[Path], roots: list[Path]) -> list[Path]:
