@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import ToolError
+from ..errors import ToolError, describe
 
 STAND_IN_USER = "Use the tool."
 
@@ -63,8 +63,8 @@ def tool_suffix_ids(
         full = render_ids(tokenizer, before + tool_messages, tools, template, prompt=True)
     except Exception as e:  # the template's own error (jinja raise_exception, a missing key)
         raise ToolError(
-            f"{key}: the chat template cannot render tool calls and their results ({type(e).__name__}: {e}); use a "
-            "model whose template renders `tools`, assistant `tool_calls` and `tool` messages"
+            f"{key}: the chat template cannot render tool calls and their results ({describe(e)}); use a model "
+            "whose template renders `tools`, assistant `tool_calls` and `tool` messages"
         ) from None
     ends = [i for i, t in enumerate(prefix) if t in stops]
     if not ends:

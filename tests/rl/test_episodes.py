@@ -8,18 +8,9 @@ import pytest
 from llmtrain.rl.episodes import play, turn_seed
 from llmtrain.rl.sampling import Completions
 from llmtrain.rl.tools import ToolBox, load_tools
-from tests.rl.test_turns import CHATML_RESPONSE, CHATML_TOOLS, render
-
-ADD = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-'''
+from llmtrain.rl.turns import check_parser
+from tests.rl.test_tools import TOOLS
+from tests.rl.test_turns import CHATML_TOOLS, render
 
 
 def call(a: int, b: int) -> str:
@@ -53,9 +44,9 @@ class Scripted:
 
 @pytest.fixture
 def setup(tok, tmp_path):
-    (tmp_path / "calc.py").write_text(ADD)
-    tok.response_template = CHATML_RESPONSE
-    tools = load_tools([f"{tmp_path / 'calc.py'}:add"])
+    (tmp_path / "my_tools.py").write_text(TOOLS)
+    check_parser(tok, CHATML_TOOLS)
+    tools = load_tools([f"{tmp_path / 'my_tools.py'}:add"])
     questions = ["What is 2 + 3?", "What is 9 + 0?", "What is 1 + 1 + 1?"]
     prompts = [
         render(tok, [{"role": "user", "content": q}], CHATML_TOOLS, prompt=True)[: -0 or None] for q in questions

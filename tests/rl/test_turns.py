@@ -117,31 +117,12 @@ def test_templates_that_cannot_keep_a_turn_as_sampled_are_refused(tok):
         tool_suffix_ids(tok, tools, [tok.convert_tokens_to_ids("<|eot_id|>")], template=CHATML_TOOLS)
 
 
-# transformers' response parsing for the ChatML <tool_call> format above: the calls' JSON,
-# each made a {"type": "function", "function": ...} call.
-CHATML_RESPONSE = {
-    "version": 1,
-    "start_anchor": "<|im_start|>assistant\n",
-    "defaults": {"role": "assistant"},
-    "fields": {
-        "content": {},
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close": "</tool_call>",
-            "content": "json",
-            "repeats": True,
-            "transform": {"type": "function", "function": "{content}"},
-        },
-    },
-}
-
-
 def test_a_turns_tool_calls_are_read_by_the_tokenizers_own_parser(tok):
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     with pytest.raises(ToolError, match="the tokenizer has no response_template and its chat template is not one"):
         check_parser(tok)  # the demo's plain ChatML template writes no tool calls
     check_parser(tok, CHATML_TOOLS)  # a ChatML template with <tool_call> blocks: llmtrain's parser for it
-    assert tok.response_template == CHATML_TOOL_CALLS == CHATML_RESPONSE
+    assert tok.response_template == CHATML_TOOL_CALLS
     prefix = render(tok, [{"role": "user", "content": "What is 2 + 3 + 4?"}], CHATML_TOOLS, prompt=True)
 
     def turn(text: str, ended: bool = True):
