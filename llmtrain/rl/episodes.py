@@ -90,8 +90,6 @@ def play(
                 continue
             episode.ids += suffix
             episode.sampled += [0] * len(suffix)
-    for episode in episodes:
-        episode.done = True
     return episodes
 
 
