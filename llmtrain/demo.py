@@ -47,6 +47,31 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The calculator demo's (docs/agents.md): ChatML with tools, rendered as Qwen's template renders
+# them (calls as <tool_call> blocks in the assistant turn, results as <tool_response> blocks in
+# a user turn), but listing each tool as a short signature, not its JSON schema: the demo's
+# character-level tokens would make a schema hundreds of tokens long. Without tools it renders
+# as CHAT_TEMPLATE does.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Tools:{% for tool in tools %} {{ tool['function']['name'] }}"
+    "({{ tool['function']['parameters']['properties'] | join(', ') }}){% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIAL_TOKENS = ["<pad>", "<s>", "<|im_start|>", "<|im_end|>", "<unk>"]
 SYSTEM_PROMPT = "You are a careful assistant. Answer with the result only."
 

@@ -72,6 +72,26 @@ class GRPOSection:
     log_completions: int = 2
     """Completions printed (with prompt and reward) every log.every_steps steps; 0 for
     none."""
+    tools: Annotated[list[str], PATHS_IN_NAME] = field(default_factory=list)
+    """Tools the model may call (docs/agents.md): Python functions as 'module:function' or
+    'path/to/file.py:function', with type hints and a Google-style docstring, taken as TRL's
+    `tools=` takes them. Their schemas go to the chat template's `tools`; a completion is
+    then an episode of turns, each tool call's result appended between them."""
+    environment: Annotated[str | list[str], PATHS_IN_NAME] = ""
+    """An environment class (or factory) as 'module:Name' or 'path/to/file.py:Name', TRL's
+    `environment_factory`: one instance per episode, its public methods its tools, an
+    optional reset(**row) whose text is added to the prompt and get_reward() that scores
+    the episode. A list of several: each row's 'environment' column names its own (Name)."""
+    max_turns: Annotated[int, AT_LEAST_1] = 5
+    """With tools: the model's turns per episode at most; the last one's tool calls are not
+    made (counted as out_of_turns). All turns and tool results share
+    grpo.max_completion_length tokens."""
+    tool_timeout_s: Annotated[float, POSITIVE] = 30.0
+    """With tools: seconds a tool call may run; one still running then is an error result
+    the model sees ('timed out')."""
+    max_tool_output_chars: Annotated[int, AT_LEAST_1] = 4000
+    """With tools: characters of a tool's result the model sees at most; the rest is cut,
+    with a note saying how much."""
 
 
 @dataclass
@@ -87,15 +107,27 @@ class GRPOConfig(Config):
         r = self.grpo.rewards
         return [r] if isinstance(r, str) else list(r)
 
+    def environment_names(self) -> list[str]:
+        e = self.grpo.environment
+        return ([e] if e else []) if isinstance(e, str) else list(e)
+
+    def agentic(self) -> bool:
+        """Whether completions are episodes of turns with tool calls (grpo.tools or
+        grpo.environment)."""
+        return bool(self.grpo.tools or self.environment_names())
+
     def problems(self) -> list[str]:
         p, g = super().problems(), self.grpo
         names = self.reward_names()
-        if not names:
+        environments = self.environment_names()
+        if not names and not environments:
             p.append("grpo.rewards: give at least one reward function, e.g. grpo.rewards=[accuracy]")
-        if g.reward_weights and len(g.reward_weights) != len(names):
+        # An environment's get_reward is weighted last, when it has one (checked once loaded).
+        if g.reward_weights and len(g.reward_weights) not in (len(names), len(names) + bool(environments)):
+            extra = " (and one more, last, for the environment's get_reward)" if environments else ""
             p.append(
                 f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(names)} reward functions; give one "
-                "per function, or none for 1 each"
+                f"per function{extra}, or none for 1 each"
             )
         if any(not math.isfinite(w) for w in g.reward_weights):
             p.append("grpo.reward_weights: every weight must be a finite number")

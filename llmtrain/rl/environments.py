@@ -107,9 +107,19 @@ def pick(kinds: dict[str | None, Environment], row: dict, key: str = "grpo.envir
 
 class Episode:
     """One episode's environment (see the module docstring): `observation` is what `reset`
-    returned, `tools` calls its methods, `reward()` asks `get_reward`."""
+    returned, `tools` calls its methods (and the run's tools given as `also`), `reward()`
+    asks `get_reward`."""
 
-    def __init__(self, kind: Environment, row: dict, timeout_s: float, max_chars: int, key: str = "grpo.environment"):
+    def __init__(
+        self,
+        kind: Environment,
+        row: dict,
+        timeout_s: float,
+        max_chars: int,
+        key: str = "grpo.environment",
+        also: tuple[Tool, ...] = (),
+        hung: list | None = None,
+    ):
         self.kind, self.key = kind, key if kind.name is None else f"{key}.{kind.name}"
         self.instance = make(kind.factory, kind.spec, kind.file, self.key)
         self.observation = None
@@ -127,9 +137,11 @@ class Episode:
             Tool(name, getattr(self.instance, name), schema, f"{kind.spec}.{name}", kind.file)
             for name, schema in kind.schemas.items()
         ]
-        self.tools = ToolBox(tools, timeout_s, max_chars, self.key)
+        # `also`: the run's own tools (grpo.tools), beside the environment's; `hung`: the run's
+        # list of timed-out calls (tools.ToolBox).
+        self.tools = ToolBox([*also, *tools], timeout_s, max_chars, self.key, hung)
 
-    def reward(self) -> float | None:
+    def outcome(self) -> float | None:
         """get_reward()'s score of the finished episode (None: unscored, or no get_reward)."""
         if not self.kind.rewards:
             return None

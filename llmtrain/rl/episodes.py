@@ -73,11 +73,13 @@ def play(
         if not keep_going(bool(going)):
             break
         if not going:  # every episode here has ended, but another process still generates
-            generator.generate(model, [prompts[0][-1:]], None if seeds is None else [0])
+            generator.generate(model, [prompts[0][-1:]], None if seeds is None else [0], [1])
             continue
         contexts = [prompts[i] + episodes[i].ids for i in going]
         turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in going]
-        drawn = generator.generate(model, contexts, turn_seeds)
+        # Each episode's turn may take what its budget has left (one more token, so that
+        # reaching the budget without a stop token shows as a cut turn).
+        drawn = generator.generate(model, contexts, turn_seeds, [max_tokens - len(episodes[i].ids) for i in going])
         for k, i in enumerate(going):
             episode, box = episodes[i], boxes[i]
             last = turn == max_turns - 1

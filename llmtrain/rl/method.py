@@ -9,7 +9,9 @@ from pathlib import Path
 from ..core.logps import label_logps
 from ..core.method import Method, Parts, PlanFigures
 from ..core.objective import chunk_positions, model_inputs
+from ..data.rows import stop_ids
 from ..model import WEIGHT_SUFFIXES, chunkable_head, disable_dropout, load_model, reference_config, whole_models
+from .agent import Agent, check_positions
 from .config import GRPOConfig
 from .loss import GRPOLoss
 from .prompts import grpo_prompts, prompt_columns
@@ -24,6 +26,10 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     (adapters off with LoRA, else a frozen copy)."""
     disable_dropout(model)
     g, logits = cfg.grpo, cfg.train.loss_chunk_logits
+    agent = Agent.load(cfg)  # loaded by grpo_prompts too (the files run once): None for one turn
+    if agent is not None:
+        agent.check_template(tokenizer, stop_ids(getattr(model, "generation_config", None), tokenizer))
+        check_positions(model, cfg)
     rewards = load_rewards(cfg.reward_names(), prompt_columns(train_set), g.format_pattern)  # checked: grpo_prompts
     head = chunkable_head(model) if logits else None
     chunk = chunk_positions(head, logits)
@@ -76,9 +82,15 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
             reference,
             beat,
             eval_set,
+            agent,
         )
 
     return Parts(objective, source)
+
+
+def grpo_data(cfg):
+    """recipes/grpo.py's prompts (prompts.grpo_prompts), with the run's tools and environments."""
+    return grpo_prompts(cfg, Agent.load(cfg))
 
 
 def describe_prompts(cfg, first: dict, tokenizer) -> list[str]:
@@ -104,9 +116,27 @@ def describe_prompts(cfg, first: dict, tokenizer) -> list[str]:
         + (f" (weights {', '.join(f'{w:g}' for w in g.reward_weights)})" if g.reward_weights else ""),
         f"  advantages: scale_rewards={g.scale_rewards}; clip [1 - {g.epsilon:g}, 1 + {g.epsilon_high or g.epsilon:g}]",
         f"  KL reference: {reference}",
+        *agent_lines(cfg),
         "\n== first training prompt (as the model is asked it) ==",
         tokenizer.decode(first["prompt_ids"]),
     ]
+
+
+def agent_lines(cfg) -> list[str]:
+    """What `llmtrain plan` says of a multi-turn run's episodes: turns, budget, tools."""
+    if not cfg.agentic():
+        return []
+    g = cfg.grpo
+    lines = [
+        f"  episodes: at most {g.max_turns} turns, sharing {g.max_completion_length} completion tokens (the model's "
+        "turns and the tool results between them; only the model's are trained)",
+        f"  tool calls: {g.tool_timeout_s:g} s each at most, results cut at {g.max_tool_output_chars} characters",
+    ]
+    if g.tools:
+        lines.append(f"  tools: {', '.join(g.tools)}")
+    if cfg.environment_names():
+        lines.append(f"  environment: {', '.join(cfg.environment_names())} (one instance per episode)")
+    return lines
 
 
 def position(cfg) -> dict:
@@ -150,7 +180,7 @@ GRPO = Method(
     name="grpo",
     schema=GRPOConfig,
     description="Train a causal language model with online RL from verifiable rewards: GRPO (full or LoRA).",
-    data=grpo_prompts,
+    data=grpo_data,
     parts=grpo_parts,
     describe=describe_prompts,
     demo="grpo_demo.yaml",

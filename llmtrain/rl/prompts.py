@@ -14,6 +14,7 @@ makes of them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import partial
 
@@ -31,7 +32,7 @@ from ..data.rows import (
     message,
     render_chat,
 )
-from ..errors import DataError, RewardError, warn
+from ..errors import DataError, RewardError, ToolError, warn
 from .rewards import PASSED, load_rewards, usable_answer
 
 
@@ -102,14 +103,29 @@ def asked(prompt) -> str:
     return next((m["content"] for m in reversed(prompt) if m["role"] != "assistant"), prompt[-1]["content"])
 
 
-def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int) -> dict | str:
+def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int, tools_for=None) -> dict | str:
     """One row -> {prompt_ids, prompt (JSON: the prompt as the reward functions see it: a
     string as given, or the messages), columns (JSON: the row's other fields), length,
-    n_trained, status}, or why the row is dropped (the prompt kind's make)."""
+    n_trained, status}, or why the row is dropped (the prompt kind's make). `tools_for(row)`:
+    the schemas of the tools a multi-turn run's episodes of the row may call (agent.Agent),
+    rendered into the prompt; the prompt is then always messages, as its episodes are."""
+    if tools_for is not None and not tokenizer.chat_template:
+        raise RowError("grpo.tools and grpo.environment need a chat template, to render tools and their results")
     prompt = prompt_messages(row, tokenizer, cfg)
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RowError("'tools' must be a list of tool definitions")
+    if tools_for is not None:
+        if tools is not None:
+            raise RowError(
+                "a row's 'tools' column describes tools that grpo.tools and grpo.environment do not call; remove it"
+            )
+        try:
+            tools = tools_for(row) or None
+        except ToolError as e:  # a row naming no environment of the run's: a bad row
+            raise RowError(str(e)) from None
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
     ids = prompt_ids(prompt, tokenizer, tools)
     if not ids:
         return "empty prompt"
@@ -120,8 +136,9 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
     elif status != "ok":
         return status
     columns = {k: v for k, v in row.items() if k != "prompt" and not k.startswith("__")}
-    # The rewards see the prompt as the row gives it, a string or messages, as in TRL.
-    shown = row["prompt"] if isinstance(row["prompt"], str) else prompt
+    # The rewards see the prompt as the row gives it, a string or messages, as in TRL (the
+    # messages in a multi-turn run, whose completions are messages).
+    shown = row["prompt"] if isinstance(row["prompt"], str) and tools_for is None else prompt
     return {
         "prompt_ids": ids,
         "prompt": json.dumps(shown),
@@ -154,15 +171,23 @@ def check_column_names(columns, where: str) -> None:
         )
 
 
-def prompt_kind(max_completion_length: int, check_split=None) -> DataKind:
+def prompt_kind(max_completion_length: int, check_split=None, agent=None) -> DataKind:
     """The DataKind of recipes/grpo.py's prompts (never packed: completions are generated),
     which leave `max_completion_length` tokens of data.max_seq_len to the completion.
     `check_split(key, prompts)` sees each split as soon as it is read, before any weights
-    load (the reward functions' parameters against its columns)."""
+    load (the reward functions' parameters against its columns). With an `agent`
+    (agent.Agent), each prompt renders the tools its episodes may call, and the cache key
+    holds their schemas."""
+    version = f"prompts-v2-{max_completion_length}"
+    tools_for = None
+    if agent is not None:
+        described = json.dumps(agent.described(), sort_keys=True)
+        version += f"-tools-{hashlib.sha256(described.encode()).hexdigest()[:16]}"
+        tools_for = agent.schemas
     return DataKind(
         prompt_source_columns,
-        f"prompts-v2-{max_completion_length}",
-        partial(prompt_example, max_completion_length=max_completion_length),
+        version,
+        partial(prompt_example, max_completion_length=max_completion_length, tools_for=tools_for),
         {"prompt_ids": [], "prompt": "", "columns": "", "length": 0, "n_trained": 0},
         PackedDataset,
         unit="prompts",
@@ -171,11 +196,12 @@ def prompt_kind(max_completion_length: int, check_split=None) -> DataKind:
     )
 
 
-def grpo_prompts(cfg) -> DataKind:
+def grpo_prompts(cfg, agent=None) -> DataKind:
     """recipes/grpo.py's data: prompt rows, each split's columns checked against the
     reward functions (grpo.rewards) as soon as it is read, and, for the accuracy reward,
     its answers: none usable is an error (the reward would teach nothing), some missing a
-    warning (their completions go unscored)."""
+    warning (their completions go unscored). With the `agent` of a multi-turn run
+    (agent.Agent), prompts render the tools their episodes may call."""
 
     def check_split(key, prompts):
         columns, usable, rows = set(), 0, 0
@@ -205,7 +231,7 @@ def grpo_prompts(cfg) -> DataKind:
                 "or a number); their completions go unscored by it"
             )
 
-    return prompt_kind(cfg.grpo.max_completion_length, check_split)
+    return prompt_kind(cfg.grpo.max_completion_length, check_split, agent)
 
 
 def prompt_columns(prompts) -> set[str]:

@@ -33,10 +33,12 @@ from accelerate.utils import gather_object, send_to_device
 
 from ..data.batches import Collator, EpochSampler
 from ..data.mixture import Mixture
-from ..data.rows import IGNORE, shift
-from ..errors import DataError, RewardError
+from ..data.rows import IGNORE, shift, stop_ids
+from ..errors import DataError, RewardError, ToolError
 from .advantages import nanstd
-from .prompts import as_rewards_see_all, asked, decoded, prompt_columns
+from .agent import ENV_REWARD, Start
+from .episodes import Trajectory, play
+from .prompts import as_rewards_see, as_rewards_see_all, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
 
@@ -93,8 +95,21 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     advantage: float = 0.0
-    old_logps: list[float] | None = None
+    old_logps: list[float] | None = None  # one per trained (sampled) completion token
     ref_logps: list[float] | None = None
+    # Which completion tokens the policy sampled (1) and which a tool or the template wrote
+    # between turns (0: context only, never trained); None: all sampled (a single turn).
+    sampled: list[int] | None = None
+
+    def trained(self) -> int:
+        """How many of its completion tokens are trained: the sampled ones."""
+        return len(self.completion_ids) if self.sampled is None else sum(self.sampled)
+
+    def labels(self) -> list[int]:
+        """Its completion's labels: the sampled tokens, IGNORE for the others."""
+        if self.sampled is None:
+            return list(self.completion_ids)
+        return [t if m else IGNORE for t, m in zip(self.completion_ids, self.sampled)]
 
 
 class Rollouts:
@@ -117,6 +132,7 @@ class Rollouts:
         reference,
         beat,
         eval_set=None,
+        agent=None,
     ):
         self.settings, self.accelerator, self.model, self.tokenizer = settings, accelerator, model, tokenizer
         self.objective, self.generator, self.rewards, self.reference, self.beat = (
@@ -135,9 +151,11 @@ class Rollouts:
         self.prompts = prompts.examples if isinstance(prompts, Mixture) else prompts
         self.sampler = EpochSampler(len(self.prompts), settings.seed, settings.shuffle, mix)
         self.columns = prompt_columns(self.prompts)  # every row's, for the reward functions
+        self.agent = agent  # agent.Agent: completions are episodes of turns with tool calls; None: one turn
         self.eval_set, self.evaluates = eval_set, eval_set is not None
         self.eval_columns: set[str] | None = None
-        self.labels = reward_labels([r.name for r in rewards])  # each reward's name in the metrics
+        names = [r.name for r in rewards] + ([ENV_REWARD] if agent is not None and agent.env_reward else [])
+        self.labels = reward_labels(names)  # each reward's name in the metrics
         self.rounds = settings.rounds(len(self.sampler), self.world)
         if self.rounds == 0:
             raise DataError(
@@ -146,7 +164,7 @@ class Rollouts:
                 "process(es)); give more prompts or lower those"
             )
         self.steps_per_epoch = settings.steps_per_epoch(len(self.sampler), self.world)
-        weights = settings.reward_weights or [1.0] * len(rewards)
+        weights = settings.reward_weights or [1.0] * len(names)
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self.collator = Collator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.metrics: dict[str, float] = {}  # the current round's, logged with each of its steps
@@ -154,6 +172,8 @@ class Rollouts:
         self.current: tuple[int, int, list[Sample]] | None = None  # (epoch, round, this process's samples)
         self.restored: tuple[int, int, list[Sample]] | None = None
         self.total_steps = settings.total_steps(self.steps_per_epoch)  # for the rewards' trainer_state
+        # The tokens that end a turn, as the generator stops at them (a multi-turn run's turns).
+        self.stops = stop_ids(getattr(self.model_for_generation(), "generation_config", None), tokenizer)
 
     # --- the loop's view -----------------------------------------------------------------
 
@@ -210,25 +230,34 @@ class Rollouts:
         mine = order[rank * self.local : (rank + 1) * self.local]
         examples = [self.prompts[i] for i in mine]
         started = time.perf_counter()
-        samples, ended = [], []
+        samples, ended, episodes = [], [], []
         for m in range(0, self.local, self.micro):
             self.beat(f"generating completions for prompts {first + m} to {first + m + self.micro - 1}")
-            prompts, seeds, positions = [], [], []
+            part, seeds, positions = [], [], []
             for k, ex in enumerate(examples[m : m + self.micro]):
                 for j in range(self.group):
-                    prompts.append(list(ex["prompt_ids"]))
+                    part.append(ex)
                     seeds.append(sample_seed(self.settings.seed, epoch, first + m + k, j))
                     positions.append((first + m + k, j))
-            out = self.generator.generate(self.model_for_generation(), prompts, seeds)
-            samples += [Sample(p, j, ids, c) for (p, j), ids, c in zip(positions, prompts, out.ids)]
-            ended += out.ended
+            if self.agent is None:
+                prompts = [list(ex["prompt_ids"]) for ex in part]
+                out = self.generator.generate(self.model_for_generation(), prompts, seeds)
+                samples += [Sample(p, j, ids, c) for (p, j), ids, c in zip(positions, prompts, out.ids)]
+                ended += out.ended
+                continue
+            played = self.play(part, seeds)
+            for (p, j), (start, t) in zip(positions, played):
+                samples.append(Sample(p, j, start.prompt_ids, t.ids, sampled=t.sampled))
+                ended.append(not t.truncated)
+            episodes += played
         generation_s = time.perf_counter() - started
         self.beat("scoring completions")
         texts = [self.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
-        table, failure = self.score(examples, samples, texts, epoch * self.steps_per_epoch + r * self.iterations)
-        k = len(self.rewards)
-        lengths = [[len(s.completion_ids), float(not e)] for s, e in zip(samples, ended)]
-        local = torch.cat([table, torch.full((len(samples), 1), float(bool(failure))), torch.tensor(lengths)], 1)
+        step = epoch * self.steps_per_epoch + r * self.iterations
+        table, failure = self.score([ex for ex in examples for _ in range(self.group)], samples, texts, episodes, step)
+        k = len(self.labels)
+        stats = episode_stats(samples, ended, episodes)
+        local = torch.cat([table, torch.full((len(samples), 1), float(bool(failure))), stats], 1)
         # One exchange: every process's rewards (for the advantages), failures, lengths.
         everyone = self.accelerator.gather(local.to(self.accelerator.device)).cpu()
         if everyone[:, k].any():  # a reward function failed somewhere: all stop, with its line
@@ -238,41 +267,83 @@ class Rollouts:
         mine = slice(rank * len(samples), (rank + 1) * len(samples))
         for s, a in zip(samples, adv[mine].tolist()):
             s.advantage = a
-        self.metrics = self.round_metrics(rewards, total, zero_spread, everyone[:, k + 1], everyone[:, k + 2])
+        self.metrics = self.round_metrics(rewards, total, zero_spread, everyone[:, k + 1 :], bool(episodes))
         self.metrics["generation_s"] = generation_s
-        self.show(examples, texts, total[mine])
+        self.show(examples, texts, [t for _, t in episodes], total[mine])
         self.beat("computing the log-probs the completions were sampled with")
         self.log_probs(samples)
         return samples
 
-    def score(self, examples: list[dict], samples: list[Sample], texts: list[str], step: int):
-        """([completions, functions] rewards, ''), or (NaN, the error line) when a function
-        failed: raised on every process together, after the exchange."""
-        asked_as, columns = [], []
-        for ex in examples:
-            p, c = decoded(ex)
-            asked_as += [p] * self.group
-            columns += [c] * self.group
-        prompts, completions = as_rewards_see_all(asked_as, texts)
+    def play(self, examples: list[dict], seeds: list[int] | None) -> list[tuple[Start, Trajectory]]:
+        """The episodes of `examples` (one each; greedy turns for seeds None), each with its
+        start (agent.Start: its prompt, tools, environment)."""
+        starts = [self.agent.start(ex, self.tokenizer) for ex in examples]
+        model = self.model_for_generation()
+        trajectories = play(
+            self.generator,
+            model,
+            self.tokenizer,
+            [st.prompt_ids for st in starts],
+            seeds,
+            [st.box for st in starts],
+            self.agent.settings.max_turns,
+            self.generator.max_new_tokens,
+            self.stops,
+            keep_going=self.keep_going,
+        )
+        return list(zip(starts, trajectories))
+
+    def keep_going(self, mine: bool) -> bool:
+        """Whether any process still has episodes going: under ZeRO-3 and FSDP2 each generate
+        call is a collective, so all take part in every turn any of them plays."""
+        if not getattr(self.generator, "synced", False):
+            return mine
+        flag = torch.tensor([float(mine)], device=self.accelerator.device)
+        return bool(self.accelerator.gather(flag).max() > 0)
+
+    def score(self, examples: list[dict], samples: list, texts: list[str], episodes: list, step: int, names=None):
+        """([completions, rewards] rewards: each function's, then the environment's), ''), or
+        (NaN, the error line) when a function failed: raised on every process together, after
+        the exchange. In a multi-turn run a completion is the episode's assistant and tool
+        messages, as TRL gives it."""
+        asked_as, columns = zip(*(decoded(ex) for ex in examples)) if examples else ((), ())
+        if episodes:
+            prompts, completions = as_rewards_see_episodes(list(asked_as), [t.messages for _, t in episodes])
+        else:
+            prompts, completions = as_rewards_see_all(list(asked_as), texts)
         ids = [s.completion_ids for s in samples]
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         try:
-            return score(self.rewards, prompts, completions, ids, columns, state, self.columns), ""
+            names = self.columns if names is None else names
+            table = score(self.rewards, prompts, completions, ids, list(columns), state, names)
         except RewardError as e:
-            return torch.full((len(samples), len(self.rewards)), float("nan")), str(e)
+            return torch.full((len(samples), len(self.labels)), float("nan")), str(e)
+        if self.agent is not None and self.agent.env_reward:
+            try:
+                scored = [None if st.environment is None else st.environment.outcome() for st, _ in episodes]
+            except ToolError as e:  # stopped on every process together, as a failed reward function
+                return torch.full((len(samples), len(self.labels)), float("nan")), str(e)
+            env = torch.tensor([float("nan") if v is None else v for v in scored], dtype=torch.float32)
+            table = torch.cat([table, env[:, None]], 1)
+        return table, ""
 
-    def round_metrics(self, rewards, total, zero_spread, lengths, clipped) -> dict[str, float]:
+    def round_metrics(self, rewards, total, zero_spread, stats, episodes: bool) -> dict[str, float]:
         out = {"reward": float(total.nanmean()), "reward_std": float(nanstd(total))}
         for i, name in enumerate(self.labels):
             column = rewards[:, i]
             out[f"reward_{name}"] = float(column.nanmean())
             out[f"reward_{name}_std"] = float(nanstd(column))
+        lengths, clipped = stats[:, 0], stats[:, 1]
         out |= {
             "zero_spread_groups": float(zero_spread.float().mean()),
             "completion_len": float(lengths.mean()),
             "completion_len_max": float(lengths.max()),
             "clipped_completions": float(clipped.mean()),
         }
+        if episodes:  # per episode: means, and the share of episodes each flag marks
+            for i, name in enumerate(EPISODE_STATS):
+                out[name] = float(stats[:, 2 + i].mean())
+            out["turns_max"] = float(stats[:, 2].max())
         return {k: v for k, v in out.items() if not math.isnan(v)}
 
     def shown(self) -> list[str]:
@@ -280,13 +351,15 @@ class Rollouts:
         lines, self.to_show = self.to_show, []
         return lines
 
-    def show(self, examples: list[dict], texts: list[str], total: torch.Tensor) -> None:
-        """The first completion of each of the first grpo.log_completions prompts, for the log."""
+    def show(self, examples: list[dict], texts: list[str], episodes: list, total: torch.Tensor) -> None:
+        """The first completion of each of the first grpo.log_completions prompts, for the log
+        (an episode's turns with their tool calls and results)."""
         self.to_show = []
         for k in range(min(self.settings.log_completions, len(examples))):
             i = k * self.group
             question = asked(json.loads(examples[k]["prompt"]))
-            self.to_show.append(f"completion> {question!r} -> {texts[i]!r} (reward {float(total[i]):.3g})")
+            said = " | ".join(episode_lines(episodes[i].messages)) if episodes else repr(texts[i])
+            self.to_show.append(f"completion> {question!r} -> {said} (reward {float(total[i]):.3g})")
 
     # --- evaluation ----------------------------------------------------------------------
 
@@ -297,7 +370,6 @@ class Rollouts:
         models generate together)."""
         eval_set = self.eval_set
         n, rank = len(eval_set), self.accelerator.process_index
-        state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         if self.eval_columns is None:  # read once: the evaluation prompts stay the same
             self.eval_columns = prompt_columns(eval_set)
         names = self.eval_columns
@@ -308,24 +380,30 @@ class Rollouts:
             self.beat(f"evaluating: generating for evaluation prompts, batch {c + 1} of {calls}")
             part = mine[c * self.micro : (c + 1) * self.micro]
             examples = [eval_set[i] for i in part] or [eval_set[0]]  # a process with none still generates
-            out = self.generator.generate(self.model_for_generation(), [list(e["prompt_ids"]) for e in examples], None)
+            if self.agent is None:
+                prompts = [list(e["prompt_ids"]) for e in examples]
+                samples = [
+                    Sample(0, 0, p, c)
+                    for p, c in zip(prompts, self.generator.generate(self.model_for_generation(), prompts, None).ids)
+                ]
+                episodes = []
+            else:
+                episodes = self.play(examples, None)
+                samples = [Sample(0, 0, st.prompt_ids, t.ids, sampled=t.sampled) for st, t in episodes]
             if not part:
                 continue
-            texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in out.ids]
-            asked_as, columns = zip(*(decoded(e) for e in examples))
-            prompts, completions = as_rewards_see_all(asked_as, texts)
-            try:
-                rewards = score(self.rewards, prompts, completions, out.ids, list(columns), state, names)
-            except RewardError as e:
-                raise RewardError(f"{e} (on the evaluation prompts)") from None
+            texts = [self.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+            rewards, failure = self.score(examples, samples, texts, episodes, step, names)
+            if failure:
+                raise RewardError(f"{failure} (on the evaluation prompts)")
             table.append(rewards)
-        local = torch.cat(table) if table else torch.zeros(0, len(self.rewards))
+        local = torch.cat(table) if table else torch.zeros(0, len(self.labels))
         sums = torch.stack([local.nan_to_num(0).sum(0), (~local.isnan()).sum(0).float()])
         total = (local * self.weights).nansum(1)
         weighted = torch.tensor([[float(total.sum()), float(len(total))]])
         both = torch.cat([sums.reshape(1, -1), weighted], 1).to(self.accelerator.device)
         summed = self.accelerator.reduce(both, reduction="sum").cpu()[0]
-        k = len(self.rewards)
+        k = len(self.labels)
         out = {"eval_reward": float(summed[-2] / summed[-1])}
         for i, name in enumerate(self.labels):
             if summed[k + i] > 0:
@@ -343,7 +421,7 @@ class Rollouts:
             for m in range(0, len(samples), self.micro * self.group):
                 part = samples[m : m + self.micro * self.group]
                 batch = send_to_device(self.collate(part), self.accelerator.device)
-                lengths = [len(s.completion_ids) for s in part]
+                lengths = [s.trained() for s in part]
                 with torch.no_grad():
                     if self.iterations > 1:
                         for s, v in zip(part, split(self.objective.logps(self.model, batch), lengths)):
@@ -362,7 +440,7 @@ class Rollouts:
     def collate(self, samples: list[Sample]) -> dict:
         rows = []
         for s in samples:
-            labels = [IGNORE] * len(s.prompt_ids) + list(s.completion_ids)
+            labels = [IGNORE] * len(s.prompt_ids) + s.labels()
             rows.append({"input_ids": s.prompt_ids + s.completion_ids, "labels": shift(labels)})
         batch = self.collator(rows)
         batch["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
@@ -371,7 +449,9 @@ class Rollouts:
                 aligned = torch.zeros(batch["labels"].shape, dtype=torch.float32)
                 for row, s in enumerate(samples):
                     start = len(s.prompt_ids) - 1  # the position that predicts the first completion token
-                    aligned[row, start : start + len(s.completion_ids)] = torch.tensor(getattr(s, key))
+                    marks = s.sampled or [1] * len(s.completion_ids)
+                    where = [start + i for i, m in enumerate(marks) if m]  # the trained tokens' positions
+                    aligned[row, where] = torch.tensor(getattr(s, key))
                 batch[key] = aligned
         return batch
 
@@ -430,6 +510,10 @@ def pack_samples(samples: list[Sample], epoch: int, r: int) -> dict[str, torch.T
     for key in ("old_logps", "ref_logps"):
         if samples and getattr(samples[0], key) is not None:
             out[key] = torch.tensor([x for s in samples for x in getattr(s, key)], dtype=torch.float32)
+    if any(s.sampled is not None for s in samples):  # a multi-turn run's: which tokens were sampled
+        out["sampled"] = torch.tensor(
+            [m for s in samples for m in (s.sampled or [1] * len(s.completion_ids))], dtype=torch.int8
+        )
     return out
 
 
@@ -438,8 +522,10 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
     prompt_len, completion_len = t["prompt_len"].tolist(), t["completion_len"].tolist()
     prompts = torch.split(t["prompt_ids"], prompt_len)
     completions = torch.split(t["completion_ids"], completion_len)
-    old = torch.split(t["old_logps"], completion_len) if "old_logps" in t else None
-    ref = torch.split(t["ref_logps"], completion_len) if "ref_logps" in t else None
+    sampled = torch.split(t["sampled"], completion_len) if "sampled" in t else None
+    trained = [int(m.sum()) for m in sampled] if sampled is not None else completion_len
+    old = torch.split(t["old_logps"], trained) if "old_logps" in t else None
+    ref = torch.split(t["ref_logps"], trained) if "ref_logps" in t else None
     samples = []
     for i, (pos, j) in enumerate(zip(t["position"].tolist(), t["index"].tolist())):
         samples.append(
@@ -451,6 +537,66 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
                 float(t["advantage"][i]),
                 old[i].tolist() if old is not None else None,
                 ref[i].tolist() if ref is not None else None,
+                sampled[i].tolist() if sampled is not None else None,
             )
         )
     return epoch, r, samples
+
+
+# Per episode of a multi-turn round, in the metrics: means over episodes (turns_max too);
+# malformed_turns and out_of_turns are the shares of episodes they end.
+EPISODE_STATS = (
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "malformed_turns",
+    "out_of_turns",
+    "sampled_tokens",
+    "context_tokens",
+)
+
+
+def episode_stats(samples: list[Sample], ended: list[bool], episodes: list) -> torch.Tensor:
+    """[samples, stats]: each completion's length and whether it was cut, then (a multi-turn
+    round's) its episode's EPISODE_STATS."""
+    rows = []
+    for i, (s, e) in enumerate(zip(samples, ended)):
+        row = [len(s.completion_ids), float(not e)]
+        if episodes:
+            t = episodes[i][1]
+            trained = s.trained()
+            row += [t.turns, t.calls, t.errors, t.malformed, t.out_of_turns, trained, len(s.completion_ids) - trained]
+        rows.append([float(x) for x in row])
+    width = 2 + (len(EPISODE_STATS) if episodes else 0)
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(samples), width)
+
+
+def as_rewards_see_episodes(prompts: list, episodes: list[list[dict]]) -> tuple[list, list]:
+    """(prompts, completions) as the reward functions receive a multi-turn round's, as TRL
+    gives them: the prompt's messages, and each episode's assistant and tool messages (a
+    prefilled start of the answer, taken from the prompt, begins its first)."""
+    out_prompts, out = [], []
+    for prompt, messages in zip(prompts, episodes):
+        messages = [dict(m) for m in messages]
+        asked_as, first = as_rewards_see(prompt, messages[0]["content"] if messages else "")
+        if messages:
+            messages[0]["content"] = first[0]["content"]
+        out_prompts.append(asked_as)
+        out.append(messages)
+    return out_prompts, out
+
+
+def episode_lines(messages: list[dict], width: int = 200) -> list[str]:
+    """An episode for the log: each turn's text and calls, each tool's result."""
+    lines = []
+    for m in messages:
+        if m["role"] == "tool":
+            content = m["content"] if len(m["content"]) <= width else m["content"][:width] + "..."
+            lines.append(f"{m['name']} -> {content!r}")
+            continue
+        said = [repr(m["content"])] if m.get("content") else []
+        for call in m.get("tool_calls") or []:
+            f = call["function"]
+            said.append(f"{f['name']}({json.dumps(f['arguments'], ensure_ascii=False, default=str)})")
+        lines.append(" ".join(said) or "''")
+    return lines

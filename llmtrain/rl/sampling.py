@@ -72,6 +72,26 @@ class SeededSampling:
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
+class Budget:
+    """A logits processor that ends each row once it has its own number of new tokens (a
+    turn's share of an episode's token budget, rl/episodes.py): its next token is forced to
+    a stop token, which the caller cuts off (the turn is then cut, not ended). Run after the
+    draw, so that each row's generator advances as without it; it saves the steps a row
+    would take past its budget only to be cut."""
+
+    def __init__(self, limits: list[int], stop: int, width: int):
+        self.limits, self.stop, self.width = limits, stop, width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        made = input_ids.shape[1] - self.width
+        over = torch.tensor([made >= n for n in self.limits], device=scores.device)
+        if not over.any():
+            return scores
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.stop] = 0.0
+        return torch.where(over[:, None], forced, scores)
+
+
 @dataclass
 class Completions:
     ids: list[list[int]]  # each completion's tokens, through its end-of-turn token if it ended
@@ -79,8 +99,14 @@ class Completions:
 
 
 class Generator(Protocol):
-    def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> Completions:
-        """A completion per prompt: sampled from `seeds` (one per prompt), or greedy for None."""
+    max_new_tokens: int
+
+    def generate(
+        self, model, prompts: list[list[int]], seeds: list[int] | None, limits: list[int] | None = None
+    ) -> Completions:
+        """A completion per prompt: sampled from `seeds` (one per prompt), or greedy for None;
+        at most max_new_tokens each, or `limits[i]` for prompt i (a completion longer than its
+        limit may be returned: the caller cuts it)."""
         ...
 
 
@@ -94,7 +120,9 @@ class HFGenerator:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> Completions:
+    def generate(
+        self, model, prompts: list[list[int]], seeds: list[int] | None, limits: list[int] | None = None
+    ) -> Completions:
         from transformers import GenerationConfig
 
         stops = stop_ids(getattr(model, "generation_config", None), self.tokenizer)
@@ -105,8 +133,9 @@ class HFGenerator:
         # Every setting given, so none comes from the model's generation_config (a default
         # temperature or repetition penalty would sample from another distribution than
         # the one the loss's log-probs describe).
+        new = self.max_new_tokens if not limits else min(self.max_new_tokens, max(limits) + 1)
         config = GenerationConfig(
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=new,
             do_sample=False,
             num_beams=1,
             repetition_penalty=1.0,
@@ -115,6 +144,8 @@ class HFGenerator:
             pad_token_id=self.pad_id,
         )
         processors = [] if seeds is None else [SeededSampling(seeds, self.temperature, self.top_k, self.top_p)]
+        if limits and min(limits) < new:
+            processors.append(Budget(limits, stops[0], width))
         from transformers import LogitsProcessorList
 
         was_training = model.training

@@ -118,10 +118,19 @@ def cut(text: str, max_chars: int) -> tuple[str, bool]:
 class ToolBox:
     """The tools of a run, called by name with the arguments the model wrote."""
 
-    def __init__(self, tools: list[Tool], timeout_s: float, max_chars: int, key: str = "grpo.tools"):
+    def __init__(
+        self,
+        tools: list[Tool],
+        timeout_s: float,
+        max_chars: int,
+        key: str = "grpo.tools",
+        hung: list[tuple[str, threading.Thread]] | None = None,
+    ):
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.max_chars, self.key = timeout_s, max_chars, key
-        self.hung: list[tuple[str, threading.Thread]] = []  # calls that timed out, and may still run
+        # Calls that timed out and may still run: a run's episodes share one list (`hung`),
+        # so MAX_HUNG counts the run's threads, not one episode's.
+        self.hung = [] if hung is None else hung
 
     def schemas(self) -> list[dict]:
         return [t.schema for t in self.tools.values()]
@@ -165,7 +174,7 @@ class ToolBox:
         return Call(name, content, error=True, timed_out=timed_out, cut=was_cut)
 
     def check_hung(self) -> None:
-        self.hung = [(spec, t) for spec, t in self.hung if t.is_alive()]
+        self.hung[:] = [(spec, t) for spec, t in self.hung if t.is_alive()]
         if len(self.hung) >= MAX_HUNG:
             specs = sorted({spec for spec, _ in self.hung})
             raise ToolError(

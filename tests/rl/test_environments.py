@@ -100,7 +100,7 @@ def test_an_episode_resets_plays_and_scores_with_state_of_its_own(spec):
     one, two = Episode(game, row, 5.0, 1000), Episode(game, row, 5.0, 1000)
     assert one.observation == "Guess my number from 1 to 10."
     assert [one.tools.call("guess", {"n": n}).content for n in (3, 9, 7)] == ["higher", "lower", "right"]
-    assert (one.reward(), two.reward()) == (1.0, 0.0)  # instances never share state
+    assert (one.outcome(), two.outcome()) == (1.0, 0.0)  # instances never share state
     failed = one.tools.call("guess", {"n": "x"})
     assert failed.error and "TypeError" in json.loads(failed.content)["error"]
 
@@ -108,7 +108,7 @@ def test_an_episode_resets_plays_and_scores_with_state_of_its_own(spec):
 def test_an_environment_without_reset_starts_as_made(spec):
     (kind,) = load_environments(spec("Counter")).values()
     episode = Episode(kind, {"prompt": "p"}, 5.0, 1000)
-    assert episode.observation is None and episode.reward() is None
+    assert episode.observation is None and episode.outcome() is None
     assert [episode.tools.call("bump", {"by": b}).content for b in (2, 3)] == ["2", "5"]
 
 
@@ -136,4 +136,4 @@ def test_a_broken_environment_is_one_line_naming_it(spec):
     with pytest.raises(ToolError, match=r"^grpo.environment: .*BrokenReset.reset raised KeyError: 'secret'"):
         Episode(kind("BrokenReset"), {}, 5.0, 1000)
     with pytest.raises(ToolError, match=r"BadReset.get_reward returned nan; return a finite number, or None"):
-        Episode(kind("BadReset", resets=False), {}, 5.0, 1000).reward()
+        Episode(kind("BadReset", resets=False), {}, 5.0, 1000).outcome()

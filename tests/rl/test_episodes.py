@@ -26,7 +26,7 @@ class Scripted:
         self.turns = [0] * len(prompts)
         self.seeds, self.stand_ins = [], 0
 
-    def generate(self, model, contexts, seeds):
+    def generate(self, model, contexts, seeds, limits=None):
         ids, ended = [], []
         if len(contexts) == 1 and len(contexts[0]) == 1:  # the stand-in of a process with nothing left
             self.stand_ins += 1

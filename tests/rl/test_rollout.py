@@ -38,7 +38,7 @@ class Digits:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def generate(self, model, prompts, seeds):
+    def generate(self, model, prompts, seeds, limits=None):
         texts = [str(s % 1000) for s in seeds] if seeds is not None else ["7"] * len(prompts)
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         return Completions(ids, [True] * len(ids))
@@ -137,3 +137,153 @@ def test_evaluation_reads_the_set_given_at_construction(model, tokenizer):
     assert source.evaluates
     out = source.evaluate(step=1)
     assert out == {"eval_reward": pytest.approx(0.07), "eval_reward_value": pytest.approx(0.07)}
+
+
+# --- multi-turn rounds: episodes with tool calls --------------------------------------
+
+
+class Caller:
+    """A Generator whose first turn calls `add` (a = the seed's last digit, b = 1) and whose
+    second answers 'done', each ended with the stop token."""
+
+    max_new_tokens = 160
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.calls = []
+
+    def generate(self, model, prompts, seeds, limits=None):
+        self.calls.append(len(prompts))
+        out = []
+        for i, context in enumerate(prompts):
+            answered = "<tool_response>" in self.tokenizer.decode(context[-80:])
+            a = (seeds[i] if seeds is not None else 7) % 10
+            call = f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": 1}}}}\n</tool_call>'
+            out.append(
+                self.tokenizer("done" if answered else call, add_special_tokens=False)["input_ids"] + [self.stop]
+            )
+        return Completions(out, [True] * len(out))
+
+
+@pytest.fixture
+def agentic(model, tokenizer, tmp_path):
+    import copy
+
+    import datasets
+
+    from llmtrain.demo import TOOL_CHAT_TEMPLATE
+    from llmtrain.rl.agent import Agent, AgentSettings
+    from llmtrain.rl.tools import load_tools
+    from llmtrain.rl.turns import check_parser
+    from tests.rl.test_tools import TOOLS
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    check_parser(tok)
+    (tmp_path / "my_tools.py").write_text(TOOLS)
+    agent = Agent(load_tools([f"{tmp_path / 'my_tools.py'}:add"]), {}, AgentSettings(3, 5.0, 100, 100, True))
+    kind, cfg = prompt_kind(160, agent=agent), DataConfig(max_seq_len=260)
+    data = datasets.Dataset.from_list([kind.process({"prompt": f"Add {i}", "id": i}, tok, cfg) for i in range(9)])
+    seen = []
+
+    def sums(prompts, completions, **kwargs):  # the tool's result, as the reward sees the episode
+        seen.extend(completions)
+        return [float(c[1]["content"]) if len(c) > 1 else 0.0 for c in completions]
+
+    def make(**kw):
+        objective = GRPOLoss("dapo")
+        return Rollouts(
+            settings(**kw),
+            OneProcess(),
+            model,
+            tok,
+            data,
+            objective,
+            Caller(tok),
+            [Reward("sums", sums, None)],
+            None,
+            lambda what: None,
+            data.select(range(2)),
+            agent,
+        )
+
+    return make, tok, seen
+
+
+def test_an_episodes_tool_results_are_context_never_trained(agentic, model):
+    """Each completion is a call, the tool's result and an answer: the result's tokens are in
+    the batch but carry no label, so the step counts only sampled tokens and their positions
+    get exactly zero gradient, and the rewards see the episode's messages."""
+    from llmtrain.data.rows import IGNORE
+
+    make, tok, seen = agentic
+    source = make(iterations=1)
+    batch = next(iter(source.epoch(0)))
+    samples = source.current[2]
+    s = samples[0]
+    assert s.sampled is not None and 0 in s.sampled and s.sampled[-1] == 1
+    context = [t for t, m in zip(s.completion_ids, s.sampled) if not m]
+    assert "<tool_response>" in tok.decode(context) and "<tool_call>" not in tok.decode(context)
+    assert tok.decode([t for t, m in zip(s.completion_ids, s.sampled) if m]).endswith("done<|im_end|>")
+    assert seen[0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": s_a(s, tok), "b": 1}}
+    assert seen[0][1] == {"role": "tool", "name": "add", "content": str(s_a(s, tok) + 1)}
+    m = source.metrics
+    assert (m["turns"], m["tool_calls"], m["tool_errors"], m["out_of_turns"]) == (2.0, 1.0, 0.0, 0.0)
+    assert m["context_tokens"] > 0
+    assert m["sampled_tokens"] + m["context_tokens"] == pytest.approx(m["completion_len"])
+    assert m["reward_sums"] == pytest.approx(sum(s_a(x, tok) + 1 for x in samples) / len(samples))
+
+    trained = batch["labels"] != IGNORE
+    assert int(trained.sum()) == sum(x.trained() for x in samples[:6]) == source.objective.count(batch)
+    logits = []
+
+    def keep(module, inputs, out):
+        out.retain_grad()
+        logits.append(out)
+
+    hook = model.lm_head.register_forward_hook(keep)
+    try:
+        batch = batch | {"advantages": torch.linspace(-1, 1, batch["labels"].shape[0])}
+        source.objective(model, batch).total.backward()
+    finally:
+        hook.remove()
+        model.zero_grad()
+    grad = logits[0].grad
+    assert grad.abs().sum() > 0
+    assert torch.equal(grad[~trained], torch.zeros_like(grad[~trained]))  # tool tokens and padding: exactly zero
+
+
+def s_a(sample, tok) -> int:
+    import json
+
+    text = tok.decode(sample.completion_ids)
+    return json.loads(text.split("<tool_call>\n")[1].split("\n</tool_call>")[0])["arguments"]["a"]
+
+
+def test_a_multi_turn_round_survives_a_checkpoint_whole(agentic):
+    """A round's samples, with which tokens were sampled and their old log-probs, come back
+    from rollout.safetensors as they were."""
+    from llmtrain.rl.rollout import pack_samples, unpack_samples
+
+    make, _, _ = agentic
+    source = make(iterations=2)
+    batches = iter(source.epoch(0))
+    next(batches), next(batches)  # the round's first step (two micro-batches)
+    samples = source.current[2]
+    assert all(len(s.old_logps) == s.trained() < len(s.completion_ids) for s in samples)
+    _, _, back = unpack_samples(pack_samples(samples, 0, 0))
+    assert back == samples
+    restored = make(iterations=2)
+    restored.restore(source.saved(2))
+    batch = next(iter(restored.epoch(0, skip=2)))  # skip counts micro-batches
+    want = next(batches)  # the round's second step, as the uninterrupted source trains it
+    assert batch.keys() == want.keys()
+    for k in want:
+        assert torch.equal(batch[k], want[k]), (k, batch[k], want[k])
+
+
+def test_multi_turn_evaluation_plays_greedy_episodes(agentic):
+    make, _, _ = agentic
+    out = make().evaluate(step=0)
+    assert out["eval_reward"] == pytest.approx(8.0)  # greedy: add(7, 1)
