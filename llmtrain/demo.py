@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import locks, safefs
+from .calculator import add, multiply
 from .config.schema import as_list
 from .config.validate import DEMO_NAMES, PathKey, map_paths, named
 from .distributed.stop import run_child
@@ -457,6 +458,52 @@ def make_prompts(n: int, seed: int) -> list[dict]:
         q, a = _task(rng)
         if q.startswith(RL_KINDS):
             rows.append({"prompt": q, "answer": a})
+    return rows
+
+
+# --- the calculator demo (docs/agents.md): tools, traces that call them, sums to solve ---
+
+
+CALC_TOOLS = ["llmtrain.calculator:add", "llmtrain.calculator:multiply"]  # as grpo.tools names them
+
+
+def calc_question(rng: random.Random) -> tuple[str, str, int, int]:
+    """(question, tool, a, b): a sum or product of two numbers of two or three digits."""
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    tool = rng.choice(["add", "multiply"])
+    return f"What is {a} {'+' if tool == 'add' else '*'} {b}?", tool, a, b
+
+
+def make_calc_prompts(n: int, seed: int) -> list[dict]:
+    """Prompt rows for the calculator demo, each with its `answer`."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        q, tool, a, b = calc_question(rng)
+        rows.append({"prompt": q, "answer": str(add(a, b) if tool == "add" else multiply(a, b))})
+    return rows
+
+
+def make_calc_traces(n: int, seed: int) -> list[dict]:
+    """Chat rows for the calculator demo's SFT stage: the question, the assistant's call of
+    the right tool, its result, and the answer, with the tools' schemas as grpo.tools gives
+    them (so SFT and GRPO render the same prompt)."""
+    from transformers.utils import get_json_schema
+
+    schemas = [get_json_schema(add), get_json_schema(multiply)]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        q, tool, a, b = calc_question(rng)
+        result = str(add(a, b) if tool == "add" else multiply(a, b))
+        call = {"type": "function", "function": {"name": tool, "arguments": {"a": a, "b": b}}}
+        messages = [
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": tool, "content": result},
+            {"role": "assistant", "content": result},
+        ]
+        rows.append({"messages": messages, "tools": schemas})
     return rows
 
 

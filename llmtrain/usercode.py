@@ -294,6 +294,11 @@ def load_module(name: str, spec: str, key: str, error: type[UserError]):
     parts = name.split(".")
     cwd = Path.cwd()
     local = local_module(parts, cwd)
+    # The package already imported from this very directory (llmtrain's own, say, run from its
+    # checkout: llmtrain.calculator:add) is the same code: imported as it was.
+    paths = getattr(sys.modules.get(parts[0]), "__path__", None) or []
+    if local is not None and local[1] and any(Path(p).resolve() == local[0].resolve() for p in paths):
+        local = None
     if local is not None and local[1]:  # a package: its own modules import relatively
         package = load_file(local[0], spec, key, error, package=True)
         if len(parts) == 1:

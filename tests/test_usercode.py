@@ -146,3 +146,20 @@ def test_a_thread_left_running_is_named_and_inference_mode_left_on_is_refused(ca
         if left:
             left[0].__exit__(None, None, None)
     assert not torch.is_inference_mode_enabled()
+
+
+def test_a_working_directory_package_already_imported_is_that_import(monkeypatch):
+    """Run from llmtrain's checkout, 'llmtrain.calculator:add' is the imported module's
+    function: the package is not loaded again under a private name (its import would run
+    twice, and change the process state the first import set)."""
+    from pathlib import Path
+
+    import llmtrain.calculator
+    from llmtrain.errors import ToolError
+    from llmtrain.usercode import load_function
+
+    monkeypatch.chdir(Path(llmtrain.__file__).parents[1])  # the directory that holds llmtrain/
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second import's changes would be named as a warning
+        fn, file = load_function("llmtrain.calculator:add", "grpo.tools", ToolError)
+    assert fn is llmtrain.calculator.add and file == llmtrain.calculator.__file__

@@ -43,10 +43,13 @@ FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are held and combined in
 
 
 def completion_text(completion) -> str:
-    """A completion as text: a string, or the content of a message list's messages."""
+    """A completion as text: a string, or a message list's answer: its last assistant
+    message's content (an episode's last turn, after its tool calls and their results; a
+    single turn's only message)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content") or "" for m in completion)
+    said = [m for m in completion if m.get("role", "assistant") == "assistant"]
+    return (said[-1].get("content") or "") if said else ""
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
