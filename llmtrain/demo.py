@@ -34,8 +34,15 @@ from . import locks, safefs
 from .calculator import add, multiply
 from .config.schema import as_list
 from .config.validate import DEMO_NAMES, PathKey, map_paths, named
+from .data.rows import stop_ids
 from .distributed.stop import run_child
 from .errors import warn
+from .rl.episodes import play
+from .rl.prompts import prompt_ids
+from .rl.rewards import completion_text
+from .rl.sampling import HFGenerator
+from .rl.tools import ToolBox, load_tools
+from .rl.turns import check_parser
 
 # The cache directory's version: a change to what the demo builds (its rows, its model, the SFT
 # run that trains tiny-llama-sft, or llmtrain's training numbers) needs a new one, or a cache
@@ -468,8 +475,8 @@ CALC_TOOLS = ["llmtrain.calculator:add", "llmtrain.calculator:multiply"]  # as g
 
 
 def calc_question(rng: random.Random) -> tuple[str, str, int, int]:
-    """(question, tool, a, b): a sum or product of two numbers of two or three digits."""
-    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    """(question, tool, a, b): a sum or product of two two-digit numbers."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
     tool = rng.choice(["add", "multiply"])
     return f"What is {a} {'+' if tool == 'add' else '*'} {b}?", tool, a, b
 
@@ -642,6 +649,42 @@ def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, d
     return sum(right) / n, {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
 
 
+CALC_TURNS, CALC_TOKENS = 3, 160  # the calculator demo's grpo.max_turns and grpo.max_completion_length
+CALLS = "tool calls per question"
+
+
+def score_calculator(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, dict[str, float]]:
+    """The share of `n` fresh calculator questions a model with the calculator's tools
+    answers exactly right, playing each as a greedy episode of the GRPO demo's turns and
+    tokens (rl/episodes.play, the tools called as in training), overall and by tool; with
+    the mean tool calls per question."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    check_parser(tokenizer)
+    tools = load_tools(CALC_TOOLS)
+    schemas = [t.schema for t in tools]
+    rows = make_calc_prompts(n, seed + 1_000_000)  # seeds apart from the training and evaluation prompts'
+    stops = stop_ids(model.generation_config, tokenizer)
+    generator = HFGenerator(tokenizer, CALC_TOKENS)
+    right, calls, by_tool = [], 0, {"add": [], "multiply": []}
+    for start in range(0, n, 50):
+        part = rows[start : start + 50]
+        prompts = [prompt_ids([{"role": "user", "content": r["prompt"]}], tokenizer, schemas) for r in part]
+        boxes = [ToolBox(tools, 5.0, 1000) for _ in part]
+        episodes = play(generator, model, tokenizer, prompts, None, boxes, CALC_TURNS, CALC_TOKENS, stops)
+        for r, e in zip(part, episodes):
+            ok = completion_text(e.messages).strip() == r["answer"]
+            right.append(ok)
+            by_tool["add" if "+" in r["prompt"] else "multiply"].append(ok)
+            calls += e.calls
+    out = {k: sum(v) / len(v) for k, v in by_tool.items() if v}
+    out[CALLS] = calls / n
+    return sum(right) / n, out
+
+
 def kind(question: str) -> str:
     """A demo question's kind, by its opening words."""
     for opening, name in (("Uppercase", "uppercase"), ("Reverse", "reverse"), ("What number", "counting")):
@@ -661,6 +704,13 @@ if __name__ == "__main__":
         )
         sys.exit(2)
     for path in sys.argv[2:]:
+        if "<tool_call>" in (Path(path) / "tokenizer_config.json").read_text() + "".join(
+            f.read_text() for f in Path(path).glob("*.jinja")
+        ):  # the calculator demo's model (docs/agents.md): questions played as episodes with its tools
+            overall, figures = score_calculator(path)
+            shown = ", ".join(f"{k} {v:.0%}" if k != CALLS else f"{k} {v:.2f}" for k, v in figures.items())
+            print(f"{path}: {overall:.1%} of 300 held-out calculator questions answered right ({shown})")
+            continue
         overall, by_kind = score(path)
         kinds = ", ".join(f"{k} {v:.0%}" for k, v in by_kind.items())
         print(f"{path}: {overall:.1%} of 300 held-out demo questions answered right ({kinds})")

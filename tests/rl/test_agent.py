@@ -135,3 +135,35 @@ def test_learned_positions_must_cover_what_a_turn_may_reach():
         )
     )
     check_positions(llama, cfg)  # rotary positions: nothing learned to run out of
+
+
+def test_the_docs_guessing_game_plays_as_the_page_says(tmp_path, tok):
+    """docs/agents.md's stateful example, as written there: reset adds its text to the prompt,
+    guess answers higher or lower, get_reward scores the finished episode, and two episodes
+    never share a game."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "class GuessingGame" in b)
+    (tmp_path / "games.py").write_text(code)
+    agent = Agent.load(config(environment=f"{tmp_path}/games.py:GuessingGame", rewards=[]))
+    kind = prompt_kind(32, agent=agent)
+    ex = kind.process({"prompt": "Let's play.", "secret": 7}, tok, DataConfig(max_seq_len=400))
+    one, two = agent.start(ex, tok), agent.start(ex, tok)
+    assert tok.decode(one.prompt_ids).endswith(
+        "Let's play. Guess my number from 1 to 10.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    said = [one.box.call("guess", {"n": n}).content for n in (3, 9, 7)]
+    assert said == ["higher", "lower", "right"]
+    assert one.environment.outcome() == 1.0 and two.environment.outcome() == 0.0
+
+
+def test_the_plan_shows_turns_budget_and_tools(files):
+    from llmtrain.rl.method import agent_lines
+
+    assert agent_lines(config()) == []
+    lines = agent_lines(config(tools=["llmtrain.calculator:add"], environment=f"{files}/games.py:Counter", max_turns=4))
+    text = "\n".join(lines)
+    assert "at most 4 turns, sharing 256 completion tokens" in text and "30 s each" in text
+    assert "tools: llmtrain.calculator:add" in text and "games.py:Counter (one instance per episode)" in text
