@@ -3,6 +3,8 @@ data-source members, steps per pass from its settings alone (what `llmtrain plan
 advantages from the objective's estimator, the completions shown once, and evaluation on
 the set given at construction."""
 
+import json
+
 import pytest
 import torch
 
@@ -146,10 +148,10 @@ class Caller:
     """A Generator whose first turn calls `add` (a = the seed's last digit, b = 1) and whose
     second answers 'done', each ended with the stop token."""
 
-    max_new_tokens = 160
+    max_new_tokens = 300
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, call=lambda a: ("add", {"a": a, "b": 1})):
+        self.tokenizer, self.call = tokenizer, call
         self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.calls = []
 
@@ -157,12 +159,11 @@ class Caller:
         self.calls.append(len(prompts))
         out = []
         for i, context in enumerate(prompts):
-            answered = "<tool_response>" in self.tokenizer.decode(context[-80:])
-            a = (seeds[i] if seeds is not None else 7) % 10
-            call = f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": 1}}}}\n</tool_call>'
-            out.append(
-                self.tokenizer("done" if answered else call, add_special_tokens=False)["input_ids"] + [self.stop]
-            )
+            answered = "</tool_response>" in self.tokenizer.decode(context[-40:])
+            name, arguments = self.call((seeds[i] if seeds is not None else 7) % 10)
+            call = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+            said = "done" if answered else call
+            out.append(self.tokenizer(said, add_special_tokens=False)["input_ids"] + [self.stop])
         return Completions(out, [True] * len(out))
 
 
@@ -182,16 +183,17 @@ def agentic(model, tokenizer, tmp_path):
     tok.chat_template = TOOL_CHAT_TEMPLATE
     check_parser(tok)
     (tmp_path / "my_tools.py").write_text(TOOLS)
-    agent = Agent(load_tools([f"{tmp_path / 'my_tools.py'}:add"]), {}, AgentSettings(3, 5.0, 100, 100, True))
-    kind, cfg = prompt_kind(160, agent=agent), DataConfig(max_seq_len=260)
+    tools = load_tools([f"{tmp_path / 'my_tools.py'}:{n}" for n in ("add", "fails", "sleeps", "floods")])
+    agent = Agent(tools, {}, AgentSettings(3, 0.5, 100, 100, True))
+    kind, cfg = prompt_kind(300, agent=agent), DataConfig(max_seq_len=400)
     data = datasets.Dataset.from_list([kind.process({"prompt": f"Add {i}", "id": i}, tok, cfg) for i in range(9)])
     seen = []
 
     def sums(prompts, completions, **kwargs):  # the tool's result, as the reward sees the episode
         seen.extend(completions)
-        return [float(c[1]["content"]) if len(c) > 1 else 0.0 for c in completions]
+        return [float(c[1]["content"]) if len(c) > 1 and c[1]["content"].isdigit() else 0.0 for c in completions]
 
-    def make(**kw):
+    def make(caller=None, **kw):
         objective = GRPOLoss("dapo")
         return Rollouts(
             settings(**kw),
@@ -200,7 +202,7 @@ def agentic(model, tokenizer, tmp_path):
             tok,
             data,
             objective,
-            Caller(tok),
+            caller or Caller(tok),
             [Reward("sums", sums, None)],
             None,
             lambda what: None,
@@ -287,3 +289,19 @@ def test_multi_turn_evaluation_plays_greedy_episodes(agentic):
     make, _, _ = agentic
     out = make().evaluate(step=0)
     assert out["eval_reward"] == pytest.approx(8.0)  # greedy: add(7, 1)
+
+
+def test_a_raising_hanging_or_flooding_tool_is_a_result_the_episode_goes_on_after(agentic):
+    """Calls that raise, run past grpo.tool_timeout_s, or return megabytes: each is a result the
+    model sees (an error, or the output cut), counted, and the episode takes its next turn."""
+    make, tok, seen = agentic
+    bad = [("fails", {"x": 1}), ("sleeps", {"seconds": 3}), ("floods", {"n": 5_000_000}), ("add", {"a": 1, "b": 2})]
+    source = make(Caller(tok, call=lambda a: bad[a % 4]), iterations=1)
+    next(iter(source.epoch(0)))
+    m = source.metrics
+    assert m["turns"] == 2.0 and m["tool_calls"] == 1.0
+    results = {c[1]["name"]: c[1]["content"] for c in seen}
+    assert results["fails"].startswith('{"error": ') and results["sleeps"] == '{"error": "timed out after 0.5 s"}'
+    assert results["floods"].startswith("x" * 100) and results["floods"].endswith("[4999900 more characters cut]")
+    calls = [c[1]["name"] for c in seen]
+    assert m["tool_errors"] == pytest.approx(sum(n in ("fails", "sleeps") for n in calls) / len(calls))
