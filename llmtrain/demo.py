@@ -56,10 +56,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # The calculator demo's (docs/agents.md): ChatML with tools, rendered as Qwen's template renders
-# them (calls as <tool_call> blocks in the assistant turn, results as <tool_response> blocks in
-# a user turn), but listing each tool as a short signature, not its JSON schema: the demo's
-# character-level tokens would make a schema hundreds of tokens long. Without tools it renders
-# as CHAT_TEMPLATE does.
+# them (calls as <tool_call> blocks of JSON in the assistant turn, results as <tool_response>
+# blocks in a user turn), with two changes for a tiny model of character-level tokens: each
+# tool is listed as a short signature, not its JSON schema (hundreds of tokens), and a call's
+# JSON gives its arguments before its name, which puts the numbers the model copies from the
+# question nearer to it. Without tools it renders as CHAT_TEMPLATE does.
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
@@ -74,7 +75,7 @@ TOOL_CHAT_TEMPLATE = (
     "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
     "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "{% for call in message['tool_calls'] or [] %}<tool_call>\n"
-    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ {'arguments': call['function']['arguments'], 'name': call['function']['name']} | tojson }}"
     "\n</tool_call>{% endfor %}<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
@@ -285,14 +286,15 @@ def building(root: Path):
 
 def clean_leftovers(root: Path) -> None:
     """What a builder killed mid-build left (called holding the lock, so no builder is at
-    work): its scratch directories beside root, its temporary files in root, the SFT
-    build's run directory."""
+    work): its scratch directories beside root and in it, its temporary files in root, the
+    run directories of the models it trains (train_child)."""
     for path in root.parent.glob(f"{root.name}.tmp-*"):
         safefs.rmtree(path)
     if root.is_dir():
         for path in root.glob(".tmp-*"):
             path.unlink(missing_ok=True)
-        safefs.rmtree(root / "sft-run")
+        for path in [*root.glob("*.tmp-*"), *root.glob("*-run")]:
+            safefs.rmtree(path)
 
 
 def builds(*products: str):
@@ -475,10 +477,11 @@ CALC_TOOLS = ["llmtrain.calculator:add", "llmtrain.calculator:multiply"]  # as g
 
 
 def calc_question(rng: random.Random) -> tuple[str, str, int, int]:
-    """(question, tool, a, b): a sum or product of two two-digit numbers."""
+    """(question, tool, a, b): a sum or product of two two-digit numbers, written as the bare
+    expression ('89 * 42')."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     tool = rng.choice(["add", "multiply"])
-    return f"What is {a} {'+' if tool == 'add' else '*'} {b}?", tool, a, b
+    return f"{a} {'+' if tool == 'add' else '*'} {b}", tool, a, b
 
 
 def make_calc_prompts(n: int, seed: int) -> list[dict]:
@@ -514,6 +517,22 @@ def make_calc_traces(n: int, seed: int) -> list[dict]:
     return rows
 
 
+# The calculator demo's rows: (file, rows, seed).
+CALC_FILES = {
+    "demo:calc-traces": (make_calc_traces, 2000, 7),
+    "demo:calc-train": (make_calc_prompts, 2000, 8),
+    "demo:calc-eval": (make_calc_prompts, 200, 9),
+}
+
+
+@builds(*(DEMO_NAMES[n] for n in CALC_FILES))
+def build_calc_rows(root: Path) -> None:
+    """The calculator demo's tool traces (its SFT stage) and its prompts, under root, once."""
+    for name, (make, n, seed) in CALC_FILES.items():
+        if not (root / DEMO_NAMES[name]).exists():
+            write_once(root, DEMO_NAMES[name], make(n, seed))
+
+
 @builds(DEMO_NAMES["demo:prompts-train"], DEMO_NAMES["demo:prompts-eval"])
 def build_prompts(root: Path) -> None:
     """The RL demo's prompts under root, once: 2000 for training, 200 held out."""
@@ -537,12 +556,62 @@ def build_sft_model(root: Path) -> None:
     if (target / "config.json").exists():
         return
     build_assets(root)
-    script = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+    train_child(root, "tiny-llama-sft", None, "the preference demo's starting model", SFT_TIME, SFT_OVERRIDES)
+
+
+SFT_TIME = "about a minute on an idle CPU, longer on a busy one"
+CALC_SFT_TIME = "about four minutes on an idle CPU, longer on a busy one"
+
+
+def with_tool_template(source: Path, target: Path) -> None:
+    """`source`'s model saved to `target` with the calculator demo's tool template."""
+    from transformers import AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    for f in source.iterdir():
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp)
+    safefs.opened(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process finished first
+        safefs.rmtree(tmp)
+
+
+@builds("tiny-llama-tools/config.json")
+def build_tools_model(root: Path) -> None:
+    """tiny-llama-tools/ under root: the SFT demo's model (built first) with the tool template,
+    where the calculator demo's SFT stage starts (its copying of the demo's words helps it
+    learn to copy numbers into calls)."""
+    build_sft_model(root)
+    with_tool_template(root / "tiny-llama-sft", root / "tiny-llama-tools")
+
+
+@builds("tiny-llama-calc/config.json")
+def build_calc_model(root: Path) -> None:
+    """tiny-llama-calc/ under root: the calculator demo's SFT stage (recipes/finetune.py with
+    recipes/configs/agent_sft_demo.yaml) on tool traces, where its GRPO demo starts."""
+    build_tools_model(root)
+    build_calc_rows(root)
+    quiet = ["checkpoint.every_steps=0", "log.progress_bar=false"]
+    train_child(root, "tiny-llama-calc", "agent_sft_demo.yaml", "the calculator demo's SFT stage", CALC_SFT_TIME, quiet)
+
+
+def train_child(root: Path, name: str, config: str | None, what: str, takes: str, overrides: list[str]) -> None:
+    """Train `root/name` with recipes/finetune.py, `config` (None: its embedded demo) and
+    `overrides` in a
+    process of its own, outside any distributed job this one belongs to, that dies with this
+    one (run_child); its final/ becomes `root/name`."""
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    script = recipes / "finetune.py"
     if not script.is_file():
-        raise FileNotFoundError(f"{script} is missing: the preference demo trains its starting model with it")
-    run_dir = root / "sft-run"
+        raise FileNotFoundError(f"{script} is missing: the demo trains {what} with it")
+    run_dir = root / f"{name}-run"
     safefs.rmtree(run_dir)
-    print(f"building the preference demo's starting model: {script.name}'s demo, two epochs ({SFT_TIME})")
+    print(f"building {what}: {script.name}{f' --config recipes/configs/{config}' if config else ''} ({takes})")
     sys.stdout.flush()
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR")
     env = {
@@ -551,14 +620,12 @@ def build_sft_model(root: Path) -> None:
         if not k.startswith(launcher + ("ROLE_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_"))
         or k == "ACCELERATE_USE_CPU"
     }
-    code = run_child([sys.executable, str(script), f"output_dir={run_dir}", *SFT_OVERRIDES], env)
+    args = ["--config", str(recipes / "configs" / config)] if config else []
+    code = run_child([sys.executable, str(script), *args, f"output_dir={run_dir}", *overrides], env)
     if code != 0:
-        raise RuntimeError(f"building the demo's SFT model failed (exit {code}); see the lines above")
-    os.replace(run_dir / "final", target)
+        raise RuntimeError(f"building {what} failed (exit {code}); see the lines above")
+    os.replace(run_dir / "final", root / name)
     safefs.rmtree(run_dir)
-
-
-SFT_TIME = "about a minute on an idle CPU, longer on a busy one"
 
 
 def built(path: Path) -> bool:
@@ -582,8 +649,20 @@ def stand_ins(root: Path, names: set[str], paths: dict[str, Path]) -> list[str]:
             f"{sft} is not built yet: the run builds it first (recipes/finetune.py's demo, two epochs: {SFT_TIME}); "
             "planned with demo:tiny-llama's config and tokenizer, which it shares"
         )
-    rows = {"pairs": make_pairs, "kto": lambda n, seed: unpaired_rows(make_pairs(n, seed))}
     aside = root / "plan-stand-ins"
+    tools = [n for n in ("demo:tiny-llama-tools", "demo:tiny-llama-calc") if n in names and not built(paths[n])]
+    if tools:  # both are the SFT demo's model with the tool template: planned as the base model with it
+        aside.mkdir(exist_ok=True)
+        if not built(aside / "tiny-llama-tools"):
+            with_tool_template(root / DEMO_NAMES["demo:tiny-llama"], aside / "tiny-llama-tools")
+        for name in tools:
+            paths[name] = aside / "tiny-llama-tools"
+        notes.append(
+            f"{' and '.join(tools)} not built yet: the run builds them first (the calculator demo's SFT stage: "
+            f"{CALC_SFT_TIME}); planned with demo:tiny-llama's config and tokenizer and the tool template, which "
+            "they share"
+        )
+    rows = {"pairs": make_pairs, "kto": lambda n, seed: unpaired_rows(make_pairs(n, seed))}
     for kind, make in rows.items():
         todo = sorted(n for n in names if n.startswith(f"demo:{kind}-") and not built(paths[n]))
         for name in todo:
@@ -619,6 +698,8 @@ def resolve_demo_names(cfg, train: bool = True) -> list[str]:
     build_assets(root)
     if any(n.startswith("demo:prompts") for n in names):
         build_prompts(root)
+    if any(n.startswith("demo:calc-") for n in names):
+        build_calc_rows(root)
     notes = [] if train else stand_ins(root, names, paths)
     if train:
         if any(n.startswith("demo:pairs") for n in names):
@@ -627,6 +708,10 @@ def resolve_demo_names(cfg, train: bool = True) -> list[str]:
             build_unpaired(root)
         if "demo:tiny-llama-sft" in names:
             build_sft_model(root)
+        if "demo:tiny-llama-tools" in names:
+            build_tools_model(root)
+        if "demo:tiny-llama-calc" in names:
+            build_calc_model(root)
 
     def fix(key: str, name: str, kind: PathKey) -> str:
         return str(paths[name]) if kind.asset and name in DEMO_NAMES else name

@@ -210,3 +210,43 @@ def test_the_cpu_load_benchmark_compares_libgomps_own_wait_with_llmtrains():
         proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         seen.append(proc.stdout.split())
     assert seen[:3] == [["None", "300000"], ["None", "3000"], ["PASSIVE", "None"]]
+
+
+def test_agents_benchmark_gives_both_systems_the_same_tools_calls_and_questions(tokenizer):
+    """Both systems get each calculator question as one user message, the same tools (TRL the
+    functions, llmtrain their names), and read the demo model's calls alike: TRL's
+    parse_response on the tokenizer llmtrain prepares gives the calls llmtrain's parser gives.
+    The accuracy reward reads an episode's last answer, not a tool's result."""
+    import copy
+
+    from trl.chat_template_utils import parse_response, supports_tool_calling
+
+    from llmtrain.calculator import add, multiply
+    from llmtrain.demo import CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts
+    from llmtrain.rl.prompts import prompt_ids
+    from llmtrain.rl.rewards import accuracy
+    from llmtrain.rl.tools import load_tools
+    from llmtrain.rl.turns import check_parser, parse_turn
+
+    agents_bench = load("agents_vs_trl")
+    assert [t.fn for t in load_tools(CALC_TOOLS)] == [add, multiply]
+    rows = [agents_bench.as_user_message(r) for r in make_calc_prompts(4, seed=1)]
+    assert all(r["prompt"] == [{"role": "user", "content": r["prompt"][0]["content"]}] for r in rows)
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    check_parser(tok)
+    assert supports_tool_calling(tok)
+    schemas = [t.schema for t in load_tools(CALC_TOOLS)]
+    prompt = prompt_ids(rows[0]["prompt"], tok, schemas)
+    call = '<tool_call>\n{"arguments": {"a": 12, "b": 34}, "name": "multiply"}\n</tool_call>'
+    ids = tok(call, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ours = parse_turn(tok, ids, prompt, [ids[-1]], tools=schemas).calls
+    theirs = parse_response(tok, ids, prefix=prompt, tools=[add, multiply])["tool_calls"]
+    assert ours == [("multiply", {"a": 12, "b": 34})]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in theirs] == ours
+    episode = [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": theirs[0]["function"]}]},
+        {"role": "tool", "name": "multiply", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
+    assert accuracy(None, [episode, episode[:2]], ["408", "408"]) == [1.0, 0.0]

@@ -314,6 +314,8 @@ def demo_names(cfg) -> set[str]:
 
 def test_the_shipped_demo_configs_are_found():
     assert {p.name for p, _ in DEMO_CONFIGS} == {
+        "agent_demo.yaml",
+        "agent_sft_demo.yaml",
         "demo.yaml",
         "dpo_demo.yaml",
         "grpo_demo.yaml",

@@ -149,7 +149,7 @@ def test_two_builders_started_together_build_once_and_both_use_it(fake_build, ca
         t.join(timeout=60)
     assert not errors, errors
     assert len(log.read_text().split()) == 1  # trained once
-    assert (root / "tiny-llama-sft" / "config.json").exists() and not (root / "sft-run").exists()
+    assert (root / "tiny-llama-sft" / "config.json").exists() and not (root / "tiny-llama-sft-run").exists()
     waits = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo: waiting for")]
     assert len(waits) == 1 and f"pid {os.getpid()} on " in waits[0], waits
 
@@ -169,7 +169,7 @@ def test_a_builder_killed_mid_build_is_waited_for_then_taken_over(fake_build, ca
     (SIGKILL: the kernel frees its lock), it takes the lock, removes what the dead one left
     half built, and builds."""
     root, log = fake_build
-    scraps = [root.parent / "demo-v4.tmp-abc123", root / "sft-run" / "final"]
+    scraps = [root.parent / "demo-v4.tmp-abc123", root / "tiny-llama-sft-run" / "final", root / "x.tmp-1"]
     for path in scraps:
         path.mkdir(parents=True)
     lock = root.parent / "demo-v4.lock"
@@ -260,3 +260,33 @@ def test_the_demos_assets_follow_the_umask(tmp_path, umask):
         name: mode for name, mode in modes.items() if mode != (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask
     } == {}
     assert "demo/tiny-llama/model.safetensors" in modes
+
+
+def test_calculator_traces_call_the_right_tool_and_render_as_grpo_prompts(tokenizer):
+    """The calculator demo's SFT rows call the tool the question needs with its numbers, its
+    result is the answer, and their prompt renders as the GRPO demo's prompts do (the same
+    tools, the same template), with the call read back by llmtrain's parser."""
+    import copy
+
+    from llmtrain.demo import CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts, make_calc_traces
+    from llmtrain.rl.prompts import prompt_ids
+    from llmtrain.rl.tools import load_tools
+    from llmtrain.rl.turns import check_parser, parse_turn
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    check_parser(tok)
+    schemas = [t.schema for t in load_tools(CALC_TOOLS)]
+    for row, prompt in zip(make_calc_traces(20, seed=3), make_calc_prompts(20, seed=3)):
+        question, call, result, answer = row["messages"]
+        a, op, b = question["content"].split()
+        function = call["tool_calls"][0]["function"]
+        assert question["content"] == prompt["prompt"] and row["tools"] == schemas
+        assert function == {"name": {"+": "add", "*": "multiply"}[op], "arguments": {"a": int(a), "b": int(b)}}
+        assert result["content"] == answer["content"] == prompt["answer"] == str(eval(f"{a} {op} {b}"))
+        asked = prompt_ids([question], tok, schemas)
+        whole = tok.apply_chat_template(row["messages"], tools=schemas, tokenize=True, return_dict=False)
+        assert whole[: len(asked)] == asked  # the SFT row's prompt is the GRPO prompt, token for token
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        turn = whole[len(asked) : whole.index(end, len(asked)) + 1]
+        assert parse_turn(tok, turn, asked, [end], tools=schemas).calls == [(function["name"], function["arguments"])]

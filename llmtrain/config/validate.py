@@ -94,6 +94,11 @@ DEMO_NAMES = {
     "demo:kto-eval": "kto-eval.jsonl",
     "demo:prompts-train": "rl-words-train.jsonl",
     "demo:prompts-eval": "rl-words-eval.jsonl",
+    "demo:tiny-llama-tools": "tiny-llama-tools",
+    "demo:calc-traces": "calc-traces.jsonl",
+    "demo:tiny-llama-calc": "tiny-llama-calc",
+    "demo:calc-train": "calc-train.jsonl",
+    "demo:calc-eval": "calc-eval.jsonl",
 }
 
 
