@@ -520,6 +520,7 @@ def make_calc_traces(n: int, seed: int) -> list[dict]:
 # The calculator demo's rows: (file, rows, seed).
 CALC_FILES = {
     "demo:calc-traces": (make_calc_traces, 2000, 7),
+    "demo:calc-traces-eval": (make_calc_traces, 200, 10),
     "demo:calc-train": (make_calc_prompts, 2000, 8),
     "demo:calc-eval": (make_calc_prompts, 200, 9),
 }

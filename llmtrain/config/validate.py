@@ -96,6 +96,7 @@ DEMO_NAMES = {
     "demo:prompts-eval": "rl-words-eval.jsonl",
     "demo:tiny-llama-tools": "tiny-llama-tools",
     "demo:calc-traces": "calc-traces.jsonl",
+    "demo:calc-traces-eval": "calc-traces-eval.jsonl",
     "demo:tiny-llama-calc": "tiny-llama-calc",
     "demo:calc-train": "calc-train.jsonl",
     "demo:calc-eval": "calc-eval.jsonl",

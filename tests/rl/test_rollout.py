@@ -305,3 +305,55 @@ def test_a_raising_hanging_or_flooding_tool_is_a_result_the_episode_goes_on_afte
     assert results["floods"].startswith("x" * 100) and results["floods"].endswith("[4999900 more characters cut]")
     calls = [c[1]["name"] for c in seen]
     assert m["tool_errors"] == pytest.approx(sum(n in ("fails", "sleeps") for n in calls) / len(calls))
+
+
+def test_an_environments_reward_is_a_column_of_its_own_weighted_like_a_function(model, tokenizer, tmp_path):
+    """Each episode gets its own game, reset with its row (the secret) and its text added to the
+    prompt; get_reward is reward_environment, weighted last by grpo.reward_weights."""
+    import copy
+
+    import datasets
+
+    from llmtrain.demo import TOOL_CHAT_TEMPLATE
+    from llmtrain.rl.agent import Agent
+    from llmtrain.rl.config import GRPOConfig
+    from llmtrain.rl.turns import check_parser
+    from tests.rl.test_environments import GAMES
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    check_parser(tok)
+    (tmp_path / "games.py").write_text(GAMES)
+    cfg = GRPOConfig()
+    cfg.grpo.environment, cfg.grpo.rewards, cfg.grpo.reward_weights = f"{tmp_path}/games.py:GuessingGame", [], [2.0]
+    cfg.grpo.max_completion_length, cfg.data.max_seq_len, cfg.grpo.max_turns = 300, 400, 2
+    agent = Agent.load(cfg)
+    kind = prompt_kind(300, agent=agent)
+    rows = [{"prompt": f"Play {i}", "secret": i % 10} for i in range(9)]
+    data = datasets.Dataset.from_list([kind.process(r, tok, cfg.data) for r in rows])
+    source = Rollouts(
+        settings(iterations=1, reward_weights=(2.0,)),
+        OneProcess(),
+        model,
+        tok,
+        data,
+        GRPOLoss("dapo"),
+        Caller(tok, call=lambda a: ("guess", {"n": a})),  # guesses the seed's last digit
+        [],
+        None,
+        lambda what: None,
+        None,
+        agent,
+    )
+    next(iter(source.epoch(0)))
+    samples, m = source.current[2], source.metrics
+    assert "Guess my number from 1 to 10." in tok.decode(samples[0].prompt_ids)
+    won = []
+    for s in samples:
+        text = tok.decode(s.completion_ids)
+        guess = json.loads(text.split("<tool_call>\n")[1].split("\n</tool_call>")[0])["arguments"]["n"]
+        secret = int(tok.decode(s.prompt_ids).split("Play ")[1][0]) % 10
+        won.append(float(guess == secret))
+        assert ("right" if guess == secret else "higher" if guess < secret else "lower") in text
+    assert source.labels == ["environment"] and m["reward_environment"] == pytest.approx(sum(won) / len(won))
+    assert m["reward"] == pytest.approx(2 * sum(won) / len(won))
