@@ -178,7 +178,8 @@ class Rollouts:
     # --- the loop's view -----------------------------------------------------------------
 
     def epoch(self, epoch: int, skip: int = 0):
-        """An iterator over pass `epoch`'s micro-batches after its first `skip` (whole steps)."""
+        """An iterator over pass `epoch`'s micro-batches after its first `skip` micro-batches
+        (whole steps' worth: the loop resumes at a step's start)."""
         per_round = self.accum * self.iterations
         first, within = divmod(skip, per_round)
         self.sampler.set_epoch(epoch)
