@@ -476,43 +476,53 @@ def make_prompts(n: int, seed: int) -> list[dict]:
 CALC_TOOLS = ["llmtrain.calculator:add", "llmtrain.calculator:multiply"]  # as grpo.tools names them
 
 
-def calc_question(rng: random.Random) -> tuple[str, str, int, int]:
-    """(question, tool, a, b): a sum or product of two two-digit numbers, written as the bare
-    expression ('89 * 42')."""
+CALC_CUE = "Use a tool."  # the system message of the SFT stage's tool traces; GRPO's prompts have none
+
+
+def calc_question(rng: random.Random) -> tuple[str, int, int]:
+    """(question, a, b): a sum of two two-digit numbers, written as the bare expression
+    ('89 + 42'), which the demo model cannot add in its head."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    tool = rng.choice(["add", "multiply"])
-    return f"{a} {'+' if tool == 'add' else '*'} {b}", tool, a, b
+    return f"{a} + {b}", a, b
 
 
 def make_calc_prompts(n: int, seed: int) -> list[dict]:
-    """Prompt rows for the calculator demo, each with its `answer`."""
+    """Prompt rows for the calculator demo (no system message), each with its `answer`."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        q, tool, a, b = calc_question(rng)
-        rows.append({"prompt": q, "answer": str(add(a, b) if tool == "add" else multiply(a, b))})
+        q, a, b = calc_question(rng)
+        rows.append({"prompt": q, "answer": str(add(a, b))})
     return rows
 
 
 def make_calc_traces(n: int, seed: int) -> list[dict]:
-    """Chat rows for the calculator demo's SFT stage: the question, the assistant's call of
-    the right tool, its result, and the answer, with the tools' schemas as grpo.tools gives
-    them (so SFT and GRPO render the same prompt)."""
+    """Chat rows for the calculator demo's SFT stage, with the tools' schemas as grpo.tools
+    gives them (so SFT and GRPO render the same prompt). In 10 rows of 20 a system message
+    asks for a tool (CALC_CUE) and the assistant calls `add`, reads its result and answers
+    with it; in 1 it calls the tool unasked; in 9 it answers unasked, in its head. So the
+    model learns the call format and to copy numbers, but asked plainly it seldom calls the
+    tool: the GRPO demo's prompts ask plainly, and GRPO finds that calling it pays."""
     from transformers.utils import get_json_schema
 
     schemas = [get_json_schema(add), get_json_schema(multiply)]
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
-        q, tool, a, b = calc_question(rng)
-        result = str(add(a, b) if tool == "add" else multiply(a, b))
-        call = {"type": "function", "function": {"name": tool, "arguments": {"a": a, "b": b}}}
-        messages = [
-            {"role": "user", "content": q},
+    for i in range(n):
+        q, a, b = calc_question(rng)
+        result = str(add(a, b))
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        used = [
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": tool, "content": result},
+            {"role": "tool", "name": "add", "content": result},
             {"role": "assistant", "content": result},
         ]
+        if i % 20 < 10:
+            messages = [{"role": "system", "content": CALC_CUE}, {"role": "user", "content": q}, *used]
+        elif i % 20 < 11:
+            messages = [{"role": "user", "content": q}, *used]
+        else:
+            messages = [{"role": "user", "content": q}, {"role": "assistant", "content": result}]
         rows.append({"messages": messages, "tools": schemas})
     return rows
 
@@ -742,8 +752,8 @@ CALLS = "tool calls per question"
 def score_calculator(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, dict[str, float]]:
     """The share of `n` fresh calculator questions a model with the calculator's tools
     answers exactly right, playing each as a greedy episode of the GRPO demo's turns and
-    tokens (rl/episodes.play, the tools called as in training), overall and by tool; with
-    the mean tool calls per question."""
+    tokens (rl/episodes.play, the tools called as in training), with the mean tool calls
+    per question."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -755,20 +765,16 @@ def score_calculator(model_dir: str | Path, n: int = 300, seed: int = 99) -> tup
     rows = make_calc_prompts(n, seed + 1_000_000)  # seeds apart from the training and evaluation prompts'
     stops = stop_ids(model.generation_config, tokenizer)
     generator = HFGenerator(tokenizer, CALC_TOKENS)
-    right, calls, by_tool = [], 0, {"add": [], "multiply": []}
+    right, calls = [], 0
     for start in range(0, n, 50):
         part = rows[start : start + 50]
         prompts = [prompt_ids([{"role": "user", "content": r["prompt"]}], tokenizer, schemas) for r in part]
         boxes = [ToolBox(tools, 5.0, 1000) for _ in part]
         episodes = play(generator, model, tokenizer, prompts, None, boxes, CALC_TURNS, CALC_TOKENS, stops)
         for r, e in zip(part, episodes):
-            ok = completion_text(e.messages).strip() == r["answer"]
-            right.append(ok)
-            by_tool["add" if "+" in r["prompt"] else "multiply"].append(ok)
+            right.append(completion_text(e.messages).strip() == r["answer"])
             calls += e.calls
-    out = {k: sum(v) / len(v) for k, v in by_tool.items() if v}
-    out[CALLS] = calls / n
-    return sum(right) / n, out
+    return sum(right) / n, {CALLS: calls / n}
 
 
 def kind(question: str) -> str:
@@ -794,7 +800,7 @@ if __name__ == "__main__":
             f.read_text() for f in Path(path).glob("*.jinja")
         ):  # the calculator demo's model (docs/agents.md): questions played as episodes with its tools
             overall, figures = score_calculator(path)
-            shown = ", ".join(f"{k} {v:.0%}" if k != CALLS else f"{k} {v:.2f}" for k, v in figures.items())
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
             print(f"{path}: {overall:.1%} of 300 held-out calculator questions answered right ({shown})")
             continue
         overall, by_kind = score(path)

@@ -262,13 +262,15 @@ def test_the_demos_assets_follow_the_umask(tmp_path, umask):
     assert "demo/tiny-llama/model.safetensors" in modes
 
 
-def test_calculator_traces_call_the_right_tool_and_render_as_grpo_prompts(tokenizer):
-    """The calculator demo's SFT rows call the tool the question needs with its numbers, its
-    result is the answer, and their prompt renders as the GRPO demo's prompts do (the same
-    tools, the same template), with the call read back by llmtrain's parser."""
+def test_calculator_traces_call_the_tool_when_asked_and_render_as_grpo_prompts(tokenizer):
+    """The calculator demo's SFT rows: asked for a tool (CALC_CUE), the assistant calls add with
+    the question's numbers and answers with its result; unasked it mostly answers in its head,
+    now and then calls it (10, 1 and 9 rows of 20). Every answer is the sum. An unasked row's
+    prompt is the GRPO demo's prompt token for token (the same tools, the same template), and
+    a call is read back by llmtrain's parser."""
     import copy
 
-    from llmtrain.demo import CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts, make_calc_traces
+    from llmtrain.demo import CALC_CUE, CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts, make_calc_traces
     from llmtrain.rl.prompts import prompt_ids
     from llmtrain.rl.tools import load_tools
     from llmtrain.rl.turns import check_parser, parse_turn
@@ -277,16 +279,30 @@ def test_calculator_traces_call_the_right_tool_and_render_as_grpo_prompts(tokeni
     tok.chat_template = TOOL_CHAT_TEMPLATE
     check_parser(tok)
     schemas = [t.schema for t in load_tools(CALC_TOOLS)]
-    for row, prompt in zip(make_calc_traces(20, seed=3), make_calc_prompts(20, seed=3)):
-        question, call, result, answer = row["messages"]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    kinds = []
+    for row, prompt in zip(make_calc_traces(40, seed=3), make_calc_prompts(40, seed=3)):
+        messages = row["messages"]
+        asked = messages[0]["role"] == "system"
+        if asked:
+            assert messages[0]["content"] == CALC_CUE
+            messages = messages[1:]
+        question, *said = messages
         a, op, b = question["content"].split()
-        function = call["tool_calls"][0]["function"]
-        assert question["content"] == prompt["prompt"] and row["tools"] == schemas
-        assert function == {"name": {"+": "add", "*": "multiply"}[op], "arguments": {"a": int(a), "b": int(b)}}
-        assert result["content"] == answer["content"] == prompt["answer"] == str(eval(f"{a} {op} {b}"))
-        asked = prompt_ids([question], tok, schemas)
+        assert question["content"] == prompt["prompt"] and row["tools"] == schemas and op == "+"
+        assert said[-1]["content"] == prompt["answer"] == str(int(a) + int(b))
+        calls = len(said) == 3
+        kinds.append((asked, calls))
+        if calls:
+            function = said[0]["tool_calls"][0]["function"]
+            assert function == {"name": "add", "arguments": {"a": int(a), "b": int(b)}}
+            assert said[1] == {"role": "tool", "name": "add", "content": prompt["answer"]}
+        if asked:
+            continue
+        ids = prompt_ids([question], tok, schemas)
         whole = tok.apply_chat_template(row["messages"], tools=schemas, tokenize=True, return_dict=False)
-        assert whole[: len(asked)] == asked  # the SFT row's prompt is the GRPO prompt, token for token
-        end = tok.convert_tokens_to_ids("<|im_end|>")
-        turn = whole[len(asked) : whole.index(end, len(asked)) + 1]
-        assert parse_turn(tok, turn, asked, [end], tools=schemas).calls == [(function["name"], function["arguments"])]
+        assert whole[: len(ids)] == ids  # the SFT row's prompt is the GRPO prompt, token for token
+        turn = whole[len(ids) : whole.index(end, len(ids)) + 1]
+        want = [("add", {"a": int(a), "b": int(b)})] if calls else []
+        assert parse_turn(tok, turn, ids, [end], tools=schemas).calls == want
+    assert [kinds.count(k) for k in ((True, True), (False, True), (False, False))] == [20, 2, 18]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmtrain.demo import CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts, make_calc_traces, write_jsonl
+from llmtrain.demo import CALC_CUE, CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts, make_calc_traces, write_jsonl
 from tests.support.runs import (
     kill_run,
     launch,
@@ -90,6 +90,7 @@ def args(base_config, tool_model, tmp_path_factory):
             "data.max_seq_len=320",
             "grpo.max_turns=3",
             "grpo.log_completions=1",
+            f"data.system_prompt={CALC_CUE}",  # asked for a tool, as half the traces are: episodes call it
             f"grpo.rewards=[accuracy,{root / 'rewards.py'}:called,{root / 'rewards.py'}:even]",
             *extra,
         )
