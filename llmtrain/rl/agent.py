@@ -82,17 +82,17 @@ class Agent:
                         f"{where}: {kind.spec} has a method {name!r}, as grpo.tools has a tool; the model calls a "
                         "tool by its name, so rename one"
                     )
-        rewards = any(k.rewards for k in kinds.values())
-        if not cfg.reward_names() and not rewards:
+        agent = cls(tools, kinds, AgentSettings.from_config(cfg))
+        weights, names = cfg.grpo.reward_weights, cfg.reward_names()
+        if not names and not agent.env_reward:
             raise ToolError(
                 "grpo.rewards: no reward function and no get_reward in grpo.environment, so nothing scores an "
                 "episode; give a reward function, or a get_reward method"
             )
-        weights, names = cfg.grpo.reward_weights, cfg.reward_names()
-        if weights and len(weights) != len(names) + rewards:
-            have = f"{len(names)} reward functions" + (" and the environment's get_reward" if rewards else "")
+        if weights and len(weights) != len(names) + agent.env_reward:
+            have = f"{len(names)} reward functions" + (" and the environment's get_reward" if agent.env_reward else "")
             raise ToolError(f"grpo.reward_weights: {len(weights)} weights for {have}; give one each, or none")
-        return cls(tools, kinds, AgentSettings.from_config(cfg))
+        return agent
 
     @property
     def env_reward(self) -> bool:

@@ -253,9 +253,9 @@ class Rollouts:
             episodes += played
         generation_s = time.perf_counter() - started
         self.beat("scoring completions")
-        texts = [self.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+        texts = self.texts(samples, episodes)
         step = epoch * self.steps_per_epoch + r * self.iterations
-        table, failure = self.score([ex for ex in examples for _ in range(self.group)], samples, texts, episodes, step)
+        table, failure = self.score(examples, self.group, samples, texts, episodes, step)
         k = len(self.labels)
         stats = episode_stats(samples, ended, episodes)
         local = torch.cat([table, torch.full((len(samples), 1), float(bool(failure))), stats], 1)
@@ -302,21 +302,34 @@ class Rollouts:
         flag = torch.tensor([float(mine)], device=self.accelerator.device)
         return bool(self.accelerator.gather(flag).max() > 0)
 
-    def score(self, examples: list[dict], samples: list, texts: list[str], episodes: list, step: int, names=None):
+    def texts(self, samples: list[Sample], episodes: list) -> list[str]:
+        """Single-turn completions as text, for the rewards and the log; none for episodes,
+        which both read as messages."""
+        if episodes:
+            return []
+        return [self.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+
+    def score(
+        self, examples: list[dict], each: int, samples: list, texts: list[str], episodes: list, step: int, names=None
+    ):
         """([completions, rewards] rewards: each function's, then the environment's), ''), or
         (NaN, the error line) when a function failed: raised on every process together, after
-        the exchange. In a multi-turn run a completion is the episode's assistant and tool
-        messages, as TRL gives it."""
-        asked_as, columns = zip(*(decoded(ex) for ex in examples)) if examples else ((), ())
+        the exchange. `each`: completions per example, in order. In a multi-turn run a
+        completion is the episode's assistant and tool messages, as TRL gives it."""
+        asked_as, columns = [], []
+        for ex in examples:
+            p, c = decoded(ex)
+            asked_as += [p] * each
+            columns += [c] * each
         if episodes:
-            prompts, completions = as_rewards_see_episodes(list(asked_as), [t.messages for _, t in episodes])
+            prompts, completions = as_rewards_see_episodes(asked_as, [t.messages for _, t in episodes])
         else:
-            prompts, completions = as_rewards_see_all(list(asked_as), texts)
+            prompts, completions = as_rewards_see_all(asked_as, texts)
         ids = [s.completion_ids for s in samples]
         state = trainer_state(step, self.total_steps, step // self.steps_per_epoch)
         try:
             names = self.columns if names is None else names
-            table = score(self.rewards, prompts, completions, ids, list(columns), state, names)
+            table = score(self.rewards, prompts, completions, ids, columns, state, names)
         except RewardError as e:
             return torch.full((len(samples), len(self.labels)), float("nan")), str(e)
         if self.agent is not None and self.agent.env_reward:
@@ -393,8 +406,7 @@ class Rollouts:
                 samples = [Sample(0, 0, st.prompt_ids, t.ids, sampled=t.sampled) for st, t in episodes]
             if not part:
                 continue
-            texts = [self.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
-            rewards, failure = self.score(examples, samples, texts, episodes, step, names)
+            rewards, failure = self.score(examples, 1, samples, self.texts(samples, episodes), episodes, step, names)
             if failure:
                 raise RewardError(f"{failure} (on the evaluation prompts)")
             table.append(rewards)
