@@ -390,11 +390,18 @@ def build_assets(root: Path, train_rows: int = 3000, eval_rows: int = 200) -> No
     write_jsonl(evals, tmp / "eval.jsonl")
     corpus = [m["content"] for r in train for m in r["messages"]]
     build_model_dir(tmp / "tiny-llama", corpus)
-    safefs.opened(tmp)  # private while it was built (mkdtemp's 0700), the umask's modes now: a cache may be shared
+    into_place(tmp, root)
+
+
+def into_place(tmp: Path, target: Path) -> None:
+    """A directory built in `tmp` (mkdtemp's, beside `target`) renamed to `target` whole, with
+    the umask's modes (private while it was built, mkdtemp's 0700: a cache may be shared);
+    dropped if another process finished first."""
+    safefs.opened(tmp)
     try:
-        os.rename(tmp, root)
+        os.rename(tmp, target)
     except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+        safefs.rmtree(tmp)
 
 
 def write_once(root: Path, name: str, rows: list[dict]) -> None:
@@ -585,11 +592,7 @@ def with_tool_template(source: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(tmp)
-    safefs.opened(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process finished first
-        safefs.rmtree(tmp)
+    into_place(tmp, target)
 
 
 @builds("tiny-llama-tools/config.json")
@@ -613,9 +616,8 @@ def build_calc_model(root: Path) -> None:
 
 def train_child(root: Path, name: str, config: str | None, what: str, takes: str, overrides: list[str]) -> None:
     """Train `root/name` with recipes/finetune.py, `config` (None: its embedded demo) and
-    `overrides` in a
-    process of its own, outside any distributed job this one belongs to, that dies with this
-    one (run_child); its final/ becomes `root/name`."""
+    `overrides` in a process of its own, outside any distributed job this one belongs to,
+    that dies with this one (run_child); its final/ becomes `root/name`."""
     recipes = Path(__file__).resolve().parents[1] / "recipes"
     script = recipes / "finetune.py"
     if not script.is_file():
@@ -745,15 +747,15 @@ def score(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, d
     return sum(right) / n, {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
 
 
-CALC_TURNS, CALC_TOKENS = 3, 160  # the calculator demo's grpo.max_turns and grpo.max_completion_length
-CALLS = "tool calls per question"
+# The calculator demo's grpo.max_turns and grpo.max_completion_length (agent_demo.yaml's).
+CALC_TURNS, CALC_TOKENS = 2, 160
 
 
-def score_calculator(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, dict[str, float]]:
-    """The share of `n` fresh calculator questions a model with the calculator's tools
-    answers exactly right, playing each as a greedy episode of the GRPO demo's turns and
-    tokens (rl/episodes.play, the tools called as in training), with the mean tool calls
-    per question."""
+def score_calculator(model_dir: str | Path, n: int = 300, seed: int = 99) -> tuple[float, float]:
+    """(the share of `n` fresh calculator questions a model with the calculator's tools
+    answers exactly right, its tool calls per question), each question played as a greedy
+    episode of the GRPO demo's turns and tokens (rl/episodes.play, the tools called as in
+    training)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -774,7 +776,7 @@ def score_calculator(model_dir: str | Path, n: int = 300, seed: int = 99) -> tup
         for r, e in zip(part, episodes):
             right.append(completion_text(e.messages).strip() == r["answer"])
             calls += e.calls
-    return sum(right) / n, {CALLS: calls / n}
+    return sum(right) / n, calls / n
 
 
 def kind(question: str) -> str:
@@ -799,9 +801,11 @@ if __name__ == "__main__":
         if "<tool_call>" in (Path(path) / "tokenizer_config.json").read_text() + "".join(
             f.read_text() for f in Path(path).glob("*.jinja")
         ):  # the calculator demo's model (docs/agents.md): questions played as episodes with its tools
-            overall, figures = score_calculator(path)
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
-            print(f"{path}: {overall:.1%} of 300 held-out calculator questions answered right ({shown})")
+            overall, calls = score_calculator(path)
+            print(
+                f"{path}: {overall:.1%} of 300 held-out calculator questions answered right "
+                f"(tool calls per question {calls:.2f})"
+            )
             continue
         overall, by_kind = score(path)
         kinds = ", ".join(f"{k} {v:.0%}" for k, v in by_kind.items())

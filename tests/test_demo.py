@@ -306,3 +306,15 @@ def test_calculator_traces_call_the_tool_when_asked_and_render_as_grpo_prompts(t
         want = [("add", {"a": int(a), "b": int(b)})] if calls else []
         assert parse_turn(tok, turn, ids, [end], tools=schemas).calls == want
     assert [kinds.count(k) for k in ((True, True), (False, True), (False, False))] == [20, 2, 18]
+
+
+def test_the_calculator_score_plays_episodes_as_the_grpo_demo_does():
+    """`python -m llmtrain.demo score` plays each question with the GRPO demo's turns and token
+    budget, so a score measures the episodes the demo trains."""
+    from llmtrain.config.load import read_config, set_values
+    from llmtrain.demo import CALC_TOKENS, CALC_TOOLS, CALC_TURNS
+    from tests.support.runs import ROOT
+
+    written = set_values(read_config(ROOT / "recipes" / "configs" / "agent_demo.yaml"))
+    assert (written["grpo.max_turns"], written["grpo.max_completion_length"]) == (CALC_TURNS, CALC_TOKENS)
+    assert written["grpo.tools"] == CALC_TOOLS
