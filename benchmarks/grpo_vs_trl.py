@@ -33,8 +33,6 @@ reported, but only an idle one is a measurement.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -226,18 +224,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     setup = prepare(args.workload, root)
     before = held_out_reward(setup["model"], setup["held_out"])
-    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS if name in args.systems}
-    for repeat in range(args.repeats):
-        for name in results:
-            out = root / f"{name}-{repeat}"
-            shutil.rmtree(out, ignore_errors=True)
-            if name == "llmtrain":
-                r = ours(setup, out, args.ours)
-            else:
-                env = dict(os.environ, HF_DATASETS_CACHE=str(out / "datasets-cache"))
-                r = harness.run_peer(__file__, name, setup, out, env)
-            print(f"{name} run {repeat + 1}: {r['step_s']:.2f} s/step, held-out {r['held_out']:.3f}", flush=True)
-            results[name].append(r)
+    results = harness.run_rl_systems(__file__, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
     report(args, setup, before, results)
 
 

@@ -132,6 +132,26 @@ def run_peer(script: str, name: str, setup: dict, out: Path, env: dict | None = 
     return json.loads(line[0][len("RESULT ") :])
 
 
+def run_rl_systems(script: str, args, root: Path, setup: dict, systems: list[str], ours) -> dict[str, list[dict]]:
+    """Each of `systems` run `args.repeats` times, in the order A B C A B C, each run in a
+    fresh process and an empty `root/<system>-<repeat>`: llmtrain through `ours(setup, out,
+    overrides)`, a peer through `script --worker`. For the RL benchmarks (grpo_vs_trl.py,
+    agents_vs_trl.py), whose runs report step_s and held_out."""
+    results: dict[str, list[dict]] = {name: [] for name in systems}
+    for repeat in range(args.repeats):
+        for name in results:
+            out = root / f"{name}-{repeat}"
+            shutil.rmtree(out, ignore_errors=True)
+            if name == "llmtrain":
+                r = ours(setup, out, args.ours)
+            else:
+                env = dict(os.environ, HF_DATASETS_CACHE=str(out / "datasets-cache"))
+                r = run_peer(script, name, setup, out, env)
+            print(f"{name} run {repeat + 1}: {r['step_s']:.2f} s/step, held-out {r['held_out']:.3f}", flush=True)
+            results[name].append(r)
+    return results
+
+
 def worker_result(result: dict) -> None:
     """What a --worker process prints for `run_peer`."""
     print("RESULT " + json.dumps(result))
