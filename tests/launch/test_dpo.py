@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from llmtrain.demo import make_pairs, write_jsonl
 from tests.support.runs import (
     DPO_RECIPE,
+    assert_same_weights,
     kill_run,
     launch,
     metrics,
@@ -65,9 +66,7 @@ def assert_same_steps(got: Path, want: Path, name: str, weights: bool = True) ->
     for a, b in zip(evals, ref_evals):
         assert a[1:] == pytest.approx(b[1:], rel=1e-4, abs=1e-5), name
     if weights:
-        got_w, want_w = load_file(got / "final" / "model.safetensors"), load_file(want / "final" / "model.safetensors")
-        for key in want_w:
-            torch.testing.assert_close(got_w[key], want_w[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+        assert_same_weights(got, want, name)
 
 
 def test_a_global_batch_of_pairs_trains_alike_in_any_layout(args, cache_env, tmp_path):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from llmtrain.demo import make_prompts, write_jsonl
 from tests.support.runs import (
+    assert_same_rounds,
     kill_run,
     launch,
     launch_command,
@@ -72,17 +73,7 @@ def grpo(args: list[str], env: dict, nproc: int = 1, **kw):
 
 
 def assert_same_steps(got: Path, want: Path, name: str, weights: bool = True) -> None:
-    rows, ref = train_rows(got), train_rows(want)
-    assert [r["step"] for r in rows] == [r["step"] for r in ref], name
-    for a, b in zip(rows, ref):
-        assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}, (name, a["step"])  # the same completions
-        assert a["tokens"] == b["tokens"], (name, a["step"])
-        for key in ("loss", "clip_ratio", "kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
-    if weights:
-        mine, theirs = load_file(got / "final" / "model.safetensors"), load_file(want / "final" / "model.safetensors")
-        for key, value in theirs.items():
-            torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    assert_same_rounds(got, want, name, SAME, weights)  # the same completions
 
 
 # Four prompts (16 completions) a step, two optimizer steps per generation round, a KL term

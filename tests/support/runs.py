@@ -172,6 +172,33 @@ def train_rows(output_dir: Path) -> list[dict]:
     return [r for r in metrics(output_dir) if "loss" in r]
 
 
+def assert_same_weights(got: Path, want: Path, name: str, atol: float = 1e-5) -> None:
+    """Two runs' final/ weights alike, up to float rounding (rtol 1e-4 and `atol`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    mine, theirs = load_file(got / "final" / "model.safetensors"), load_file(want / "final" / "model.safetensors")
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=atol, msg=f"{name}: {key}")
+
+
+def assert_same_rounds(got: Path, want: Path, name: str, same: list[str], weights: bool = True, atol: float = 1e-5):
+    """Two GRPO runs trained alike: the same steps; per step the `same` metrics exactly (the
+    same completions or episodes, and their rewards) and the same tokens; loss, clip_ratio
+    and kl within rel 1e-4; and, with `weights`, their final weights (assert_same_weights)."""
+    import pytest
+
+    rows, ref = train_rows(got), train_rows(want)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref], name
+    for a, b in zip(rows, ref):
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}, (name, a["step"])
+        assert a["tokens"] == b["tokens"], (name, a["step"])
+        for key in ("loss", "clip_ratio", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+    if weights:
+        assert_same_weights(got, want, name, atol)
+
+
 def start_run(args, cache_env, nproc=2, recipe: Path = RECIPE, topology: str = "", **popen) -> subprocess.Popen:
     """Start a recipe in the background as a real process (its own session, output on
     stdout), on one process or `nproc` under DDP, or under the given topology; `popen`
