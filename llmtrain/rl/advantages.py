@@ -4,7 +4,7 @@ The batch holds groups of `group` consecutive completions of one prompt each, wh
 every process (rl/rollout.py). `estimate` does what every estimator shares:
 
     total_i = sum_f w_f r_if               (NaN terms left out; NaN when no function scored i)
-    A_i = (total_i - mean of its group) / scale_i        (NaN, that is unscored: A_i = 0)
+    A_i = (total_i - baseline_i) / scale_i        (NaN, that is unscored: A_i = 0)
 
 A completion no function scored stays out of its group's mean and spread. Rewards whose
 weighted sums or spreads overflow float32 are one error (`RewardError`), not a step of NaN
@@ -12,9 +12,13 @@ or zero advantages. An estimator (`ESTIMATORS`, named by grpo.scale_rewards) sup
 centred rewards (each total less its baseline; the group's mean for each here) and their
 scale_i, the divisor, or None to leave them as they are:
 
-    group   its group's spread (sample standard deviation) + 1e-4     (GRPO)
-    batch   the whole global batch's spread + 1e-4
-    none    no scaling                                                (Dr. GRPO)
+    group   baseline: its group's mean; scale: the group's spread (sample standard deviation) + 1e-4   (GRPO)
+    batch   baseline: its group's mean; scale: the whole global batch's spread + 1e-4
+    none    baseline: its group's mean; no scaling                                (Dr. GRPO)
+    rloo    baseline: the mean of the rest of its group; no scaling               (RLOO, TRL's RLOOTrainer)
+
+RLOO's A_i = total_i - mean_{j != i} total_j is n/(n - 1) times the group-centred total,
+for n scored completions in the group (a group with one scored completion: 0).
 
 To add one: write `estimator(grouped, spread) -> ([completions] centred rewards, [completions]
 divisors or None)` from the [groups, group] weighted totals (NaN: unscored) and each group's
@@ -54,7 +58,13 @@ def _none(grouped: torch.Tensor, spread: torch.Tensor):
     return group_centred(grouped), None
 
 
-ESTIMATORS: dict[str, Estimator] = {"group": _group, "batch": _batch, "none": _none}
+def _leave_one_out(grouped: torch.Tensor, spread: torch.Tensor):
+    scored = (~grouped.isnan()).sum(1, keepdim=True)
+    others = (grouped.nansum(1, keepdim=True) - grouped) / (scored - 1)  # NaN (0/0) with one scored: advantage 0
+    return (grouped - others).view(-1), None
+
+
+ESTIMATORS: dict[str, Estimator] = {"group": _group, "batch": _batch, "none": _none, "rloo": _leave_one_out}
 
 
 def estimate(rewards: torch.Tensor, weights: torch.Tensor, group: int, estimator: str):

@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal
 from ..config import Config
 from ..config.validate import ASSET, AT_LEAST_1, PATHS_IN_NAME, POSITIVE, Bounds
 from .advantages import ESTIMATORS
+from .correction import CORRECTIONS, LEVELS
 from .loss import LOSS_TYPES
 
 
@@ -48,20 +49,39 @@ class GRPOSection:
     """The regular expression the built-in 'format' reward asks a whole completion to match
     (after stripping spaces at its ends)."""
     scale_rewards: Literal[tuple(ESTIMATORS)] = "group"
-    """Advantage = reward - its group's mean, divided by the group's standard deviation
-    (group), the whole global batch's (batch), or not divided (none, as Dr. GRPO)."""
+    """The advantage estimator (docs/grpo.md): reward - its group's mean, divided by the
+    group's standard deviation (group), the whole global batch's (batch), or not divided
+    (none, as Dr. GRPO); or reward - the mean of the rest of its group (rloo, REINFORCE
+    leave-one-out, as TRL's RLOOTrainer)."""
     loss_type: Literal[tuple(LOSS_TYPES)] = "dapo"
-    """How per-token losses become the step's loss (docs/grpo.md): grpo, the mean over
-    completions of each one's per-token mean; dr_grpo, the sum over tokens divided by
-    completions x grpo.max_completion_length; dapo, the mean over every completion token
-    of the global batch."""
+    """The policy loss and how per-token losses become the step's loss (docs/grpo.md): grpo,
+    the mean over completions of each one's per-token mean; dr_grpo, the sum over tokens
+    divided by completions x grpo.max_completion_length; dapo, the mean over every
+    completion token of the global batch; gspo and gspo_token, one importance ratio per
+    completion (GSPO: use a small grpo.epsilon, e.g. 3e-4 and epsilon_high 4e-4), averaged as
+    grpo; cispo, the capped importance weight (grpo.cispo_epsilon_high) times each token's
+    log-prob, averaged as dapo."""
     epsilon: Annotated[float, POSITIVE] = 0.2
     """The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float = 0.0
     """The clip's upper side (DAPO's clip-higher, e.g. 0.28); 0 means grpo.epsilon."""
+    cispo_epsilon_high: Annotated[float, POSITIVE] = 4.0
+    """With grpo.loss_type=cispo: the importance weight is capped at 1 + this (TRL's
+    epsilon_high of 5.0 under cispo is 4.0 here); its gradient is never dropped."""
     num_iterations: Annotated[int, AT_LEAST_1] = 1
     """Optimizer steps taken on each generation batch (GRPO's mu); after the first, the loss
     uses importance ratios against the log-probs the completions were sampled with."""
+    importance_correction: Literal[CORRECTIONS] = "none"
+    """Correct for the gap between the log-probs a completion was sampled with and the
+    trainer's (docs/grpo.md#the-sampler-correction): tis weights each token's loss by the
+    ratio trainer / sampler capped at grpo.importance_cap; mis by the ratio, or 0 where it
+    exceeds the cap; none, no correction. Costs one no-grad forward per round."""
+    importance_level: Literal[LEVELS] = "token"
+    """With grpo.importance_correction: a ratio per token, or one per completion (the
+    product of its tokens')."""
+    importance_cap: Annotated[float, Bounds(1)] = 3.0
+    """With grpo.importance_correction: the ratio's cap (tis) or the ratio above which the
+    weight is 0 (mis), as TRL's vllm_importance_sampling_clip_max."""
     beta: float = 0.0
     """Weight of the KL term to the reference model (0: none, no reference is computed).
     The reference is the starting policy: with LoRA the model with its adapters off, for a

@@ -42,6 +42,7 @@ class Trajectory:
 
     ids: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # 1: drawn by the policy; 0: a tool's or the template's
+    logps: list[float] = field(default_factory=list)  # the sampler's log-prob of each drawn token (sampled turns)
     messages: list[dict] = field(default_factory=list)  # assistant and tool messages, as rewards get them (TRL)
     turns: int = 0
     calls: int = 0
@@ -83,7 +84,10 @@ def play(
         for k, i in enumerate(going):
             episode, box = episodes[i], boxes[i]
             last = turn == max_turns - 1
-            results = take(episode, drawn.ids[k], drawn.ended[k], contexts[k], tokenizer, box, stops, max_tokens, last)
+            logps = drawn.logps[k] if drawn.logps is not None else []
+            results = take(
+                episode, drawn.ids[k], drawn.ended[k], contexts[k], tokenizer, box, stops, max_tokens, last, logps
+            )
             if not results:
                 continue
             suffix = tool_suffix_ids(tokenizer, results, stops, box.schemas(), template)
@@ -105,15 +109,18 @@ def take(
     stops: list[int],
     max_tokens: int,
     last: bool,
+    logps: list[float] = (),
 ) -> list[dict]:
-    """Add a drawn turn (sampled after `context`) to `episode`, cut to what is left of the
-    token budget, and make its calls unless it is the `last` turn allowed. Returns the tool
-    messages made; none when the episode ends with this turn."""
+    """Add a drawn turn (sampled after `context`, its tokens' sampler log-probs `logps` if
+    any) to `episode`, cut to what is left of the token budget, and make its calls unless it
+    is the `last` turn allowed. Returns the tool messages made; none when the episode ends
+    with this turn."""
     room = max_tokens - len(episode.ids)
     if len(ids) > room:
         ids, ended = ids[:room], False
     episode.ids += ids
     episode.sampled += [1] * len(ids)
+    episode.logps += list(logps[: len(ids)])
     episode.turns += 1
     read = parse_turn(tokenizer, ids, context, stops, tools=box.schemas())
     message = {"role": "assistant", "content": read.content}

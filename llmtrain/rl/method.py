@@ -43,6 +43,7 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
         chunk,
         head,
         estimator=g.scale_rewards,
+        cispo_epsilon_high=g.cispo_epsilon_high,
     )
     frozen = None
     if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart

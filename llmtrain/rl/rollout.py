@@ -34,9 +34,10 @@ from accelerate.utils import gather_object, send_to_device
 from ..data.batches import Collator, EpochSampler
 from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift, stop_ids
-from ..errors import DataError, RewardError, ToolError
+from ..errors import ConfigError, DataError, RewardError, ToolError
 from .advantages import nanstd
 from .agent import ENV_REWARD, Start
+from .correction import correction_weights, mismatch_metrics
 from .episodes import Trajectory, play
 from .prompts import as_rewards_see, as_rewards_see_all, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
@@ -57,6 +58,9 @@ class RolloutSettings:
     shuffle: bool = True  # data.shuffle: a seeded order per pass, or the data's
     reward_weights: tuple[float, ...] = ()  # grpo.reward_weights, one per reward function; empty: 1 each
     log_completions: int = 0  # grpo.log_completions: prompts whose first completion is printed per round
+    correction: str = "none"  # grpo.importance_correction: tis, mis or none (rl/correction.py)
+    correction_level: str = "token"  # grpo.importance_level
+    correction_cap: float = 3.0  # grpo.importance_cap
 
     @classmethod
     def from_config(cls, cfg) -> RolloutSettings:
@@ -71,6 +75,9 @@ class RolloutSettings:
             shuffle=cfg.data.shuffle,
             reward_weights=tuple(g.reward_weights),
             log_completions=g.log_completions,
+            correction=g.importance_correction,
+            correction_level=g.importance_level,
+            correction_cap=g.importance_cap,
         )
 
     def per_round(self, world: int) -> int:
@@ -100,6 +107,8 @@ class Sample:
     # Which completion tokens the policy sampled (1) and which a tool or the template wrote
     # between turns (0: context only, never trained); None: all sampled (a single turn).
     sampled: list[int] | None = None
+    sampler_logps: list[float] | None = None  # the sampler's, one per trained token (kept until the correction)
+    correction: list[float] | None = None  # the sampler correction's weight per trained token
 
     def trained(self) -> int:
         """How many of its completion tokens are trained: the sampled ones."""
@@ -243,12 +252,14 @@ class Rollouts:
             if self.agent is None:
                 prompts = [list(ex["prompt_ids"]) for ex in part]
                 out = self.generator.generate(self.model_for_generation(), prompts, seeds)
-                samples += [Sample(p, j, ids, c) for (p, j), ids, c in zip(positions, prompts, out.ids)]
+                logps = out.logps or [None] * len(prompts)
+                for (p, j), ids, c, q in zip(positions, prompts, out.ids, logps):
+                    samples.append(Sample(p, j, ids, c, sampler_logps=q))
                 ended += out.ended
                 continue
             played = self.play(part, seeds)
             for (p, j), (start, t) in zip(positions, played):
-                samples.append(Sample(p, j, start.prompt_ids, t.ids, sampled=t.sampled))
+                samples.append(Sample(p, j, start.prompt_ids, t.ids, sampled=t.sampled, sampler_logps=t.logps))
                 ended.append(not t.truncated)
             episodes += played
         generation_s = time.perf_counter() - started
@@ -273,6 +284,8 @@ class Rollouts:
         self.show(examples, texts, [t for _, t in episodes], total[mine])
         self.beat("computing the log-probs the completions were sampled with")
         self.log_probs(samples)
+        for s in samples:  # used (by the correction) or not needed: a checkpoint does not keep them
+            s.sampler_logps = None
         return samples
 
     def play(self, examples: list[dict], seeds: list[int] | None) -> list[tuple[Start, Trajectory]]:
@@ -424,9 +437,11 @@ class Rollouts:
         return out
 
     def log_probs(self, samples: list[Sample]) -> None:
-        """old_logps (needed from a round's second step on) and ref_logps (grpo.beta > 0),
-        one no-grad pass per micro-batch, as the policy stands before the round's updates."""
-        if self.iterations == 1 and self.reference is None:
+        """old_logps (needed from a round's second step on, and by the sampler correction) and
+        ref_logps (grpo.beta > 0), one no-grad pass per micro-batch, as the policy stands
+        before the round's updates; then the sampler correction's weights."""
+        correcting = self.settings.correction != "none"
+        if self.iterations == 1 and self.reference is None and not correcting:
             return
         was_training = self.model.training
         self.model.eval()
@@ -436,7 +451,7 @@ class Rollouts:
                 batch = send_to_device(self.collate(part), self.accelerator.device)
                 lengths = [s.trained() for s in part]
                 with torch.no_grad():
-                    if self.iterations > 1:
+                    if self.iterations > 1 or correcting:
                         for s, v in zip(part, split(self.objective.logps(self.model, batch), lengths)):
                             s.old_logps = v
                     if self.reference is not None:
@@ -444,6 +459,32 @@ class Rollouts:
                             s.ref_logps = v
         finally:
             self.model.train(was_training)
+        if correcting:
+            self.correct(samples)
+
+    def correct(self, samples: list[Sample]) -> None:
+        """Each sample's sampler correction weights (rl/correction.py), from its old_logps
+        and the sampler's; the round's mismatch metrics from every process's samples."""
+        settings = self.settings
+        if any(s.sampler_logps is None or len(s.sampler_logps) != s.trained() for s in samples):
+            raise ConfigError(
+                [
+                    "grpo.importance_correction: the generator did not return the log-probs it sampled each token "
+                    "with; set grpo.importance_correction=none, or use a generator that returns them"
+                ]
+            )
+        lengths = [s.trained() for s in samples]
+        trainer = torch.tensor([x for s in samples for x in s.old_logps], dtype=torch.float64)
+        sampler = torch.tensor([x for s in samples for x in s.sampler_logps], dtype=torch.float64)
+        weights, _ = correction_weights(
+            trainer, sampler, lengths, settings.correction, settings.correction_level, settings.correction_cap
+        )
+        for s, w in zip(samples, split(weights, lengths)):
+            s.correction = w
+        parts = gather_object([(trainer.tolist(), sampler.tolist(), lengths)])  # every process's, in order
+        joined = [torch.tensor([x for p in parts for x in p[i]], dtype=torch.float64) for i in (0, 1)]
+        counts = [n for p in parts for n in p[2]]
+        self.metrics |= mismatch_metrics(*joined, counts, settings.correction_level, settings.correction_cap)
 
     def model_for_generation(self):
         """The module whose generate() runs: the model inside the DDP, DeepSpeed or FSDP
@@ -457,7 +498,7 @@ class Rollouts:
             rows.append({"input_ids": s.prompt_ids + s.completion_ids, "labels": shift(labels)})
         batch = self.collator(rows)
         batch["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        for key in ("old_logps", "ref_logps"):
+        for key in ("old_logps", "ref_logps", "correction"):
             if all(getattr(s, key) is not None for s in samples) and samples:
                 aligned = torch.zeros(batch["labels"].shape, dtype=torch.float32)
                 for row, s in enumerate(samples):
@@ -478,7 +519,8 @@ class Rollouts:
     def empty_batch(self) -> dict:
         """A batch with nothing to train (batches.Collator's), for the shared loop."""
         batch = self.collator.empty_batch(False)
-        return batch | {"advantages": torch.zeros(1), "old_logps": torch.zeros(1, 1), "ref_logps": torch.zeros(1, 1)}
+        nothing = torch.zeros(1, 1)
+        return batch | {"advantages": torch.zeros(1), "old_logps": nothing, "ref_logps": nothing, "correction": nothing}
 
 
 def reward_labels(names: list[str]) -> list[str]:
@@ -520,7 +562,7 @@ def pack_samples(samples: list[Sample], epoch: int, r: int) -> dict[str, torch.T
         "completion_ids": cat(s.completion_ids for s in samples),
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
     }
-    for key in ("old_logps", "ref_logps"):
+    for key in ("old_logps", "ref_logps", "correction"):
         if samples and getattr(samples[0], key) is not None:
             out[key] = torch.tensor([x for s in samples for x in getattr(s, key)], dtype=torch.float32)
     if any(s.sampled is not None for s in samples):  # a multi-turn run's: which tokens were sampled
@@ -539,6 +581,7 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
     trained = [int(m.sum()) for m in sampled] if sampled is not None else completion_len
     old = torch.split(t["old_logps"], trained) if "old_logps" in t else None
     ref = torch.split(t["ref_logps"], trained) if "ref_logps" in t else None
+    correction = torch.split(t["correction"], trained) if "correction" in t else None
     samples = []
     for i, (pos, j) in enumerate(zip(t["position"].tolist(), t["index"].tolist())):
         samples.append(
@@ -551,6 +594,7 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
                 old[i].tolist() if old is not None else None,
                 ref[i].tolist() if ref is not None else None,
                 sampled[i].tolist() if sampled is not None else None,
+                correction=correction[i].tolist() if correction is not None else None,
             )
         )
     return epoch, r, samples

@@ -57,11 +57,14 @@ def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, to
 class SeededSampling:
     """A logits processor that samples each row's next token from its own generator and
     leaves only that token possible, for `generate` to pick greedily (do_sample=False).
-    An inverse-CDF draw: one uniform number per row and token."""
+    An inverse-CDF draw: one uniform number per row and token. `logps` keeps each step's
+    log-probs of the drawn tokens under the distribution they were drawn from (the sampler's
+    side of grpo.importance_correction)."""
 
     def __init__(self, seeds: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.logps: list[torch.Tensor] = []  # [rows] per step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = filtered_logits(scores, self.temperature, self.top_k, self.top_p).softmax(-1)
@@ -69,6 +72,7 @@ class SeededSampling:
         u = torch.stack([torch.rand((), generator=g) for g in self.generators]).to(cdf.device)
         # 1 - u lies in (0, 1]: the point never sits at 0, where a token of probability 0 could be taken.
         token = torch.searchsorted(cdf, ((1 - u) * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)
+        self.logps.append(probs.gather(1, token).squeeze(1).log())
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
@@ -96,6 +100,9 @@ class Budget:
 class Completions:
     ids: list[list[int]]  # each completion's tokens, through its end-of-turn token if it ended
     ended: list[bool]  # False: cut at grpo.max_completion_length
+    # Each token's log-prob under the distribution it was sampled from (tempered, top-k and
+    # top-p applied), as a fast backend reports them; None for greedy completions.
+    logps: list[list[float]] | None = None
 
 
 class Generator(Protocol):
@@ -106,7 +113,8 @@ class Generator(Protocol):
     ) -> Completions:
         """A completion per prompt: sampled from `seeds` (one per prompt), or greedy for None;
         at most max_new_tokens each, or `limits[i]` for prompt i (a completion longer than its
-        limit may be returned: the caller cuts it)."""
+        limit may be returned: the caller cuts it). Sampled completions come with the log-prob
+        of each token under the distribution it was drawn from (`Completions.logps`)."""
         ...
 
 
@@ -143,7 +151,8 @@ class HFGenerator:
             eos_token_id=stops,
             pad_token_id=self.pad_id,
         )
-        processors = [] if seeds is None else [SeededSampling(seeds, self.temperature, self.top_k, self.top_p)]
+        sampling = None if seeds is None else SeededSampling(seeds, self.temperature, self.top_k, self.top_p)
+        processors = [] if sampling is None else [sampling]
         if limits and min(limits) < new:
             processors.append(Budget(limits, stops[0], width))
         from transformers import LogitsProcessorList
@@ -166,4 +175,8 @@ class HFGenerator:
             end = next((i for i, t in enumerate(row) if t in stops), None)
             completions.append(row if end is None else row[: end + 1])
             ended.append(end is not None)
-        return Completions(completions, ended)
+        logps = None
+        if sampling is not None:
+            drawn = torch.stack(sampling.logps, 1).float().cpu().tolist() if sampling.logps else [[]] * len(prompts)
+            logps = [row[: len(c)] for row, c in zip(drawn, completions)]
+        return Completions(completions, ended, logps)

@@ -127,6 +127,34 @@ def test_every_layout_generates_scores_and_updates_the_same(
     assert_same_steps(out, one_process, f"{nproc} x {micro} x {accum}")
 
 
+# The newer entries of the loss and advantage tables, and the sampler correction (on CPU the
+# sampler and the trainer agree, so its weights are 1 to float rounding): each one's run on
+# one process x 4 prompts and on two processes x 1 x 2 accumulated.
+ENTRIES = {
+    "cispo-rloo-tis": ["grpo.loss_type=cispo", "grpo.cispo_epsilon_high=0.1", "grpo.scale_rewards=rloo"]
+    + ["grpo.importance_correction=tis"],
+    "gspo-mis-sequence": ["grpo.loss_type=gspo", "grpo.importance_correction=mis", "grpo.importance_level=sequence"],
+    "gspo_token": ["grpo.loss_type=gspo_token"],
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_each_loss_estimator_and_correction_updates_the_same_on_any_layout(
+    args, cache_env, one_process, tmp_path, entry
+):
+    one, two = tmp_path / "one", tmp_path / "two"
+    grpo(args(one, *RUN, "train.micro_batch_size=4", *ENTRIES[entry]), cache_env)
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2"]
+    grpo(args(two, *RUN, *layout, *ENTRIES[entry]), cache_env, nproc=2)
+    assert_same_steps(two, one, entry)
+    rows, default = train_rows(one), train_rows(one_process)
+    assert [r["reward"] for r in rows[:2]] == [r["reward"] for r in default[:2]]  # the first round's completions
+    assert rows[1]["loss"] != pytest.approx(default[1]["loss"], rel=1e-3)  # but another loss
+    if "importance_correction" in " ".join(ENTRIES[entry]):  # the sampler is the trainer here
+        assert all(r["sampler_kl"] < 1e-6 and r["sampler_corrected"] == 0 for r in rows)
+        assert all(r["sampler_ratio_p05"] == pytest.approx(1, abs=1e-4) for r in rows)
+
+
 @pytest.mark.parametrize("topology", ["ds_zero3", "fsdp2"])
 def test_sharded_models_generate_the_same(args, cache_env, one_process, tmp_path, topology):
     """ZeRO-3 and FSDP2: each process holds a shard, so every forward of generation is a

@@ -51,21 +51,30 @@ def plain_token_logps(model, batch, temperature):
     return logps * (batch["labels"] != IGNORE)
 
 
-def plain_loss(logp, batch, loss_type, eps_low, eps_high, beta, max_len):
-    """The step's loss as written in the GRPO, Dr. GRPO and DAPO papers, per token."""
+def plain_loss(logp, batch, loss_type, eps_low, eps_high, beta, max_len, cispo_cap=5.0):
+    """The step's loss as written in the GRPO, Dr. GRPO, DAPO, GSPO and CISPO (MiniMax-M1)
+    papers, per token [rows, width], with the sampler correction's weights where given."""
     mask = (batch["labels"] != IGNORE).float()
     old = batch.get("old_logps", logp.detach())
-    ratio = torch.exp(logp - old)
     adv = batch["advantages"][:, None]
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    if loss_type.startswith("gspo"):
+        s = torch.exp(((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True))
+        ratio = s if loss_type == "gspo" else s.detach() * torch.exp(logp - logp.detach())
+    else:
+        ratio = torch.exp(logp - old)
+    if loss_type == "cispo":
+        per_token = -(torch.clamp(ratio, max=cispo_cap).detach() * adv * logp)
+    else:
+        per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    per_token = per_token * batch.get("correction", 1.0)
     if beta:
         ref = batch["ref_logps"]
         per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "gspo", "gspo_token"):
         return ((per_token * mask).sum(1) / mask.sum(1)).mean()
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (mask.shape[0] * max_len)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return (per_token * mask).sum() / mask.sum()
     raise AssertionError(f"no plain formula for the loss type {loss_type!r}: write one here")
 
@@ -83,59 +92,59 @@ def with_old_and_ref(model, batch, temperature):
 
 @pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 @pytest.mark.parametrize("chunk", [0, 3])
-def test_the_objective_is_the_papers_loss_summed_over_its_units(model, loss_type, chunk):
-    """On a tiny Llama's real logits, with importance ratios that clip on both sides and a
-    KL term: the objective's sum / its count is the plain loss, and so are its gradients,
-    whole logits or the output layer run 3 positions at a time."""
+@pytest.mark.parametrize("corrected", [False, True])
+def test_the_objective_is_the_papers_loss_summed_over_its_units(model, loss_type, chunk, corrected):
+    """On a tiny Llama's real logits, with importance ratios that clip on both sides (and
+    past CISPO's cap) and a KL term: the objective's sum / its count is the plain loss, and
+    so are its gradients, whole logits or the output layer run 3 positions at a time, with
+    the sampler correction's weights or without."""
     from llmtrain.model import chunkable_head
 
-    temperature, beta, max_len = 0.7, 0.04, 8
+    temperature, beta, max_len, cispo = 0.7, 0.04, 8, 0.1
     batch = with_old_and_ref(model, rollout_batch(model.config.vocab_size), temperature)
+    if corrected:  # weights as tis and mis give them: some capped, some 0
+        g = torch.Generator().manual_seed(4)
+        batch["correction"] = torch.rand(batch["labels"].shape, generator=g) * 2 * (torch.rand(1, generator=g) > 0.2)
     head = chunkable_head(model) if chunk else None
-    objective = GRPOLoss(loss_type, 0.2, 0.28, beta, temperature, max_len, chunk, head)
+    objective = GRPOLoss(loss_type, 0.2, 0.28, beta, temperature, max_len, chunk, head, cispo_epsilon_high=cispo)
     model.zero_grad()
     out = objective(model, batch)
     count = objective.count(batch)
     (out.total / count).backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    want = plain_loss(plain_token_logps(model, batch, temperature), batch, loss_type, 0.2, 0.28, beta, max_len)
+    logp = plain_token_logps(model, batch, temperature)
+    want = plain_loss(logp, batch, loss_type, 0.2, 0.28, beta, max_len, 1 + cispo)
     want.backward()
-    assert float(out.total.detach()) / count == pytest.approx(float(want), rel=1e-5)
+    assert float(out.total.detach()) / count == pytest.approx(float(want.detach()), rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
     mask = batch["labels"] != IGNORE
-    assert count == (int(mask.sum()) if loss_type == "dapo" else 6)
+    assert count == (int(mask.sum()) if objective.unit == "tokens" else 6)
     assert 0 < float(out.metrics["clip_ratio"]) < count and float(out.metrics["kl"]) > 0
 
 
-def test_a_sequence_level_loss_type_is_one_entry(model, monkeypatch):
-    """GSPO (Zheng et al. 2025): one importance ratio per completion, the exp of its mean
-    token log-ratio, clipped as a whole, each completion's tokens averaged. Written here as
-    one LossType row, with its own ratio, the objective is the paper's loss."""
-    from llmtrain.rl.loss import LossType, clipped_surrogate, completion_mean
-
-    def sequence_ratio(logp, old, mask, rows):
-        per_row = torch.zeros(mask.shape[0], dtype=logp.dtype).index_add(0, rows, logp - old)
-        return torch.exp(per_row / mask.sum(1))[rows]
-
-    monkeypatch.setitem(LOSS_TYPES, "gspo", LossType("completions", completion_mean, clipped_surrogate, sequence_ratio))
+def test_gspo_and_gspo_token_agree_with_one_advantage_per_completion(model):
+    """GSPO-token's ratio has GSPO's value and, with the advantage the same on every token of
+    a completion, GSPO's gradient too (Zheng et al. 2025, section 4.3): its tokens' own
+    gradients are what per-token advantages would weight. At GSPO's own small epsilons."""
     batch = with_old_and_ref(model, rollout_batch(model.config.vocab_size), 1.0)
-    objective = GRPOLoss("gspo", 3e-4, 4e-4)
-    out = objective(model, batch)
-    logp = plain_token_logps(model, batch, 1.0)
-    mask = (batch["labels"] != IGNORE).float()
-    s = torch.exp(((logp - batch["old_logps"]) * mask).sum(1) / mask.sum(1))
-    adv = batch["advantages"]
-    want = (-torch.min(s * adv, s.clamp(1 - 3e-4, 1 + 4e-4) * adv)).mean()
-    assert float(out.total.detach()) / objective.count(batch) == pytest.approx(float(want), rel=1e-5)
+    grads = []
+    for loss_type in ("gspo", "gspo_token"):
+        model.zero_grad()
+        out = GRPOLoss(loss_type, 3e-4, 4e-4)(model, batch)
+        out.total.backward()
+        grads.append((float(out.total), float(out.metrics["clip_ratio"]), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6) and grads[0][1] == grads[1][1] > 0
+    for a, b in zip(grads[0][2], grads[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
 def test_an_unknown_loss_type_or_estimator_is_refused():
-    with pytest.raises(ValueError, match=r"unknown GRPO loss type 'gspo'; one of \['dapo', 'dr_grpo', 'grpo'\]"):
-        GRPOLoss("gspo")
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'rloo'; one of \['batch', 'group', 'none'\]"):
-        GRPOLoss("dapo", estimator="rloo")
+    with pytest.raises(ValueError, match=r"unknown GRPO loss type 'ppo'; one of \['cispo', 'dapo', 'dr_grpo', 'gr"):
+        GRPOLoss("ppo")
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'; one of \['batch', 'group', 'none', 'r"):
+        GRPOLoss("dapo", estimator="gae")
 
 
 def test_micro_batches_add_up_to_the_whole_batch(model):
@@ -170,7 +179,8 @@ def test_an_empty_batch_counts_nothing_and_reaches_every_weight(model):
 def plain_advantages(rewards, weights, group: int, estimator: str) -> list[float]:
     """Each completion's advantage in float64 scalar arithmetic: its weighted reward (NaN
     terms left out; unscored: advantage 0) minus its group's mean, over the spread of its
-    group (group), of the batch (batch) or 1 (none), + 1e-4 where divided."""
+    group (group), of the batch (batch) or 1 (none), + 1e-4 where divided; or (rloo) minus
+    the mean of the rest of its group."""
 
     def std(xs):
         m = sum(xs) / len(xs)
@@ -188,6 +198,11 @@ def plain_advantages(rewards, weights, group: int, estimator: str) -> list[float
             out.append(0.0)
             continue
         centred = t - sum(mine) / len(mine)
+        if estimator == "rloo":  # REINFORCE leave-one-out: less the mean of the others scored in its group
+            others = list(mine)
+            others.remove(t)
+            out.append(t - sum(others) / len(others) if others else 0.0)
+            continue
         if estimator == "none":
             out.append(centred)
         else:
@@ -205,7 +220,7 @@ def test_every_estimator_matches_a_plain_computation():
     rewards[4] = nan  # no function scored it
     rewards[8:12] = 0.5  # one group of equal rewards
     weights = torch.tensor([1.0, 0.5, 2.0])
-    assert sorted(ESTIMATORS) == ["batch", "group", "none"]  # a new one: give plain_advantages its formula
+    assert sorted(ESTIMATORS) == ["batch", "group", "none", "rloo"]  # a new one: give plain_advantages its formula
     for name in ESTIMATORS:
         adv, total, zero = estimate(rewards, weights, 4, name)
         assert adv.tolist() == pytest.approx(plain_advantages(rewards, weights, 4, name), rel=1e-5, abs=1e-6), name
@@ -226,6 +241,16 @@ def test_advantages_compare_each_completion_with_its_group():
     assert none[:4].tolist() == [0.5, -0.5, 0.5, -0.5]
     batch, _, _ = estimate(rewards, weights, group=2, estimator="batch")
     torch.testing.assert_close(batch[:2], torch.tensor([0.5, -0.5]) / (total.std() + 1e-4))
+
+
+def test_rloo_compares_each_completion_with_the_rest_of_its_group():
+    """REINFORCE leave-one-out (TRL's RLOOTrainer): the baseline leaves the completion out,
+    and the completions nothing scored; a completion alone in being scored gets 0."""
+    nan = float("nan")
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [nan], [nan], [nan], [1.0], [nan]])
+    adv, total, zero = estimate(rewards, torch.ones(1), group=4, estimator="rloo")
+    assert adv.tolist() == [0.5, -1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert zero.tolist() == [False, True]
 
 
 def test_unscored_completions_get_no_advantage_and_stay_out_of_their_group():
@@ -308,9 +333,10 @@ class FusedLogps(torch.nn.Module):
         return FusedCausalLMOutput(log_probs=logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
 
 
-def trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len):
+def trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len, level="token", corrected=False):
     """A GRPOTrainer with only what `_compute_loss` reads; its __init__ would load models,
-    tokenize a data set and build an Accelerator."""
+    tokenize a data set and build an Accelerator. `corrected`: its vLLM importance sampling
+    correction on (the ratios come in the inputs)."""
     from trl import GRPOTrainer
 
     trainer = object.__new__(GRPOTrainer)
@@ -321,10 +347,11 @@ def trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len):
         epsilon_high=eps_high,
         beta=beta,
         max_completion_length=max_len,
-        importance_sampling_level="token",
+        importance_sampling_level=level,
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        use_vllm=False,
+        use_vllm=corrected,
+        vllm_importance_sampling_correction=corrected,
         aux_loss_enabled=False,
         current_gradient_accumulation_steps=1,
         temperature=1.0,
@@ -338,11 +365,29 @@ def trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len):
     return trainer
 
 
-@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
-def test_losses_match_trl(loss_type):
+# Each loss type as TRL 1.16's GRPOTrainer spells it: (its loss_type, importance_sampling_level);
+# CISPO's cap is TRL's epsilon_high under cispo. GSPO-token has no TRL counterpart: its plain
+# formula and its agreement with GSPO are tested above.
+AS_TRL = {
+    "grpo": ("grpo", "token"),
+    "dr_grpo": ("dr_grpo", "token"),
+    "dapo": ("dapo", "token"),
+    "gspo": ("grpo", "sequence"),
+    "cispo": ("cispo", "token"),
+}
+
+
+def test_every_loss_type_is_compared_with_trl_or_said_why_not():
+    assert set(LOSS_TYPES) - set(AS_TRL) == {"gspo_token"}
+
+
+@pytest.mark.parametrize("corrected", [False, True])
+@pytest.mark.parametrize("loss_type", sorted(AS_TRL))
+def test_losses_match_trl(loss_type, corrected):
     """The same per-token log-probs (float64), old and reference log-probs and advantages
-    through TRL's GRPOTrainer._compute_loss and through GRPOLoss; TRL's layout (left-padded
-    prompts, completions after them) built from ours."""
+    (and the sampler correction's weights, TRL's importance_sampling_ratio) through TRL's
+    GRPOTrainer._compute_loss and through GRPOLoss; TRL's layout (left-padded prompts,
+    completions after them) built from ours."""
     pytest.importorskip("trl")
     rows, prompt_w, completion_w, vocab, max_len = 6, 4, 7, 11, 9
     g = torch.Generator().manual_seed(5)
@@ -357,9 +402,12 @@ def test_losses_match_trl(loss_type):
     old = policy + 0.3 * torch.randn(policy.shape, generator=g, dtype=torch.float64)
     ref = policy + 0.5 * torch.randn(policy.shape, generator=g, dtype=torch.float64)
     adv = torch.linspace(-1.2, 1.7, rows, dtype=torch.float64)
-    beta, eps_low, eps_high = 0.05, 0.2, 0.28
+    weights = torch.rand(policy.shape, generator=g, dtype=torch.float64) * 2
+    beta, eps_low, eps_high, cispo = 0.05, 0.2, 0.28, 0.15
+    name, level = AS_TRL[loss_type]
 
-    trainer = trl_grpo_trainer(loss_type, eps_low, eps_high, beta, max_len)
+    trl_high = 1 + cispo if loss_type == "cispo" else eps_high
+    trainer = trl_grpo_trainer(name, eps_low, trl_high, beta, max_len, level, corrected)
     inputs = {
         "prompt_ids": prompt_ids,
         "prompt_mask": torch.ones_like(prompt_ids),
@@ -369,6 +417,7 @@ def test_losses_match_trl(loss_type):
         "old_per_token_logps": old,
         "ref_per_token_logps": ref,
         "num_items_in_batch": completion_mask.sum(),
+        "importance_sampling_ratio": weights,
     }
     trl_loss = trainer._compute_loss(FusedLogps(token_logps), inputs)
 
@@ -378,16 +427,17 @@ def test_losses_match_trl(loss_type):
     mask = labels != IGNORE
     aligned = torch.zeros(rows, width, dtype=torch.float64)
     batch = {"labels": labels, "advantages": adv}
-    for key, values in (("old_logps", old), ("ref_logps", ref)):
+    both = [("old_logps", old), ("ref_logps", ref)] + [("correction", weights)] * corrected
+    for key, values in both:
         batch[key] = aligned.clone()
         batch[key][:, prompt_w - 1 : width - 1] = values
-    objective = GRPOLoss(loss_type, eps_low, eps_high, beta, 1.0, max_len)
+    objective = GRPOLoss(loss_type, eps_low, eps_high, beta, 1.0, max_len, cispo_epsilon_high=cispo)
     flat = token_logps[mask[:, :-1]]  # position t's log-prob of token t + 1, where labelled
     objective.logps = lambda model, b: flat
     out = objective(None, batch)
     assert float(trl_loss) == pytest.approx(float(out.total) / objective.count(batch), rel=1e-9)
     logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
-    if loss_type == "dapo":  # token means, as TRL logs them (the other types' are per completion)
+    if loss_type == "dapo" and not corrected:  # token means, as TRL logs them (the others' are per completion)
         count = objective.count(batch)
         assert logged["clip_ratio/region_mean"] == pytest.approx(float(out.metrics["clip_ratio"]) / count, rel=1e-6)
         assert logged["kl"] == pytest.approx(float(out.metrics["kl"]) / count, rel=1e-6)

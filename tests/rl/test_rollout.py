@@ -35,15 +35,19 @@ class OneProcess:
 
 
 class Digits:
-    """Each completion: the seed's last digits as text tokens (greedy: '7'), ended."""
+    """Each completion: the seed's last digits as text tokens (greedy: '7'), ended; sampled
+    ones with the log-probs `logps` for their tokens in turn, as a sampler off the trainer
+    would give (the tiny model's are near log(1/261) = -5.6)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, logps: tuple | None = (-5.0, -6.5)):
+        self.tokenizer, self.logps = tokenizer, logps
 
     def generate(self, model, prompts, seeds, limits=None):
         texts = [str(s % 1000) for s in seeds] if seeds is not None else ["7"] * len(prompts)
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        return Completions(ids, [True] * len(ids))
+        q = self.logps
+        logps = None if seeds is None or q is None else [[q[i % len(q)] for i in range(len(c))] for c in ids]
+        return Completions(ids, [True] * len(ids), logps)
 
 
 def value(completions, **kwargs):
@@ -63,10 +67,10 @@ def settings(**kw) -> RolloutSettings:
     return RolloutSettings(**(base | kw))
 
 
-def rollouts(model, tokenizer, estimator="group", eval_set=None, **kw) -> Rollouts:
+def rollouts(model, tokenizer, estimator="group", eval_set=None, sampler_logps=(-5.0, -6.5), **kw) -> Rollouts:
     rewards = [Reward("value", value, None)]
     objective = GRPOLoss("dapo", estimator=estimator)
-    data, generator, beat = prompts(tokenizer, 9), Digits(tokenizer), lambda what: None
+    data, generator, beat = prompts(tokenizer, 9), Digits(tokenizer, sampler_logps), lambda what: None
     return Rollouts(
         settings(**kw), OneProcess(), model, tokenizer, data, objective, generator, rewards, None, beat, eval_set
     )
@@ -123,6 +127,41 @@ def test_advantages_come_from_the_objectives_estimator(model, tokenizer):
         want, _, _ = GRPOLoss(estimator=estimator).advantages(rewards, torch.ones(1), 3)
         assert torch.equal(got, want[:6]), estimator
     assert not torch.equal(found["group"], found["none"])
+
+
+@pytest.mark.parametrize("kind", ["tis", "mis"])
+def test_the_sampler_correction_weighs_each_token_by_trainer_over_sampler(model, tokenizer, kind):
+    """A sampler whose log-probs are off the trainer's on purpose (-5.0, -6.5, ...): each
+    trained token's weight is exp(trainer - sampler) capped (tis) or zeroed above the cap
+    (mis), the trainer's being the policy's before the round's updates; the micro-batches
+    carry them aligned with the labels, a checkpoint within the round keeps them, and the
+    round reports the mismatch."""
+    from llmtrain.data.rows import IGNORE
+    from llmtrain.rl.rollout import pack_samples, unpack_samples
+
+    source = rollouts(model, tokenizer, iterations=1, correction=kind, correction_cap=1.5)
+    batch = next(iter(source.epoch(0)))
+    samples = source.current[2]
+    for s in samples:
+        sampler = torch.tensor([(-5.0, -6.5)[i % 2] for i in range(s.trained())], dtype=torch.float64)
+        rho = (torch.tensor(s.old_logps).double() - sampler).exp()
+        want = rho.clamp(max=1.5) if kind == "tis" else rho.masked_fill(rho > 1.5, 0.0)
+        torch.testing.assert_close(torch.tensor(s.correction), want.float())
+    mask = batch["labels"] != IGNORE
+    flat = [w for s in samples[: batch["labels"].shape[0]] for w in s.correction]
+    assert batch["correction"][mask].tolist() == pytest.approx(flat)
+    assert (batch["correction"][~mask] == 0).all()
+    assert {"sampler_kl", "sampler_ratio_p50", "sampler_corrected"} <= set(source.metrics)
+    assert 0 < source.metrics["sampler_corrected"] < 1 and source.metrics["sampler_kl"] > 0
+    assert unpack_samples(pack_samples(samples, 0, 0))[2] == samples
+
+
+def test_the_sampler_correction_needs_the_samplers_log_probs(model, tokenizer):
+    from llmtrain.errors import ConfigError
+
+    source = rollouts(model, tokenizer, sampler_logps=None, correction="tis")
+    with pytest.raises(ConfigError, match=r"^grpo.importance_correction: the generator did not return the log-p"):
+        next(iter(source.epoch(0)))
 
 
 def test_a_rounds_completions_are_shown_once(model, tokenizer):

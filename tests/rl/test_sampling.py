@@ -66,6 +66,28 @@ def test_a_completion_does_not_depend_on_what_shares_its_batch(model_and_tokeniz
     model.eval()
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.7)])
+def test_the_sampler_reports_each_tokens_log_prob_under_what_it_sampled_from(model_and_tokenizer, top_k, top_p):
+    """Completions.logps: each drawn token's log-prob under the tempered, filtered
+    distribution; without filters the trainer's log-probs of the same tokens (a full forward,
+    right-padded), to float rounding; with them at least those (the filtered distribution
+    renormalises its kept tokens), the gap the sampler correction weighs."""
+    model, tokenizer = model_and_tokenizer
+    gen = HFGenerator(tokenizer, max_new_tokens=12, temperature=0.8, top_k=top_k, top_p=top_p)
+    a, b = tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Reverse the word: lamp, please now")["input_ids"]
+    out = gen.generate(model, [a, b], [3, 4])
+    assert [len(q) for q in out.logps] == [len(c) for c in out.ids] and all(len(c) > 2 for c in out.ids)
+    assert gen.generate(model, [a], None).logps is None  # greedy: nothing sampled
+    for prompt, ids, q in zip([a, b], out.ids, out.logps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float() / 0.8
+        trainer = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        if top_k or top_p < 1:
+            assert (torch.tensor(q) >= trainer - 1e-5).all() and (torch.tensor(q) > trainer + 1e-3).any()
+        else:
+            torch.testing.assert_close(torch.tensor(q), trainer, rtol=0, atol=1e-5)
+
+
 def test_completions_stop_at_the_end_of_turn_or_are_clipped(model_and_tokenizer):
     """Greedy (seeds None) is transformers' own greedy decoding; a completion ends at the
     first stop token the model's generation config names (kept, as the turn's end is

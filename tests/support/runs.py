@@ -184,15 +184,17 @@ def assert_same_weights(got: Path, want: Path, name: str, atol: float = 1e-5) ->
 
 def assert_same_rounds(got: Path, want: Path, name: str, same: list[str], weights: bool = True, atol: float = 1e-5):
     """Two GRPO runs trained alike: the same steps; per step the `same` metrics exactly (the
-    same completions or episodes, and their rewards) and the same tokens; loss, clip_ratio
-    and kl within rel 1e-4; and, with `weights`, their final weights (assert_same_weights)."""
+    same completions or episodes, and their rewards) and the same count of the loss's units
+    (tokens or completions); loss, clip_ratio and kl within rel 1e-4; and, with `weights`,
+    their final weights (assert_same_weights)."""
     import pytest
 
     rows, ref = train_rows(got), train_rows(want)
     assert [r["step"] for r in rows] == [r["step"] for r in ref], name
     for a, b in zip(rows, ref):
         assert {k: a[k] for k in same} == {k: b[k] for k in same}, (name, a["step"])
-        assert a["tokens"] == b["tokens"], (name, a["step"])
+        unit = "tokens" if "tokens" in b else "completions"
+        assert a[unit] == b[unit], (name, a["step"])
         for key in ("loss", "clip_ratio", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
     if weights:
