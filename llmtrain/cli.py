@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import difflib
 import json
 import math
@@ -162,7 +163,8 @@ def _demo_in_own_run(cfg: Config, path: Path, given: dict, template: Path | None
         value = found[0] if len(found) == 1 else f"[{', '.join(found)}]"
         data = key.startswith("data.")
         fix = f"{key}=<your {'file' if data else 'model'}>"
-        if key not in TRAINED_KEYS:  # optional: data.eval, a reference model (empty: the starting weights)
+        empty = [] if data else ""
+        if key not in TRAINED_KEYS and may_be_empty(cfg, key, empty):  # data.eval, a reference (the starting weights)
             fix += f" or {key}={'[]' if data else repr('')}"
             if key == "data.eval" and cfg.eval.every_steps and "eval.every_steps" not in given:
                 fix += " eval.every_steps=0"
@@ -182,6 +184,15 @@ def _demo_in_own_run(cfg: Config, path: Path, given: dict, template: Path | None
         )
     if problems:
         raise ConfigError(problems)
+
+
+def may_be_empty(cfg: Config, key: str, empty) -> bool:
+    """Whether the config's own checks accept `key` (a section.field) left empty: data.eval or
+    a reference model may be, a teacher may not."""
+    section, field = key.split(".", 1)
+    trial = copy.deepcopy(cfg)
+    setattr(getattr(trial, section), field, empty)
+    return not any(q.startswith(f"{key}:") for q in trial.problems())
 
 
 def brief(value) -> str:

@@ -577,8 +577,43 @@ def build_sft_model(root: Path) -> None:
     train_child(root, "tiny-llama-sft", None, "the preference demo's starting model", SFT_TIME, SFT_OVERRIDES)
 
 
+@builds("tiny-llama-teacher/config.json")
+def build_teacher_model(root: Path) -> None:
+    """tiny-llama-teacher/ under root: the distillation demo's teacher, the SFT demo's model
+    trained as `python recipes/finetune.py` trains it (all three epochs of its demo), in a
+    process of its own (train_child)."""
+    build_assets(root)
+    quiet = ["checkpoint.every_steps=0", "eval.every_steps=0", "log.progress_bar=false"]
+    train_child(root, "tiny-llama-teacher", None, "the distillation demo's teacher", TEACHER_TIME, quiet)
+
+
 SFT_TIME = "about a minute on an idle CPU, longer on a busy one"
+TEACHER_TIME = "about a minute and a half on an idle CPU, longer on a busy one"
 CALC_SFT_TIME = "about four minutes on an idle CPU, longer on a busy one"
+
+
+@builds("tiny-llama-small/config.json")
+def build_small_model(root: Path) -> None:
+    """tiny-llama-small/ under root: the distillation demo's student, a randomly initialised
+    Llama built like tiny-llama (its tokenizer and chat template, its shape of layer) but
+    smaller: half as wide, half as deep (115k parameters against 821k)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    build_assets(root)
+    base = root / "tiny-llama"
+    config = AutoConfig.from_pretrained(base)
+    config.hidden_size, config.intermediate_size = config.hidden_size // 2, config.intermediate_size // 2
+    config.num_hidden_layers = config.num_hidden_layers // 2
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-llama-small.tmp-", dir=root))
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+    into_place(tmp, root / "tiny-llama-small")
 
 
 def with_tool_template(source: Path, target: Path) -> None:
@@ -656,12 +691,14 @@ def stand_ins(root: Path, names: set[str], paths: dict[str, Path]) -> list[str]:
     cache, never where the run looks."""
     notes = []
     sft = "demo:tiny-llama-sft"
-    if sft in names and not built(paths[sft]):
-        paths[sft] = root / DEMO_NAMES["demo:tiny-llama"]
-        notes.append(
-            f"{sft} is not built yet: the run builds it first (recipes/finetune.py's demo, two epochs: {SFT_TIME}); "
-            "planned with demo:tiny-llama's config and tokenizer, which it shares"
-        )
+    trained = {sft: f"two epochs: {SFT_TIME}", "demo:tiny-llama-teacher": f"three epochs: {TEACHER_TIME}"}
+    for name, takes in trained.items():
+        if name in names and not built(paths[name]):
+            paths[name] = root / DEMO_NAMES["demo:tiny-llama"]
+            notes.append(
+                f"{name} is not built yet: the run builds it first (recipes/finetune.py's demo, {takes}); planned "
+                "with demo:tiny-llama's config and tokenizer, which it shares"
+            )
     aside = root / "plan-stand-ins"
     tools = [n for n in ("demo:tiny-llama-tools", "demo:tiny-llama-calc") if n in names and not built(paths[n])]
     if tools:  # both are the SFT demo's model with the tool template: planned as the base model with it
@@ -713,6 +750,8 @@ def resolve_demo_names(cfg, train: bool = True) -> list[str]:
         build_prompts(root)
     if any(n.startswith("demo:calc-") for n in names):
         build_calc_rows(root)
+    if "demo:tiny-llama-small" in names:  # built, not trained: seconds
+        build_small_model(root)
     notes = [] if train else stand_ins(root, names, paths)
     if train:
         if any(n.startswith("demo:pairs") for n in names):
@@ -725,6 +764,8 @@ def resolve_demo_names(cfg, train: bool = True) -> list[str]:
             build_tools_model(root)
         if "demo:tiny-llama-calc" in names:
             build_calc_model(root)
+        if "demo:tiny-llama-teacher" in names:
+            build_teacher_model(root)
 
     def fix(key: str, name: str, kind: PathKey) -> str:
         return str(paths[name]) if kind.asset and name in DEMO_NAMES else name

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from .core.finetune import FINETUNE
 from .core.method import Method
+from .distill.method import DISTILL
 from .preference.method import DPO, REWARD
 from .rl.method import GRPO
 
-METHODS: dict[str, Method] = {m.name: m for m in (FINETUNE, DPO, GRPO, REWARD)}
+METHODS: dict[str, Method] = {m.name: m for m in (FINETUNE, DPO, GRPO, REWARD, DISTILL)}
 # The method a config with no method's own section is for (its tree is config.Config).
 DEFAULT = FINETUNE.name
 
@@ -31,6 +32,6 @@ def demo_config(method: Method, folder: Path = DEMOS) -> Path | None:
 
 
 def sections() -> dict[str, str]:
-    """The section each method's tree adds to Config's (dpo, grpo, reward) -> the recipe
+    """The section each method's tree adds to Config's (dpo, grpo, reward, distill) -> the recipe
     that reads it (config.load_config names another recipe's section as that recipe's)."""
     return {m.section: m.schema.RECIPE for m in METHODS.values() if m.section}

@@ -353,11 +353,19 @@ def check_vocab(cfg: ModelConfig, mcfg, tokenizer) -> None:
         )
 
 
-def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer) -> None:
-    """A reference model `name` (the config key `key`: dpo.reference, grpo.reference) must
-    read the policy's token ids (the model of `cfg`, with `tokenizer`) as the policy does, or
-    every log-ratio compares two different texts. Checked from the reference's config and
-    tokenizer (no weights) before any data or weights load: its vocabulary must hold
+# What a model in each role usually is, for the errors of check_reference.
+USUALLY = {
+    "reference": "usually it is the model you fine-tune, before training",
+    "teacher": "a larger model of the student's family, trained with the same tokenizer",
+}
+
+
+def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer, role: str = "reference") -> None:
+    """A reference model `name` (the config key `key`: dpo.reference, grpo.reference; or with
+    role="teacher", distill.teacher) must read the policy's token ids (the model of `cfg`,
+    with `tokenizer`) as the policy does, or every log-ratio compares two different texts.
+    Checked from the reference's config and tokenizer (no weights) before any data or
+    weights load: its vocabulary must hold
     every id of the policy's tokenizer (a smaller one ends in an index error mid-pass),
     and, where the reference directory has a tokenizer, that tokenizer must map tokens
     to the same ids (a larger vocabulary is accepted only as padding of the same one)."""
@@ -377,7 +385,7 @@ def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer) -> None:
     if past := ids_past(tokenizer, ref_vocab):
         raise ModelError(
             f"{key}: '{name}' embeds {ref_vocab} tokens, but the policy's tokenizer has {past}; "
-            "the reference must be a model with the policy's tokenizer (usually the model you fine-tune)"
+            f"the {role} must be a model with the policy's tokenizer ({USUALLY[role]})"
         )
     try:
         ref_tok = AutoTokenizer.from_pretrained(name, **kw)
@@ -390,16 +398,15 @@ def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer) -> None:
             example = ", ".join(repr(t) for t in differ[:3])
             raise ModelError(
                 f"{key}: the tokenizer of '{name}' maps {len(differ)} tokens differently from the policy's "
-                f"(e.g. {example}); the reference must share the policy's tokenizer (usually it is the model you "
-                "fine-tune, before training)"
+                f"(e.g. {example}); the {role} must share the policy's tokenizer ({USUALLY[role]})"
             )
         return
     policy_vocab = text_config(policy).vocab_size
     if ref_vocab != policy_vocab:
         raise ModelError(
             f"{key}: '{name}' has a vocabulary of {ref_vocab} tokens and no tokenizer to show it is the "
-            f"policy's ({policy_vocab} tokens); save the policy's tokenizer with the reference model "
-            "(tokenizer.save_pretrained) or use a reference with the policy's vocabulary"
+            f"policy's ({policy_vocab} tokens); save the policy's tokenizer with the {role} model "
+            f"(tokenizer.save_pretrained) or use a {role} with the policy's vocabulary"
         )
 
 
@@ -685,3 +692,21 @@ def disable_dropout(model) -> None:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):  # attention modules keep a rate
             module.attention_dropout = 0.0
+
+
+def saved_weights_bytes(path: str) -> float:
+    """The bytes of a local model directory's weight files (its safetensors where it has
+    any), about what it takes loaded in the dtype it was saved in; 0 for a hub name."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        return 0.0
+    files = [f for f in local.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
+    safetensors = [f for f in files if f.suffix == ".safetensors"]
+    return float(sum(f.stat().st_size for f in safetensors or files))
+
+
+def kv_cache_bytes(mcfg, width: int, tokens: int) -> float:
+    """Generation's KV cache: keys and values per layer for `tokens` tokens of `width` bytes."""
+    heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
+    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    return float(2 * mcfg.num_hidden_layers * heads * head_dim * width * tokens)

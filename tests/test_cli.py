@@ -16,6 +16,7 @@ from llmtrain.config.validate import named
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.methods import METHODS, demo_config, sections
 from llmtrain.plan import recipe_named
+from tests.support.configs import own_required
 from tests.support.runs import ROOT, free_port
 
 
@@ -317,6 +318,7 @@ def test_the_shipped_demo_configs_are_found():
         "agent_demo.yaml",
         "agent_sft_demo.yaml",
         "demo.yaml",
+        "distill_demo.yaml",
         "dpo_demo.yaml",
         "grpo_demo.yaml",
         "kto_demo.yaml",
@@ -344,7 +346,7 @@ def test_without_config_the_demo_applies_only_while_nothing_names_a_model_or_dat
     for n in range(1, len(MINE) + 1):
         for keys in itertools.combinations(MINE, n):
             given = [f"{key}={MINE[key]}" for key in keys]
-            missing = [key for key in ("model.name_or_path", "data.train") if key not in keys]
+            missing = [key for key in ("model.name_or_path", "data.train", *own_required(method)) if key not in keys]
             notes = []
             try:
                 cfg = run_config(None, given, method, demo, sections(), notes.append)
@@ -361,7 +363,8 @@ def test_without_config_the_demo_applies_only_while_nothing_names_a_model_or_dat
                 f"runs/{name}; --config recipes/configs/{method.template} starts from a config for your own "
                 f"model, --config recipes/configs/{method.demo} from the demo's settings"
             ]
-    cfg, notes = settings(name, None, ["model.name_or_path=m", "data.train=d.jsonl", "output_dir=mine"])
+    own = [f"{key}={value}" for key, value in own_required(method).items()]
+    cfg, notes = settings(name, None, ["model.name_or_path=m", "data.train=d.jsonl", "output_dir=mine", *own])
     assert cfg.output_dir == "mine" and ", writing to" not in notes[0]
 
 
@@ -379,6 +382,9 @@ def test_a_demo_config_brings_no_demo_name_nor_output_dir_to_a_run_of_your_own(n
         "data.eval": [None, "demo:eval"],
         "output_dir": [None, "runs/mine"],
     }
+    for key, value in written.items():  # a demo model of the method's own (distill.teacher)
+        if key not in choices and any(is_demo(n) for n in names(value)):
+            choices[key] = [None, "org/other"]
     runs = 0
     for values in itertools.product(*choices.values()):
         given = [f"{key}={v}" for key, v in zip(choices, values) if v is not None]
@@ -386,7 +392,7 @@ def test_a_demo_config_brings_no_demo_name_nor_output_dir_to_a_run_of_your_own(n
         try:
             cfg, _ = settings(name, path, given)
         except ConfigError as e:
-            refused = ("model.name_or_path:", "data.train:", "data.eval:", "output_dir:")
+            refused = tuple(f"{key}:" for key in choices)
             assert all(q.startswith(refused) and "is the demo's" in q for q in e.problems), (given, e.problems)
             continue
         own = [n for key, n in named(cfg) if key in TRAINED_KEYS and not is_demo(n)]
@@ -413,9 +419,14 @@ def test_what_a_demo_config_brings_is_refused_in_one_line_each_and_its_settings_
         settings(name, path, mine)
     own_run = "in a run of your own model or data"
     off = " eval.every_steps=0" if written.get("eval.every_steps") else ""
+    # A demo model of the method's own (distill.teacher: required, so no empty value offered).
+    shared = ("model.name_or_path", "data.train", "data.eval")
+    brought = [k for k, v in written.items() if k not in shared and any(is_demo(n) for n in names(v))]
+    own_lines = [f"{k}: {written[k]} is the demo's, from {where}, {own_run}; set {k}=<your model>" for k in brought]
     assert e.value.problems == [
         f"data.eval: {written['data.eval']} is the demo's, from {where}, {own_run}; set data.eval=<your file> or "
         f"data.eval=[]{off}",
+        *own_lines,
         f"output_dir: {written['output_dir']} is the demo's, from {where}, {own_run}; name your own: "
         "output_dir=runs/<name>",
     ]
@@ -423,12 +434,14 @@ def test_what_a_demo_config_brings_is_refused_in_one_line_each_and_its_settings_
         settings(name, path, ["data.train=mine.jsonl", "data.eval=mine-eval.jsonl", "output_dir=runs/x"])
     model = written["model.name_or_path"]
     assert e.value.problems == [
-        f"model.name_or_path: {model} is the demo's, from {where}, {own_run}; set model.name_or_path=<your model>"
+        f"model.name_or_path: {model} is the demo's, from {where}, {own_run}; set model.name_or_path=<your model>",
+        *own_lines,
     ]
     given = [*mine, f"data.eval={written['data.eval']}", "output_dir=runs/x", "train.lr=1e-5"]
+    given += [f"{k}=org/other" for k in brought]
     cfg, notes = settings(name, path, given)  # the demo's eval data, written on the command line: kept
     assert cfg.data.eval == written["data.eval"] and cfg.train.lr == 1e-5 and len(notes) == 1
-    kept = {"model.name_or_path", "data.train", "data.eval", "output_dir", "train.lr"}
+    kept = {"model.name_or_path", "data.train", "data.eval", "output_dir", "train.lr", *brought}
     tuned = [key for key in written if key not in kept]
     assert notes[0].startswith(f"note: {where} is a demo config, tuned for the demo's tiny model; this run of your")
     listed = notes[0].split("takes these settings from it: ", 1)[1]
@@ -443,7 +456,8 @@ def test_the_recipes_command_line_reads_its_settings_by_the_rule(name, capsys, m
     user's model, and the note is printed."""
     monkeypatch.chdir(ROOT)
     method = METHODS[name]
-    cfg, args = parse_args(["model.name_or_path=m", "data.train=d.jsonl"], method, demo_config(method), sections())
+    given = ["model.name_or_path=m", "data.train=d.jsonl", *(f"{k}={v}" for k, v in own_required(method).items())]
+    cfg, args = parse_args(given, method, demo_config(method), sections())
     assert not demo_names(cfg) and args.config is None and cfg.output_dir == f"runs/{name}"
     out = capsys.readouterr().out
     assert out.startswith("note: the command line names a model or data of your own") and out.count("\n") == 1

@@ -318,3 +318,31 @@ def test_the_calculator_score_plays_episodes_as_the_grpo_demo_does():
     written = set_values(read_config(ROOT / "recipes" / "configs" / "agent_demo.yaml"))
     assert (written["grpo.max_turns"], written["grpo.max_completion_length"]) == (CALC_TURNS, CALC_TOKENS)
     assert written["grpo.tools"] == CALC_TOOLS
+
+
+def test_the_distillation_demo_plans_its_teacher_and_builds_its_student_untrained(fake_build, monkeypatch, tiny_model):
+    """`llmtrain plan` of the distillation demo on a fresh cache: the teacher (a training run)
+    is stood in for by the base model, said in a line; the student, built not trained, is
+    built: the base model's tokenizer and layers, half as wide and half as deep."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from llmtrain.config import load_config
+    from llmtrain.distill.config import DistillConfig
+
+    root, log = fake_build
+    shutil.copytree(tiny_model, root / "tiny-llama", dirs_exist_ok=True)  # a real base model to build from
+    monkeypatch.setenv("LLMTRAIN_CACHE", str(root.parent))
+    names = ["model.name_or_path=demo:tiny-llama-small", "data.train=demo:train"]
+    cfg = load_config(None, [*names, "distill.teacher=demo:tiny-llama-teacher"], DistillConfig)
+    notes = demo.resolve_demo_names(cfg, train=False)
+    assert not log.exists() and not (root / "tiny-llama-teacher").exists()  # no training child ran
+    assert cfg.distill.teacher == str(root / "tiny-llama")
+    assert notes == [n for n in notes if n.startswith("demo:tiny-llama-teacher is not built yet: the run builds it")]
+    assert len(notes) == 1 and "three epochs" in notes[0]
+    small, base = AutoConfig.from_pretrained(cfg.model.name_or_path), AutoConfig.from_pretrained(root / "tiny-llama")
+    assert (small.hidden_size, small.num_hidden_layers) == (base.hidden_size // 2, base.num_hidden_layers // 2)
+    assert small.head_dim * small.num_attention_heads == small.hidden_size
+    vocab = AutoTokenizer.from_pretrained(cfg.model.name_or_path).get_vocab()
+    assert vocab == AutoTokenizer.from_pretrained(root / "tiny-llama").get_vocab()

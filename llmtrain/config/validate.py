@@ -100,6 +100,8 @@ DEMO_NAMES = {
     "demo:tiny-llama-calc": "tiny-llama-calc",
     "demo:calc-train": "calc-train.jsonl",
     "demo:calc-eval": "calc-eval.jsonl",
+    "demo:tiny-llama-teacher": "tiny-llama-teacher",
+    "demo:tiny-llama-small": "tiny-llama-small",
 }
 
 

@@ -4,13 +4,19 @@ policy-gradient objective."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..core.logps import label_logps
 from ..core.method import Method, Parts, PlanFigures
 from ..core.objective import chunk_positions, model_inputs
 from ..data.rows import stop_ids
-from ..model import WEIGHT_SUFFIXES, chunkable_head, disable_dropout, load_model, reference_config, whole_models
+from ..model import (
+    chunkable_head,
+    disable_dropout,
+    kv_cache_bytes,
+    load_model,
+    reference_config,
+    saved_weights_bytes,
+    whole_models,
+)
 from .agent import Agent, check_positions
 from .config import GRPOConfig
 from .loss import GRPOLoss
@@ -152,11 +158,7 @@ def steps_per_epoch(cfg, prompts: int, world: int) -> int:
 
 def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
     """Generation's KV cache, the frozen reference copy and the reward models."""
-    layers, hidden = mcfg.num_hidden_layers, mcfg.hidden_size
-    # Keys and values per layer for every sequence of a micro-batch.
-    heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
-    head_dim = getattr(mcfg, "head_dim", None) or hidden // mcfg.num_attention_heads
-    out = {"generation KV cache": 2 * layers * heads * head_dim * width * tokens}
+    out = {"generation KV cache": kv_cache_bytes(mcfg, width, tokens)}
     if cfg.grpo.beta and not cfg.model.lora.enabled:  # the frozen reference copy, whole on each process
         out["reference model"] = float(total * width)
     for name in cfg.reward_names():
@@ -164,17 +166,6 @@ def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
             path = name[len(REWARD_MODEL) :]
             out[f"reward model {path}"] = saved_weights_bytes(path)
     return out
-
-
-def saved_weights_bytes(path: str) -> float:
-    """The bytes of a local model directory's weight files (its safetensors where it has
-    any), about what it takes loaded in the dtype it was saved in; 0 for a hub name."""
-    local = Path(path).expanduser()
-    if not local.is_dir():
-        return 0.0
-    files = [f for f in local.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
-    safetensors = [f for f in files if f.suffix == ".safetensors"]
-    return float(sum(f.stat().st_size for f in safetensors or files))
 
 
 GRPO = Method(

@@ -15,6 +15,7 @@ from llmtrain.config.load import absolute_paths
 from llmtrain.config.validate import PathKey, named, path_kind, path_values
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, sections
+from tests.support.configs import own_required
 
 TREES = {m.name: m.schema for m in METHODS.values()}
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -35,7 +36,8 @@ def schema_paths(cls, prefix: str = "") -> list[tuple[str, PathKey, bool]]:
 
 
 def required(name: str) -> list[str]:
-    return ["model.name_or_path=m", "data.train=d.jsonl"] + (["grpo.beta=0.1"] if name == "grpo" else [])
+    own = [f"{key}={value}" for key, value in own_required(METHODS[name]).items()]
+    return ["model.name_or_path=m", "data.train=d.jsonl", *own] + (["grpo.beta=0.1"] if name == "grpo" else [])
 
 
 def test_the_schema_marks_the_path_keys_of_every_tree():

@@ -134,7 +134,9 @@ def test_gspo_and_gspo_token_agree_with_one_advantage_per_completion(model):
         model.zero_grad()
         out = GRPOLoss(loss_type, 3e-4, 4e-4)(model, batch)
         out.total.backward()
-        grads.append((float(out.total), float(out.metrics["clip_ratio"]), [p.grad.clone() for p in model.parameters()]))
+        grads.append(
+            (float(out.total.detach()), float(out.metrics["clip_ratio"]), [p.grad.clone() for p in model.parameters()])
+        )
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6) and grads[0][1] == grads[1][1] > 0
     for a, b in zip(grads[0][2], grads[1][2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)

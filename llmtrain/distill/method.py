@@ -1,0 +1,139 @@
+"""Distillation as a method (recipes/distill.py), as the method table (llmtrain/methods.py)
+lists it: SFT rows (with their index where the student answers some itself), the teacher,
+and the divergence between the two models' distributions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigures, preview_row
+from ..core.source import loader_source
+from ..data.batches import Collator
+from ..data.build import ROWS
+from ..errors import ConfigError
+from ..model import (
+    check_reference,
+    disable_dropout,
+    kv_cache_bytes,
+    load_model,
+    pad_id,
+    reference_config,
+    saved_weights_bytes,
+    whole_models,
+)
+from ..rl.sampling import HFGenerator
+from .config import DistillConfig
+from .loss import DistillLoss
+from .onpolicy import INDEX, DistillCollator, OnPolicyBatches
+
+# SFT rows numbered (the index seeds each row's on-policy draw): a run with on-policy rows.
+INDEXED_ROWS = dataclasses.replace(ROWS, index=INDEX)
+
+
+def distill_rows(cfg):
+    """The rows: SFT's, numbered where the student answers some of them itself."""
+    return INDEXED_ROWS if cfg.on_policy() else ROWS
+
+
+def check_distill(cfg, tokenizer) -> None:
+    """distill.teacher reads the student's token ids (model.check_reference), before any data
+    or weights load."""
+    check_reference(cfg.distill.teacher, "distill.teacher", cfg.model, tokenizer, role="teacher")
+
+
+def load_teacher(cfg, device):
+    """The teacher: frozen, in eval mode, whole on this process (never partitioned by ZeRO-3),
+    in the student's dtype and attention, never LoRA-adapted."""
+    with whole_models():
+        teacher = load_model(reference_config(cfg.model, cfg.distill.teacher))
+    return teacher.requires_grad_(False).eval().to(device)
+
+
+def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
+    """The divergence to the teacher over padded or packed rows; with on-policy rows, their
+    answers sampled by the student as the loop draws them (onpolicy.OnPolicyBatches)."""
+    if cfg.model.dropout == "none":
+        disable_dropout(model)
+    d = cfg.distill
+    teacher = load_teacher(cfg, accelerator.device)
+    objective = DistillLoss(
+        teacher, d.loss, d.beta, d.temperature, d.top_k, d.estimator, d.forward_top_k, on_policy=cfg.on_policy()
+    )
+    if not cfg.on_policy():
+        collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
+        return Parts(objective, loader_source(cfg, accelerator, objective, train_set, eval_set, collator))
+    collator = DistillCollator(pad_id(tokenizer))
+    rows = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
+
+    def source(prepared, backend, beat):
+        if backend.topology.sharded and accelerator.num_processes > 1:
+            raise ConfigError(
+                [
+                    "distill.on_policy_fraction: the student's own answers are not sampled under ZeRO-3 or FSDP2 yet; "
+                    "set distill.on_policy_fraction=0, or launch with DDP (accelerate_configs/cpu_ddp.yaml, "
+                    "multi_gpu.yaml)"
+                ]
+            )
+        generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature)
+        student = accelerator.unwrap_model(prepared)
+        return OnPolicyBatches(
+            rows(prepared, backend, beat),
+            generator,
+            student,
+            collator,
+            cfg.train.seed,
+            d.on_policy_fraction,
+            cfg.data.max_seq_len,
+        )
+
+    return Parts(objective, source)
+
+
+def describe_distill(cfg, first: dict, tokenizer) -> list[str]:
+    d = cfg.distill
+    if d.loss == "jsd":
+        what = {0.0: "forward KL(teacher || student)", 1.0: "reverse KL(student || teacher)"}.get(
+            d.beta, f"generalized JSD, beta {d.beta:g}"
+        )
+        what += f" over the teacher's top {d.top_k} tokens" if d.top_k else " over the vocabulary"
+    else:
+        what = f"reverse KL at the student's sampled tokens ({d.estimator})"
+        what += f", plus the forward KL over the teacher's top {d.forward_top_k}" if d.forward_top_k else ""
+    answers = (
+        "the data's answers"
+        if not cfg.on_policy()
+        else f"{d.on_policy_fraction:.0%} of rows answered by the student (at most {d.max_completion_length} tokens, "
+        f"temperature {d.temperature:g}), the rest the data's"
+    )
+    return [
+        f"\n== distillation from {d.teacher} (frozen, whole on each process) ==",
+        f"  loss: {what}, at temperature {d.temperature:g}, per trained token",
+        f"  answers: {answers}",
+        f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
+        preview_row(first, tokenizer),
+    ]
+
+
+def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
+    """The teacher's weights, whole on each process; both models' float32 logits at every
+    position of a micro-batch (the divergence takes whole logits); with on-policy rows,
+    generation's KV cache."""
+    out = {f"teacher {cfg.distill.teacher}": saved_weights_bytes(cfg.distill.teacher)}
+    out["student and teacher logits (float32)"] = 2.0 * tokens * getattr(mcfg, "vocab_size", 0) * 4
+    if cfg.on_policy():
+        out["generation KV cache"] = kv_cache_bytes(mcfg, width, tokens)
+    return out
+
+
+DISTILL = Method(
+    name="distill",
+    schema=DistillConfig,
+    description="Distil a teacher model into a causal language model: GKD, on-policy or offline (full or LoRA).",
+    data=distill_rows,
+    parts=distill_parts,
+    describe=describe_distill,
+    demo="distill_demo.yaml",
+    template="distill.yaml",
+    check=check_distill,
+    plan=PlanFigures(memory=memory),
+)

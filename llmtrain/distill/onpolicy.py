@@ -1,0 +1,124 @@
+"""The rows whose answers the student samples itself (distill.on_policy_fraction): the
+training micro-batches of recipes/distill.py, made from the prepared rows as the loop draws
+them.
+
+Each row of a pass is drawn on-policy or not by a coin seeded from (train.seed, pass, the
+row's index in the training set), and an on-policy row's answer is sampled from a seed of the
+same three (rl/sampling.sample_seed), so neither depends on the number of processes, the
+micro-batch size or where a resumed run restarted: a step's batch is a function of the
+position and the student's weights, which a checkpoint keeps, and nothing else needs saving.
+An on-policy row is the row's prompt (its tokens before its last trained span: for a chat
+row, everything before the last assistant answer, as TRL's GKD takes the prompt) and the
+student's answer, sampled at distill.temperature up to distill.max_completion_length tokens
+or the end of its turn; only that answer is trained. Other rows are the data's, with their
+own labels.
+
+The student generates with transformers' `generate` on the training model (rl/sampling's
+HFGenerator), one call per micro-batch with any on-policy rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import send_to_device
+
+from ..data.batches import Collator
+from ..data.rows import IGNORE, shift
+from ..rl.sampling import sample_seed
+
+INDEX = "index"  # the column numbering the training rows (the data kind's index)
+
+
+class DistillCollator(Collator):
+    """Pads examples as SFT's collator does and keeps each row's index (and whether it is on
+    the student's own answer, `on_policy`)."""
+
+    columns = ("input_ids", "labels", INDEX)
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = super().__call__(examples)
+        batch[INDEX] = torch.tensor([e.get(INDEX, -1) for e in examples], dtype=torch.long)
+        batch["on_policy"] = torch.tensor([float(e.get("on_policy", 0.0)) for e in examples])
+        return batch
+
+    def empty_batch(self, packed: bool) -> dict:
+        return self([{"input_ids": [self.pad_id], "labels": [IGNORE]}])
+
+
+def on_policy_row(seed: int, epoch: int, index: int, fraction: float) -> bool:
+    """Whether row `index` of pass `epoch` gets the student's own answer: a coin seeded by
+    the three, heads with probability `fraction`."""
+    if fraction >= 1:
+        return True
+    return sample_seed(seed, epoch, index, 1) / 2**63 < fraction
+
+
+def prompt_length(input_ids: list[int], labels: list[int]) -> int | None:
+    """The tokens before a row's last trained span (labels shifted: labels[i] trains token
+    i + 1), or None for a row with nothing trained."""
+    trained = [i for i, lab in enumerate(labels) if lab != IGNORE]
+    if not trained:
+        return None
+    start = trained[-1]
+    while start - 1 in trained:
+        start -= 1
+    return start + 1
+
+
+class OnPolicyBatches:
+    """The loop's data source (core/source.Batches) for a run with on-policy rows: `rows`
+    (source.LoaderBatches over the prepared rows, with DistillCollator) with each drawn
+    micro-batch's on-policy rows answered by `generator` from `model` (module docstring)."""
+
+    def __init__(self, rows, generator, model, collator: DistillCollator, seed: int, fraction: float, max_len: int):
+        self.rows, self.generator, self.model, self.collator = rows, generator, model, collator
+        self.seed, self.fraction, self.max_len = seed, fraction, max_len
+        self.items, self.steps_per_epoch, self.metrics = rows.items, rows.steps_per_epoch, rows.metrics
+        self.evaluates = rows.evaluates
+
+    def epoch(self, epoch: int, skip: int = 0):
+        for batch in self.rows.epoch(epoch, skip):
+            yield self.answered(batch, epoch)
+
+    def answered(self, batch: dict, epoch: int) -> dict:
+        """The micro-batch with its on-policy rows' answers sampled by the student."""
+        rows = []
+        for r in range(batch["input_ids"].shape[0]):
+            n = int(batch["attention_mask"][r].sum())
+            ids, labels = batch["input_ids"][r, :n].tolist(), batch["labels"][r, :n].tolist()
+            rows.append({"input_ids": ids, "labels": labels, INDEX: int(batch[INDEX][r])})
+        chosen = [
+            r
+            for r, row in enumerate(rows)
+            if row[INDEX] >= 0
+            and on_policy_row(self.seed, epoch, row[INDEX], self.fraction)
+            and prompt_length(row["input_ids"], row["labels"]) is not None
+        ]
+        if chosen:
+            prompts = [rows[r]["input_ids"][: prompt_length(rows[r]["input_ids"], rows[r]["labels"])] for r in chosen]
+            seeds = [sample_seed(self.seed, epoch, rows[r][INDEX], 0) for r in chosen]
+            limits = [max(1, self.max_len - len(p)) for p in prompts]
+            out = self.generator.generate(self.model, prompts, seeds, limits)
+            for r, prompt, answer, limit in zip(chosen, prompts, out.ids, limits):
+                answer = answer[:limit]
+                rows[r] |= {
+                    "input_ids": prompt + answer,
+                    "labels": shift([IGNORE] * len(prompt) + answer),
+                    "on_policy": 1.0,
+                }
+        return send_to_device(self.collator(rows), batch["input_ids"].device)
+
+    def empty_batch(self) -> dict:
+        return self.rows.empty_batch()
+
+    def saved(self, batches_in_epoch: int):
+        return None  # a step's rows and answers follow from the position and the weights
+
+    def restore(self, tensors) -> None:
+        pass
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.rows.evaluate(step)  # the divergence on the held-out rows' own answers
+
+    def shown(self) -> list[str]:
+        return []

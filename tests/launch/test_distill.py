@@ -1,0 +1,156 @@
+"""recipes/distill.py launched as a user launches it, on the tiny model as student and a
+teacher of its tokenizer with other weights: the step is the divergence over every trained
+token of the global batch whatever its layout, offline (packed) and with the student's own
+answers (GKD, on-policy); the teacher held whole under ZeRO-3 and FSDP2; a run SIGKILLed
+after a checkpoint resumes to the same losses and weights; a bad teacher is one line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.runs import (
+    assert_same_weights,
+    kill_run,
+    launch,
+    recipe_args,
+    run_recipe,
+    start_run,
+    train_rows,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+DISTILL_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "distill.py"
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model's config and tokenizer with other (random) weights: a teacher whose
+    distribution differs from the student's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("teacher") / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def args(base_config, tiny_model, chat_file, teacher):
+    def make(out: Path, *extra: str) -> list[str]:
+        return recipe_args(
+            base_config, tiny_model, chat_file, out, f"distill.teacher={teacher}", "log.every_steps=1", *extra
+        )
+
+    return make
+
+
+def distill(args: list[str], env: dict, nproc: int = 1, **kw):
+    return run_recipe(args, env, nproc=nproc, recipe=DISTILL_RECIPE, **kw)
+
+
+def assert_same_steps(got: Path, want: Path, name: str, keys=("loss",), atol: float = 1e-5) -> None:
+    rows, ref = train_rows(got), train_rows(want)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref], name
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref], name
+    for a, b in zip(rows, ref):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+    assert_same_weights(got, want, name, atol)
+
+
+OFFLINE = ["distill.on_policy_fraction=0", "distill.beta=0.5", "data.packing=true", "train.max_steps=3"]
+GKD = ["distill.on_policy_fraction=0.5", "distill.max_completion_length=12", "train.max_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def offline_one(args, cache_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("offline") / "run"
+    distill(args(out, *OFFLINE, "train.micro_batch_size=4"), cache_env)
+    return out
+
+
+def test_offline_distillation_learns_and_is_the_same_on_two_processes(args, cache_env, offline_one, tmp_path):
+    rows = train_rows(offline_one)
+    assert rows[-1]["loss"] < rows[0]["loss"] and "on_policy" not in rows[0]
+    two = tmp_path / "two"
+    distill(args(two, *OFFLINE, "train.micro_batch_size=1", "train.grad_accum_steps=2"), cache_env, nproc=2)
+    assert_same_steps(two, offline_one, "offline 2 x 1 x 2")
+
+
+@pytest.mark.parametrize("topology", ["ds_zero3", "fsdp2"])
+def test_the_teacher_is_held_whole_beside_a_sharded_student(args, cache_env, offline_one, tmp_path, topology):
+    out = tmp_path / topology
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2"]
+    proc = launch(args(out, *OFFLINE, *layout), cache_env, topology, recipe=DISTILL_RECIPE, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert_same_steps(out, offline_one, topology)
+
+
+@pytest.mark.parametrize(
+    ("nproc", "micro", "accum"), [(1, 1, 4), (2, 1, 2), (2, 2, 1)], ids=["1proc_1x4", "2proc_1x2", "2proc_2x1"]
+)
+def test_the_students_own_answers_are_the_same_on_any_layout(args, cache_env, tmp_path, nproc, micro, accum):
+    """GKD: about half the rows answered by the student, each from its own seed; the answers,
+    the losses and the update are one process x 4's on every layout."""
+    one = tmp_path / "one"
+    distill(args(one, *GKD, "train.micro_batch_size=4"), cache_env)
+    rows = train_rows(one)
+    assert all(0 < r["on_policy"] < 1 for r in rows)  # the share of trained tokens the student sampled
+    out = tmp_path / "run"
+    layout = [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"]
+    distill(args(out, *GKD, *layout), cache_env, nproc=nproc)
+    assert_same_steps(out, one, f"{nproc} x {micro} x {accum}", keys=("loss", "on_policy"))
+
+
+def test_on_policy_distillation_resumes_exactly_after_a_sigkill(args, cache_env, tmp_path):
+    """The reverse KL at the student's own samples (k1): killed after a checkpoint, the rerun
+    samples the same answers from the restored weights and ends with the same weights."""
+    from llmtrain.output.checkpoint import complete_checkpoints
+
+    run = [
+        "distill.loss=reverse_kl",
+        "distill.on_policy_fraction=1",
+        "distill.max_completion_length=12",
+        "train.micro_batch_size=2",
+        "train.epochs=2",
+        "checkpoint.every_steps=3",
+        "checkpoint.resume=auto",
+    ]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    distill(args(ref, *run), cache_env)
+    assert all(r["on_policy"] == 1 for r in train_rows(ref)) and "reverse_kl" in train_rows(ref)[0]
+    proc = start_run(args(out, *run), cache_env, nproc=1, recipe=DISTILL_RECIPE)
+    assert wait_for(lambda: any(step >= 6 for step, _ in complete_checkpoints(out)), proc)
+    kill_run(proc)
+    step, path = complete_checkpoints(out)[-1]
+    assert 6 <= step < 20 and not (out / "final").exists()
+    done = distill(args(out, *run), cache_env)
+    assert f"resumed from {path} at step {step}" in done.stdout
+    assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in train_rows(ref)]  # exactly
+    for key, value in load_file(ref / "final" / "model.safetensors").items():
+        torch.testing.assert_close(load_file(out / "final" / "model.safetensors")[key], value, rtol=0, atol=0)
+
+
+def test_a_teacher_that_cannot_teach_is_one_line(args, cache_env, tmp_path, tiny_model):
+    from transformers import AutoConfig
+
+    small = tmp_path / "small"
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.vocab_size = 40
+    config.save_pretrained(small)
+    for teacher, says in [
+        (small, "distill.teacher: '"),
+        (tmp_path / "missing", "distill.teacher: "),
+    ]:
+        proc = distill(args(tmp_path / "out", *OFFLINE, f"distill.teacher={teacher}"), cache_env, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert says in proc.stderr
