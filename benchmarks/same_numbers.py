@@ -9,7 +9,8 @@ Runs the shipped demo configs on CPU with their fixed seeds (the demo model and 
 built offline on first use), each method on one process and on two: SFT packed, and padded
 with LoRA and gradient accumulation; DPO packed against the frozen reference, and with LoRA;
 a reward model packed, and padded with accumulation; KTO full, and with LoRA; ORPO packed,
-and padded; GRPO with its demo's accumulation, and with LoRA. For each it prints a sha256 of
+and padded; GRPO with its demo's accumulation, and with LoRA; distillation offline packed,
+and GKD with the student's own answers. For each it prints a sha256 of
 the metrics rows without the wall-clock fields and one of every tensor in final/ (name,
 dtype, shape and bytes). The data is tokenized afresh in a datasets cache of the run's own.
 Takes about five minutes on 2 idle cores.
@@ -66,6 +67,20 @@ RUNS = {
         "grpo.py",
         "grpo_demo.yaml",
         ["train.max_steps=2", "model.lora.enabled=true", "eval.every_steps=0"],
+    ),
+    "distill-packed-1proc": (1, "distill.py", "distill_demo.yaml", ["train.max_steps=4"]),
+    "distill-gkd-2proc": (
+        2,
+        "distill.py",
+        "distill_demo.yaml",
+        [
+            "train.max_steps=4",
+            "data.packing=false",
+            "distill.on_policy_fraction=0.5",
+            "distill.beta=0.5",
+            "distill.top_k=0",
+            "distill.max_completion_length=12",
+        ],
     ),
 }
 

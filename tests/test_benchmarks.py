@@ -250,3 +250,27 @@ def test_agents_benchmark_gives_both_systems_the_same_tools_calls_and_questions(
         {"role": "assistant", "content": "408"},
     ]
     assert accuracy(None, [episode, episode[:2]], ["408", "408"]) == [1.0, 0.0]
+
+
+def test_distillation_benchmark_trains_the_answer_tokens_trl_trains(tokenizer):
+    """On the benchmark's one-answer rows, llmtrain's trained tokens are TRL's GKD collator's
+    (DataCollatorForChatML: everything after the prompt), but for the newline the chat
+    template writes after the end of turn, which TRL trains too; the held-out measure is the
+    divergence over the same tokens for both systems."""
+    from trl.experimental.utils import DataCollatorForChatML
+
+    from llmtrain.data.build import ROWS
+    from llmtrain.demo import make_rows
+
+    distill_bench = load("distill_vs_trl")
+    rows = distill_bench.one_answer(make_rows(40, seed=1))
+    assert len(rows) > 10 and all(sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in rows)
+    theirs = DataCollatorForChatML(tokenizer=tokenizer, max_length=256)
+    for row in rows:
+        ours = ROWS.process(row, tokenizer, DataConfig(max_seq_len=256))
+        trained = [t for t in ours["labels"] if t != IGNORE]
+        batch = theirs([row])
+        labels = batch["labels"][0][batch["attention_mask"][0] == 1].tolist()
+        trl_trained = [t for t in labels if t != IGNORE]
+        assert trl_trained[: len(trained)] == trained
+        assert tokenizer.decode(trl_trained[len(trained) :]) in ("", "\n")

@@ -27,10 +27,10 @@ class DistillSection:
     distillation; 1 the reverse KL(student || teacher); between, the generalized JSD (TRL's
     GKD beta)."""
     on_policy_fraction: Annotated[float, FRACTION] = 0.5
-    """The share of rows whose answer the student samples itself (from the row's prompt)
-    instead of the data's answer: 0 is offline distillation on the data's answers, 1 fully
-    on-policy; each row's draw is seeded, so it does not depend on the layout (TRL's GKD
-    lmbda)."""
+    """The share of steps whose rows the student answers itself (from each row's prompt)
+    instead of the data's answers: 0 is offline distillation on the data's answers, 1 fully
+    on-policy; each step's draw is seeded, so it does not depend on the layout (GKD's lambda,
+    TRL's lmbda)."""
     temperature: Annotated[float, POSITIVE] = 1.0
     """Both distributions are compared at this temperature, and the student samples at it."""
     top_k: int = 0
@@ -58,7 +58,7 @@ class DistillConfig(Config):
     distill: DistillSection = field(default_factory=DistillSection)
 
     def on_policy(self) -> bool:
-        """Whether the student samples any answers itself."""
+        """Whether the student samples answers itself in any step."""
         return self.distill.on_policy_fraction > 0
 
     def problems(self) -> list[str]:

@@ -26,7 +26,7 @@ from .config import DistillConfig
 from .loss import DistillLoss
 from .onpolicy import INDEX, DistillCollator, OnPolicyBatches
 
-# SFT rows numbered (the index seeds each row's on-policy draw): a run with on-policy rows.
+# SFT rows numbered (the index seeds each on-policy answer): a run with on-policy steps.
 INDEXED_ROWS = dataclasses.replace(ROWS, index=INDEX)
 
 
@@ -84,6 +84,7 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
             cfg.train.seed,
             d.on_policy_fraction,
             cfg.data.max_seq_len,
+            cfg.train.grad_accum_steps,
         )
 
     return Parts(objective, source)
@@ -102,7 +103,7 @@ def describe_distill(cfg, first: dict, tokenizer) -> list[str]:
     answers = (
         "the data's answers"
         if not cfg.on_policy()
-        else f"{d.on_policy_fraction:.0%} of rows answered by the student (at most {d.max_completion_length} tokens, "
+        else f"{d.on_policy_fraction:.0%} of steps answered by the student (at most {d.max_completion_length} tokens, "
         f"temperature {d.temperature:g}), the rest the data's"
     )
     return [

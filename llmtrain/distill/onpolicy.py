@@ -1,20 +1,21 @@
-"""The rows whose answers the student samples itself (distill.on_policy_fraction): the
+"""The steps whose answers the student samples itself (distill.on_policy_fraction): the
 training micro-batches of recipes/distill.py, made from the prepared rows as the loop draws
 them.
 
-Each row of a pass is drawn on-policy or not by a coin seeded from (train.seed, pass, the
-row's index in the training set), and an on-policy row's answer is sampled from a seed of the
-same three (rl/sampling.sample_seed), so neither depends on the number of processes, the
-micro-batch size or where a resumed run restarted: a step's batch is a function of the
+Each step of a pass is on-policy or not by a coin seeded from (train.seed, pass, the step's
+number in the pass), as GKD draws a batch on-policy with probability lambda (TRL's lmbda),
+and an on-policy row's answer is sampled from a seed of (train.seed, pass, the row's index in
+the training set) (rl/sampling.sample_seed). Neither depends on the number of processes, the
+micro-batch size or where a resumed run restarted: a step's batch is a function of its
 position and the student's weights, which a checkpoint keeps, and nothing else needs saving.
-An on-policy row is the row's prompt (its tokens before its last trained span: for a chat
-row, everything before the last assistant answer, as TRL's GKD takes the prompt) and the
-student's answer, sampled at distill.temperature up to distill.max_completion_length tokens
-or the end of its turn; only that answer is trained. Other rows are the data's, with their
+An on-policy row is the row's prompt (its tokens before its last trained span: for a chat row,
+everything before the last assistant answer, as TRL's GKD takes the prompt) and the student's
+answer, sampled at distill.temperature up to distill.max_completion_length tokens or the end
+of its turn; only that answer is trained. Other steps train on the data's rows, with their
 own labels.
 
 The student generates with transformers' `generate` on the training model (rl/sampling's
-HFGenerator), one call per micro-batch with any on-policy rows.
+HFGenerator), one call per on-policy micro-batch.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class DistillCollator(Collator):
         return self([{"input_ids": [self.pad_id], "labels": [IGNORE]}])
 
 
-def on_policy_row(seed: int, epoch: int, index: int, fraction: float) -> bool:
-    """Whether row `index` of pass `epoch` gets the student's own answer: a coin seeded by
-    the three, heads with probability `fraction`."""
+def on_policy_step(seed: int, epoch: int, step: int, fraction: float) -> bool:
+    """Whether step `step` of pass `epoch` trains on the student's own answers: a coin seeded
+    by the three, heads with probability `fraction`."""
     if fraction >= 1:
         return True
-    return sample_seed(seed, epoch, index, 1) / 2**63 < fraction
+    return sample_seed(seed, epoch, step, 1) / 2**63 < fraction
 
 
 def prompt_length(input_ids: list[int], labels: list[int]) -> int | None:
@@ -66,22 +67,26 @@ def prompt_length(input_ids: list[int], labels: list[int]) -> int | None:
 
 
 class OnPolicyBatches:
-    """The loop's data source (core/source.Batches) for a run with on-policy rows: `rows`
-    (source.LoaderBatches over the prepared rows, with DistillCollator) with each drawn
-    micro-batch's on-policy rows answered by `generator` from `model` (module docstring)."""
+    """The loop's data source (core/source.Batches) for a run with on-policy steps: `rows`
+    (source.LoaderBatches over the prepared rows, with DistillCollator; `accum` micro-batches
+    a step on each process) with each on-policy micro-batch's rows answered by `generator`
+    from `model` (module docstring)."""
 
-    def __init__(self, rows, generator, model, collator: DistillCollator, seed: int, fraction: float, max_len: int):
+    def __init__(
+        self, rows, generator, model, collator: DistillCollator, seed: int, fraction: float, max_len: int, accum: int
+    ):
         self.rows, self.generator, self.model, self.collator = rows, generator, model, collator
-        self.seed, self.fraction, self.max_len = seed, fraction, max_len
+        self.seed, self.fraction, self.max_len, self.accum = seed, fraction, max_len, accum
         self.items, self.steps_per_epoch, self.metrics = rows.items, rows.steps_per_epoch, rows.metrics
         self.evaluates = rows.evaluates
 
     def epoch(self, epoch: int, skip: int = 0):
-        for batch in self.rows.epoch(epoch, skip):
-            yield self.answered(batch, epoch)
+        for k, batch in enumerate(self.rows.epoch(epoch, skip), start=skip):
+            on = on_policy_step(self.seed, epoch, k // self.accum, self.fraction)
+            yield self.answered(batch, epoch) if on else batch
 
     def answered(self, batch: dict, epoch: int) -> dict:
-        """The micro-batch with its on-policy rows' answers sampled by the student."""
+        """The micro-batch with its rows' answers sampled by the student."""
         rows = []
         for r in range(batch["input_ids"].shape[0]):
             n = int(batch["attention_mask"][r].sum())
@@ -90,9 +95,7 @@ class OnPolicyBatches:
         chosen = [
             r
             for r, row in enumerate(rows)
-            if row[INDEX] >= 0
-            and on_policy_row(self.seed, epoch, row[INDEX], self.fraction)
-            and prompt_length(row["input_ids"], row["labels"]) is not None
+            if row[INDEX] >= 0 and prompt_length(row["input_ids"], row["labels"]) is not None
         ]
         if chosen:
             prompts = [rows[r]["input_ids"][: prompt_length(rows[r]["input_ids"], rows[r]["labels"])] for r in chosen]

@@ -85,4 +85,4 @@ def test_the_plan_lines_say_what_is_compared_and_where_the_answers_come_from(tok
     lines = "\n".join(describe_distill(cfg, first, tokenizer))
     assert "distillation from big (frozen, whole on each process)" in lines
     assert "forward KL(teacher || student) over the vocabulary" in lines
-    assert "25% of rows answered by the student" in lines
+    assert "25% of steps answered by the student" in lines

@@ -1,21 +1,22 @@
-"""The student's own answers (llmtrain/distill/onpolicy.py): each row's draw and answer seeded
-by (seed, pass, row), so a row gets the same answer in any micro-batch; the prompt is what
-precedes the row's last trained span; only the student's answer is trained."""
+"""The student's own answers (llmtrain/distill/onpolicy.py): each step's draw seeded by (seed,
+pass, step) and each answer by (seed, pass, row), so a row gets the same answer in any
+micro-batch split; the prompt is what precedes the row's last trained span; only the
+student's answer is trained."""
 
 import torch
 
 from llmtrain.data.rows import IGNORE, shift
-from llmtrain.distill.onpolicy import DistillCollator, OnPolicyBatches, on_policy_row, prompt_length
+from llmtrain.distill.onpolicy import DistillCollator, OnPolicyBatches, on_policy_step, prompt_length
 from llmtrain.rl.sampling import Completions
 
 
-def test_the_draw_is_seeded_per_row_and_takes_its_share():
-    draws = [on_policy_row(3, 1, i, 0.3) for i in range(4000)]
+def test_the_draw_is_seeded_per_step_and_takes_its_share():
+    draws = [on_policy_step(3, 1, i, 0.3) for i in range(4000)]
     assert abs(sum(draws) / 4000 - 0.3) < 0.03
-    assert draws == [on_policy_row(3, 1, i, 0.3) for i in range(4000)]  # the same rows every time
-    assert draws != [on_policy_row(3, 2, i, 0.3) for i in range(4000)]  # another pass, other rows
-    assert all(on_policy_row(3, 1, i, 1.0) for i in range(50)) and not any(
-        on_policy_row(3, 1, i, 0.0) for i in range(50)
+    assert draws == [on_policy_step(3, 1, i, 0.3) for i in range(4000)]  # the same steps every time
+    assert draws != [on_policy_step(3, 2, i, 0.3) for i in range(4000)]  # another pass, other steps
+    assert all(on_policy_step(3, 1, i, 1.0) for i in range(50)) and not any(
+        on_policy_step(3, 1, i, 0.0) for i in range(50)
     )
 
 
@@ -59,35 +60,50 @@ def examples(n: int) -> list[dict]:
     return out
 
 
-def test_a_row_gets_the_same_answer_in_any_micro_batch_and_only_it_is_trained():
+def test_a_step_gets_the_same_answers_in_any_micro_batch_split_and_only_they_are_trained():
+    """Six steps of 4 rows, as one micro-batch a step or two accumulated: the same steps are
+    on-policy, each row gets the same answer, and only the answers are trained."""
     collator = DistillCollator(0)
-    rows = examples(6)
-    whole = OnPolicyBatches(Rows([collator(rows)]), Echo(), None, collator, seed=7, fraction=0.5, max_len=64)
-    parts = OnPolicyBatches(
-        Rows([collator(rows[:2]), collator(rows[2:])]), Echo(), None, collator, seed=7, fraction=0.5, max_len=64
-    )
-    one = next(whole.epoch(0))
-    split = list(parts.epoch(0))
-    chosen = [i for i in range(6) if on_policy_row(7, 0, i, 0.5)]
-    assert 0 < len(chosen) < 6
-    for r in range(6):
-        part, k = (split[0], r) if r < 2 else (split[1], r - 2)
-        n = int(one["attention_mask"][r].sum())
-        assert one["input_ids"][r, :n].tolist() == part["input_ids"][k, : int(part["attention_mask"][k].sum())].tolist()
-        ids, labels = one["input_ids"][r, :n].tolist(), one["labels"][r, :n].tolist()
-        assert one["on_policy"][r] == float(r in chosen) and one["index"][r] == r
-        if r in chosen:  # the prompt, then the student's answer: [seed digit, prompt length, 3]
-            assert ids[:4] == rows[r]["input_ids"][:4] and ids[5:] == [4, 3] and len(ids) == 7
-            assert [t for t in labels if t != IGNORE] == ids[4:]  # only the answer is trained
-        else:
-            assert ids == rows[r]["input_ids"] and labels == rows[r]["labels"]
-    assert whole.generator.calls == [len(chosen)]  # one call per micro-batch with on-policy rows
+    rows = examples(24)
+
+    def source(per_micro: int, accum: int) -> OnPolicyBatches:
+        micro = [collator(rows[i : i + per_micro]) for i in range(0, 24, per_micro)]
+        return OnPolicyBatches(Rows(micro), Echo(), None, collator, seed=7, fraction=0.5, max_len=64, accum=accum)
+
+    whole, split = source(4, 1), source(2, 2)
+    one, two = list(whole.epoch(0)), list(split.epoch(0))
+    on = [on_policy_step(7, 0, s, 0.5) for s in range(6)]
+    assert 0 < sum(on) < 6
+    for step in range(6):
+        halves = two[2 * step : 2 * step + 2]
+        for r in range(4):
+            part, k = halves[r // 2], r % 2
+            n, m = int(one[step]["attention_mask"][r].sum()), int(part["attention_mask"][k].sum())
+            assert one[step]["input_ids"][r, :n].tolist() == part["input_ids"][k, :m].tolist()
+            ids, labels = one[step]["input_ids"][r, :n].tolist(), one[step]["labels"][r, :n].tolist()
+            row = rows[4 * step + r]
+            assert one[step]["on_policy"][r] == float(on[step]) and one[step]["index"][r] == 4 * step + r
+            if on[step]:  # the prompt, then the student's answer: [seed digit, prompt length, 3]
+                assert ids[:4] == row["input_ids"][:4] and ids[5:] == [4, 3] and len(ids) == 7
+                assert [t for t in labels if t != IGNORE] == ids[4:]  # only the answer is trained
+            else:
+                assert ids == row["input_ids"] and labels == row["labels"]
+    assert whole.generator.calls == [4] * sum(on) and split.generator.calls == [2] * 2 * sum(on)
+
+
+def test_a_resumed_pass_draws_its_steps_as_the_uninterrupted_one():
+    """Skipping the first micro-batches (a resume) keeps each micro-batch's step number."""
+    collator = DistillCollator(0)
+    micro = [collator(examples(24)[i : i + 2]) for i in range(0, 24, 2)]
+    make = lambda: OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.5, 64, accum=2)  # noqa: E731
+    full, resumed = list(make().epoch(0)), list(make().epoch(0, skip=4))
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(full[4:], resumed))
 
 
 def test_an_answer_never_runs_past_the_longest_row():
     """A prompt of 4 in rows of at most 6 tokens: the answer is cut to 2."""
     collator = DistillCollator(0)
-    source = OnPolicyBatches(Rows([collator(examples(2))]), Echo(), None, collator, seed=7, fraction=1.0, max_len=6)
+    source = OnPolicyBatches(Rows([collator(examples(2))]), Echo(), None, collator, 7, 1.0, max_len=6, accum=1)
     batch = next(source.epoch(0))
     assert batch["input_ids"].shape[1] == 6 and bool((batch["on_policy"] == 1).all())
     assert torch.equal(batch["labels"][:, 3:5] != IGNORE, torch.ones(2, 2, dtype=torch.bool))
