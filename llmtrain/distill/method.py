@@ -10,7 +10,6 @@ from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigure
 from ..core.source import loader_source
 from ..data.batches import Collator
 from ..data.build import ROWS
-from ..errors import ConfigError
 from ..model import (
     check_reference,
     disable_dropout,
@@ -24,7 +23,7 @@ from ..model import (
 from ..rl.sampling import HFGenerator
 from .config import DistillConfig
 from .loss import DistillLoss
-from .onpolicy import INDEX, DistillCollator, OnPolicyBatches
+from .onpolicy import INDEX, DistillCollator, OnPolicyBatches, whole_steps
 
 # SFT rows numbered (the index seeds each on-policy answer): a run with on-policy steps.
 INDEXED_ROWS = dataclasses.replace(ROWS, index=INDEX)
@@ -50,8 +49,9 @@ def load_teacher(cfg, device):
 
 
 def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
-    """The divergence to the teacher over padded or packed rows; with on-policy rows, their
-    answers sampled by the student as the loop draws them (onpolicy.OnPolicyBatches)."""
+    """The divergence to the teacher over padded or packed rows; with on-policy steps, their
+    rows' answers sampled by the student as the loop draws them (onpolicy.OnPolicyBatches),
+    under ZeRO-3 and FSDP2 by every process together."""
     if cfg.model.dropout == "none":
         disable_dropout(model)
     d = cfg.distill
@@ -66,25 +66,20 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
     rows = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
 
     def source(prepared, backend, beat):
-        if backend.topology.sharded and accelerator.num_processes > 1:
-            raise ConfigError(
-                [
-                    "distill.on_policy_fraction: the student's own answers are not sampled under ZeRO-3 or FSDP2 yet; "
-                    "set distill.on_policy_fraction=0, or launch with DDP (accelerate_configs/cpu_ddp.yaml, "
-                    "multi_gpu.yaml)"
-                ]
-            )
-        generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature)
-        student = accelerator.unwrap_model(prepared)
+        synced = backend.topology.sharded and accelerator.num_processes > 1  # generation is a collective
+        generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature, synced=synced)
+        loaded = rows(prepared, backend, beat)
+        t = cfg.train
         return OnPolicyBatches(
-            rows(prepared, backend, beat),
+            loaded,
             generator,
-            student,
+            accelerator.unwrap_model(prepared),
             collator,
-            cfg.train.seed,
+            t.seed,
             d.on_policy_fraction,
             cfg.data.max_seq_len,
-            cfg.train.grad_accum_steps,
+            t.grad_accum_steps,
+            whole_steps(len(loaded.sampler), t.micro_batch_size, t.grad_accum_steps, accelerator.num_processes),
         )
 
     return Parts(objective, source)
@@ -115,6 +110,13 @@ def describe_distill(cfg, first: dict, tokenizer) -> list[str]:
     ]
 
 
+def steps_per_epoch(cfg, rows: int, world: int) -> int | None:
+    """With on-policy steps, whole global batches only (onpolicy.OnPolicyBatches); else the
+    loader's."""
+    t = cfg.train
+    return whole_steps(rows, t.micro_batch_size, t.grad_accum_steps, world) if cfg.on_policy() else None
+
+
 def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
     """The teacher's weights, whole on each process; both models' float32 logits at every
     position of a micro-batch (the divergence takes whole logits); with on-policy rows,
@@ -136,5 +138,5 @@ DISTILL = Method(
     demo="distill_demo.yaml",
     template="distill.yaml",
     check=check_distill,
-    plan=PlanFigures(memory=memory),
+    plan=PlanFigures(steps_per_epoch=steps_per_epoch, memory=memory),
 )

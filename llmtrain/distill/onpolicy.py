@@ -14,6 +14,11 @@ answer, sampled at distill.temperature up to distill.max_completion_length token
 of its turn; only that answer is trained. Other steps train on the data's rows, with their
 own labels.
 
+A run with on-policy steps trains whole steps only: the last incomplete global batch of a
+pass is left out, as GRPO leaves out an incomplete round (`whole_steps`), so that every
+process draws the same micro-batches in every step. Under ZeRO-3 and FSDP2 each forward of
+generation is a collective, and every process then makes the same generate calls.
+
 The student generates with transformers' `generate` on the training model (rl/sampling's
 HFGenerator), one call per on-policy micro-batch.
 """
@@ -25,6 +30,7 @@ from accelerate.utils import send_to_device
 
 from ..data.batches import Collator
 from ..data.rows import IGNORE, shift
+from ..errors import DataError
 from ..rl.sampling import sample_seed
 
 INDEX = "index"  # the column numbering the training rows (the data kind's index)
@@ -54,6 +60,11 @@ def on_policy_step(seed: int, epoch: int, step: int, fraction: float) -> bool:
     return sample_seed(seed, epoch, step, 1) / 2**63 < fraction
 
 
+def whole_steps(rows: int, micro: int, accum: int, world: int) -> int:
+    """Optimizer steps of whole global batches in a pass over `rows` rows."""
+    return rows // (micro * accum * world)
+
+
 def prompt_length(input_ids: list[int], labels: list[int]) -> int | None:
     """The tokens before a row's last trained span (labels shifted: labels[i] trains token
     i + 1), or None for a row with nothing trained."""
@@ -69,19 +80,36 @@ def prompt_length(input_ids: list[int], labels: list[int]) -> int | None:
 class OnPolicyBatches:
     """The loop's data source (core/source.Batches) for a run with on-policy steps: `rows`
     (source.LoaderBatches over the prepared rows, with DistillCollator; `accum` micro-batches
-    a step on each process) with each on-policy micro-batch's rows answered by `generator`
-    from `model` (module docstring)."""
+    a step on each process), `steps` whole steps a pass, with each on-policy micro-batch's
+    rows answered by `generator` from `model` (module docstring)."""
 
     def __init__(
-        self, rows, generator, model, collator: DistillCollator, seed: int, fraction: float, max_len: int, accum: int
+        self,
+        rows,
+        generator,
+        model,
+        collator: DistillCollator,
+        seed: int,
+        fraction: float,
+        max_len: int,
+        accum: int,
+        steps: int,
     ):
+        if steps == 0:
+            raise DataError(
+                "data.train: fewer rows than one step's global batch (train.micro_batch_size x "
+                "train.grad_accum_steps x processes), and with distill.on_policy_fraction > 0 only whole steps are "
+                "trained; give more rows or lower those"
+            )
         self.rows, self.generator, self.model, self.collator = rows, generator, model, collator
         self.seed, self.fraction, self.max_len, self.accum = seed, fraction, max_len, accum
-        self.items, self.steps_per_epoch, self.metrics = rows.items, rows.steps_per_epoch, rows.metrics
+        self.items, self.steps_per_epoch, self.metrics = rows.items, steps, rows.metrics
         self.evaluates = rows.evaluates
 
     def epoch(self, epoch: int, skip: int = 0):
         for k, batch in enumerate(self.rows.epoch(epoch, skip), start=skip):
+            if k >= self.steps_per_epoch * self.accum:  # the pass's last, incomplete global batch
+                return
             on = on_policy_step(self.seed, epoch, k // self.accum, self.fraction)
             yield self.answered(batch, epoch) if on else batch
 

@@ -3,6 +3,7 @@ pass, step) and each answer by (seed, pass, row), so a row gets the same answer 
 micro-batch split; the prompt is what precedes the row's last trained span; only the
 student's answer is trained."""
 
+import pytest
 import torch
 
 from llmtrain.data.rows import IGNORE, shift
@@ -68,7 +69,7 @@ def test_a_step_gets_the_same_answers_in_any_micro_batch_split_and_only_they_are
 
     def source(per_micro: int, accum: int) -> OnPolicyBatches:
         micro = [collator(rows[i : i + per_micro]) for i in range(0, 24, per_micro)]
-        return OnPolicyBatches(Rows(micro), Echo(), None, collator, seed=7, fraction=0.5, max_len=64, accum=accum)
+        return OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.5, 64, accum=accum, steps=6)
 
     whole, split = source(4, 1), source(2, 2)
     one, two = list(whole.epoch(0)), list(split.epoch(0))
@@ -95,7 +96,7 @@ def test_a_resumed_pass_draws_its_steps_as_the_uninterrupted_one():
     """Skipping the first micro-batches (a resume) keeps each micro-batch's step number."""
     collator = DistillCollator(0)
     micro = [collator(examples(24)[i : i + 2]) for i in range(0, 24, 2)]
-    make = lambda: OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.5, 64, accum=2)  # noqa: E731
+    make = lambda: OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.5, 64, accum=2, steps=6)  # noqa: E731
     full, resumed = list(make().epoch(0)), list(make().epoch(0, skip=4))
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(full[4:], resumed))
 
@@ -103,7 +104,23 @@ def test_a_resumed_pass_draws_its_steps_as_the_uninterrupted_one():
 def test_an_answer_never_runs_past_the_longest_row():
     """A prompt of 4 in rows of at most 6 tokens: the answer is cut to 2."""
     collator = DistillCollator(0)
-    source = OnPolicyBatches(Rows([collator(examples(2))]), Echo(), None, collator, 7, 1.0, max_len=6, accum=1)
+    source = OnPolicyBatches(Rows([collator(examples(2))]), Echo(), None, collator, 7, 1.0, 6, accum=1, steps=1)
     batch = next(source.epoch(0))
     assert batch["input_ids"].shape[1] == 6 and bool((batch["on_policy"] == 1).all())
     assert torch.equal(batch["labels"][:, 3:5] != IGNORE, torch.ones(2, 2, dtype=torch.bool))
+
+
+def test_only_whole_steps_are_trained():
+    """25 rows, 2 a micro-batch, 2 micro-batches a step, one process: 6 whole steps; the 13th
+    micro-batch (and its last row) is left out of the pass, on every layout alike."""
+    from llmtrain.distill.onpolicy import whole_steps
+    from llmtrain.errors import DataError
+
+    assert whole_steps(25, 2, 2, 1) == 6 and whole_steps(25, 1, 2, 2) == 6 and whole_steps(25, 4, 1, 1) == 6
+    collator = DistillCollator(0)
+    rows = examples(25)
+    micro = [collator(rows[i : i + 2]) for i in range(0, 25, 2)]
+    source = OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.0, 64, accum=2, steps=whole_steps(25, 2, 2, 1))
+    assert source.steps_per_epoch == 6 and len(list(source.epoch(0))) == 12
+    with pytest.raises(DataError, match=r"^data.train: fewer rows than one step's global batch"):
+        OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.5, 64, accum=2, steps=0)

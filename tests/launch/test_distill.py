@@ -1,7 +1,7 @@
 """recipes/distill.py launched as a user launches it, on the tiny model as student and a
 teacher of its tokenizer with other weights: the step is the divergence over every trained
 token of the global batch whatever its layout, offline (packed) and with the student's own
-answers (GKD, on-policy); the teacher held whole under ZeRO-3 and FSDP2; a run SIGKILLed
+answers (GKD, on-policy), under ZeRO-3 and FSDP2 too, with the teacher held whole; a run SIGKILLed
 after a checkpoint resumes to the same losses and weights; a bad teacher is one line."""
 
 from pathlib import Path
@@ -95,20 +95,34 @@ def test_the_teacher_is_held_whole_beside_a_sharded_student(args, cache_env, off
     assert_same_steps(out, offline_one, topology)
 
 
+@pytest.fixture(scope="module")
+def gkd_one(args, cache_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gkd") / "run"
+    distill(args(out, *GKD, "train.micro_batch_size=4"), cache_env)
+    return out
+
+
 @pytest.mark.parametrize(
-    ("nproc", "micro", "accum"), [(1, 1, 4), (2, 1, 2), (2, 2, 1)], ids=["1proc_1x4", "2proc_1x2", "2proc_2x1"]
+    ("topology", "nproc", "micro", "accum"),
+    [("", 1, 1, 4), ("", 2, 1, 2), ("", 2, 2, 1), ("ds_zero3", 2, 1, 2), ("fsdp2", 2, 2, 1)],
+    ids=["1proc_1x4", "2proc_1x2", "2proc_2x1", "zero3", "fsdp2"],
 )
-def test_the_students_own_answers_are_the_same_on_any_layout(args, cache_env, tmp_path, nproc, micro, accum):
+def test_the_students_own_answers_are_the_same_on_any_layout(
+    args, cache_env, gkd_one, tmp_path, topology, nproc, micro, accum
+):
     """GKD: about half the steps answered by the student, each answer from its row's seed; the
-    answers, the losses and the update are one process x 4's on every layout."""
-    one = tmp_path / "one"
-    distill(args(one, *GKD, "train.micro_batch_size=4"), cache_env)
-    rows = train_rows(one)
+    answers, the losses and the update are one process x 4's on every layout, under ZeRO-3
+    and FSDP2 too, where the processes generate together."""
+    rows = train_rows(gkd_one)
     assert sorted({r["on_policy"] for r in rows}) == [0.0, 1.0]  # the share of trained tokens the student sampled
     out = tmp_path / "run"
     layout = [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"]
-    distill(args(out, *GKD, *layout), cache_env, nproc=nproc)
-    assert_same_steps(out, one, f"{nproc} x {micro} x {accum}", keys=("loss", "on_policy"))
+    if topology:
+        proc = launch(args(out, *GKD, *layout), cache_env, topology, recipe=DISTILL_RECIPE, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    else:
+        distill(args(out, *GKD, *layout), cache_env, nproc=nproc)
+    assert_same_steps(out, gkd_one, f"{topology or nproc} x {micro} x {accum}", keys=("loss", "on_policy"))
 
 
 def test_on_policy_distillation_resumes_exactly_after_a_sigkill(args, cache_env, tmp_path):
