@@ -68,11 +68,11 @@ def whole_steps(rows: int, micro: int, accum: int, world: int) -> int:
 def prompt_length(input_ids: list[int], labels: list[int]) -> int | None:
     """The tokens before a row's last trained span (labels shifted: labels[i] trains token
     i + 1), or None for a row with nothing trained."""
-    trained = [i for i, lab in enumerate(labels) if lab != IGNORE]
-    if not trained:
+    end = next((i for i in range(len(labels) - 1, -1, -1) if labels[i] != IGNORE), None)
+    if end is None:
         return None
-    start = trained[-1]
-    while start - 1 in trained:
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE:
         start -= 1
     return start + 1
 
@@ -120,23 +120,20 @@ class OnPolicyBatches:
             n = int(batch["attention_mask"][r].sum())
             ids, labels = batch["input_ids"][r, :n].tolist(), batch["labels"][r, :n].tolist()
             rows.append({"input_ids": ids, "labels": labels, INDEX: int(batch[INDEX][r])})
-        chosen = [
-            r
-            for r, row in enumerate(rows)
-            if row[INDEX] >= 0 and prompt_length(row["input_ids"], row["labels"]) is not None
-        ]
-        if chosen:
-            prompts = [rows[r]["input_ids"][: prompt_length(rows[r]["input_ids"], rows[r]["labels"])] for r in chosen]
-            seeds = [sample_seed(self.seed, epoch, rows[r][INDEX], 0) for r in chosen]
-            limits = [max(1, self.max_len - len(p)) for p in prompts]
-            out = self.generator.generate(self.model, prompts, seeds, limits)
-            for r, prompt, answer, limit in zip(chosen, prompts, out.ids, limits):
-                answer = answer[:limit]
-                rows[r] |= {
-                    "input_ids": prompt + answer,
-                    "labels": shift([IGNORE] * len(prompt) + answer),
-                    "on_policy": 1.0,
-                }
+        lengths = {r: prompt_length(row["input_ids"], row["labels"]) for r, row in enumerate(rows) if row[INDEX] >= 0}
+        chosen = [r for r, n in lengths.items() if n is not None]
+        prompts = [rows[r]["input_ids"][: lengths[r]] for r in chosen]
+        seeds = [sample_seed(self.seed, epoch, rows[r][INDEX], 0) for r in chosen]
+        limits = [max(1, self.max_len - len(p)) for p in prompts]
+        if not chosen:
+            if getattr(self.generator, "synced", False):  # the other processes generate: a collective
+                self.generator.generate(self.model, [batch["input_ids"][0, :1].tolist()], [0], [1])
+            return batch
+        out = self.generator.generate(self.model, prompts, seeds, limits)
+        for r, prompt, answer, limit in zip(chosen, prompts, out.ids, limits):
+            answer = answer[:limit]
+            labels = shift([IGNORE] * len(prompt) + answer)
+            rows[r] |= {"input_ids": prompt + answer, "labels": labels, "on_policy": 1.0}
         return send_to_device(self.collator(rows), batch["input_ids"].device)
 
     def empty_batch(self) -> dict:
