@@ -44,6 +44,10 @@ class DistillSection:
     forward_top_k: int = 0
     """With distill.loss=reverse_kl: adds the forward KL over the teacher's k most likely
     tokens (renormalised) at every sampled position; 0 for none."""
+    shard_teacher: bool = False
+    """Under ZeRO-3 or FSDP2 with several processes: shard the teacher as the student is
+    (each process holds a part, each forward gathers it), for a teacher too large to hold
+    whole on each device; slower. Otherwise the teacher is held whole on each process."""
     max_completion_length: Annotated[int, AT_LEAST_1] = 256
     """Tokens the student samples per answer at most (with distill.on_policy_fraction > 0); a
     prompt must leave room for it within data.max_seq_len."""

@@ -10,6 +10,7 @@ from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigure
 from ..core.source import loader_source
 from ..data.batches import Collator
 from ..data.build import ROWS
+from ..errors import warn
 from ..model import (
     check_reference,
     disable_dropout,
@@ -41,8 +42,9 @@ def check_distill(cfg, tokenizer) -> None:
 
 
 def load_teacher(cfg, device):
-    """The teacher: frozen, in eval mode, whole on this process (never partitioned by ZeRO-3),
-    in the student's dtype and attention, never LoRA-adapted."""
+    """The teacher: frozen, in eval mode, whole on this process (never partitioned by ZeRO-3
+    as it loads; distill.shard_teacher shards it once the student is prepared), in the
+    student's dtype and attention, never LoRA-adapted."""
     with whole_models():
         teacher = load_model(reference_config(cfg.model, cfg.distill.teacher))
     return teacher.requires_grad_(False).eval().to(device)
@@ -61,11 +63,22 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
     )
     if not cfg.on_policy():
         collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
-        return Parts(objective, loader_source(cfg, accelerator, objective, train_set, eval_set, collator))
-    collator = DistillCollator(pad_id(tokenizer))
+    else:
+        collator = DistillCollator(pad_id(tokenizer))
     rows = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
 
     def source(prepared, backend, beat):
+        if d.shard_teacher and backend.topology.sharded and accelerator.num_processes > 1:
+            objective.teacher = backend.shard_frozen(objective.teacher)
+            how = "ZeRO-3" if backend.topology.zero3 else "FSDP2"
+            accelerator.print(f"distill.teacher: sharded across {accelerator.num_processes} processes ({how})")
+        elif d.shard_teacher:
+            warn(
+                "distill.shard_teacher: the student is not sharded (ZeRO-3 or FSDP2 on several processes), so the "
+                "teacher is held whole on each process"
+            )
+        if not cfg.on_policy():
+            return rows(prepared, backend, beat)
         synced = backend.topology.sharded and accelerator.num_processes > 1  # generation is a collective
         generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature, synced=synced)
         loaded = rows(prepared, backend, beat)
@@ -101,8 +114,9 @@ def describe_distill(cfg, first: dict, tokenizer) -> list[str]:
         else f"{d.on_policy_fraction:.0%} of steps answered by the student (at most {d.max_completion_length} tokens, "
         f"temperature {d.temperature:g}), the rest the data's"
     )
+    held = "sharded as the student under ZeRO-3 or FSDP2" if d.shard_teacher else "whole on each process"
     return [
-        f"\n== distillation from {d.teacher} (frozen, whole on each process) ==",
+        f"\n== distillation from {d.teacher} (frozen, {held}) ==",
         f"  loss: {what}, at temperature {d.temperature:g}, per trained token",
         f"  answers: {answers}",
         f"\n== first training row ({TRAINED_OPEN}trained{TRAINED_CLOSE}, the rest masked) ==",
@@ -118,9 +132,10 @@ def steps_per_epoch(cfg, rows: int, world: int) -> int | None:
 
 
 def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
-    """The teacher's weights, whole on each process; both models' float32 logits at every
-    position of a micro-batch (the divergence takes whole logits); with on-policy rows,
-    generation's KV cache."""
+    """The teacher's weights, whole on each process (distill.shard_teacher: the plan's
+    figures are a whole process's; its share is what ZeRO-3 or FSDP2 give it); both models'
+    float32 logits at every position of a micro-batch (the divergence takes whole logits);
+    with on-policy steps, generation's KV cache."""
     out = {f"teacher {cfg.distill.teacher}": saved_weights_bytes(cfg.distill.teacher)}
     out["student and teacher logits (float32)"] = 2.0 * tokens * getattr(mcfg, "vocab_size", 0) * 4
     if cfg.on_policy():

@@ -97,6 +97,37 @@ class Backend:
         if self.accelerator.scaler is not None:
             self.accelerator.scaler.update()
 
+    def shard_frozen(self, model):
+        """A frozen model (a distillation teacher) sharded across the processes as the trained
+        one is, for one too large to hold whole on each: under ZeRO-3 a DeepSpeed engine of
+        its own, without optimizer (each forward gathers its partitions), under FSDP2 its
+        layers and then the whole model fully_shard-ed; with neither, `model` itself. Its
+        forward passes are then collectives: every process must run the same ones. Not given
+        to the Accelerator (whose prepare would save it with the run's state). Written by hand:
+        Accelerate prepares only models it trains."""
+        if not self.topology.sharded or self.accelerator.num_processes == 1:
+            return model
+        if self.topology.zero3:
+            import copy
+
+            import deepspeed
+
+            config = copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            for key in ("optimizer", "scheduler"):  # training-only: no optimizer is given
+                config.pop(key, None)
+            config["zero_optimization"].pop("offload_optimizer", None)
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+            engine.eval()  # DeepSpeed's eval() returns nothing
+            return engine
+        from torch.distributed.fsdp import fully_shard
+
+        layers = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in layers:
+                fully_shard(module)
+        fully_shard(model)
+        return model.eval()
+
     def scaler_skipped(self) -> bool:
         """After `optimizer_step`: the fp16 loss scaler (or DeepSpeed's) found an overflow,
         skipped the update and lowered its scale."""

@@ -82,17 +82,23 @@ def test_offline_distillation_learns_and_is_the_same_on_two_processes(args, cach
     rows = train_rows(offline_one)
     assert rows[-1]["loss"] < rows[0]["loss"] and "on_policy" not in rows[0]
     two = tmp_path / "two"
-    distill(args(two, *OFFLINE, "train.micro_batch_size=1", "train.grad_accum_steps=2"), cache_env, nproc=2)
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "distill.shard_teacher=true"]
+    proc = distill(args(two, *OFFLINE, *layout), cache_env, nproc=2)
+    assert "warning: distill.shard_teacher: the student is not sharded" in proc.stderr  # DDP: the teacher stays whole
     assert_same_steps(two, offline_one, "offline 2 x 1 x 2")
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["whole_teacher", "sharded_teacher"])
 @pytest.mark.parametrize("topology", ["ds_zero3", "fsdp2"])
-def test_the_teacher_is_held_whole_beside_a_sharded_student(args, cache_env, offline_one, tmp_path, topology):
+def test_a_whole_or_sharded_teacher_beside_a_sharded_student(args, cache_env, offline_one, tmp_path, topology, shard):
+    """The teacher held whole on each process, or sharded as the student is
+    (distill.shard_teacher: every forward a collective): the steps of one process."""
     out = tmp_path / topology
-    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2"]
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2", f"distill.shard_teacher={str(shard).lower()}"]
     proc = launch(args(out, *OFFLINE, *layout), cache_env, topology, recipe=DISTILL_RECIPE, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert_same_steps(out, offline_one, topology)
+    assert ("distill.teacher: sharded across 2 processes" in proc.stdout) == shard
+    assert_same_steps(out, offline_one, f"{topology}, teacher {'sharded' if shard else 'whole'}")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +123,8 @@ def test_the_students_own_answers_are_the_same_on_any_layout(
     assert sorted({r["on_policy"] for r in rows}) == [0.0, 1.0]  # the share of trained tokens the student sampled
     out = tmp_path / "run"
     layout = [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"]
-    if topology:
+    if topology:  # the teacher sharded too: the processes generate together, then gather the teacher together
+        layout.append("distill.shard_teacher=true")
         proc = launch(args(out, *GKD, *layout), cache_env, topology, recipe=DISTILL_RECIPE, check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     else:
