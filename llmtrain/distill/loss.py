@@ -11,7 +11,7 @@ With s and t the student's and teacher's log-probs over the vocabulary at a posi
                  beta = 1: KL(s || t), the reverse KL
     reverse_kl   at the sampled token x (the student's own sample), with k1 = s(x) - t(x):
                  k1 estimator   sg(k1) s(x): the policy gradient with the per-token reward -k1,
-                                whose expectation is the reverse KL's gradient
+                                in expectation each position's reverse KL gradient given its prefix
                  k3 estimator   exp(-k1) + k1 - 1, minimised directly (low variance, biased)
                  plus, with forward_top_k, KL(t_k || s) over the teacher's top k tokens
 
