@@ -24,10 +24,12 @@ stop-gradient. The teacher runs inside the objective, under no_grad, on the same
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
-from ..core.objective import Loss, model_inputs
+from ..core.objective import Loss, loss_head, model_inputs, trained_head
 from ..data.rows import IGNORE
 
 LOSSES = ("jsd", "reverse_kl")
@@ -60,10 +62,17 @@ def top_k_only(logp: torch.Tensor, k: int) -> torch.Tensor:
 class DistillLoss:
     """The objective of recipes/distill.py (module docstring). `teacher` is the frozen model;
     `metric_names` adds the share of trained tokens the student sampled itself (`on_policy`,
-    with on-policy rows in the run) and, for reverse_kl, the mean k1 (`reverse_kl`)."""
+    with on-policy rows in the run) and, for reverse_kl, the mean k1 (`reverse_kl`).
+
+    With `head` and `teacher_head` (both models' output layers, where the chunked loss can
+    stand in for them: model.chunkable_head) and `chunk_tokens`, the logits exist for at most
+    that many trained positions at a time (objective.trained_head): the teacher's hidden
+    states at the trained positions are taken from inside its output layer's forward, and
+    each chunk's divergence computes both models' logits for its positions only (recomputed
+    in backward). Both models' whole float32 logits would otherwise take 2 x positions x
+    vocabulary x 4 bytes; a 128k vocabulary makes that gigabytes per micro-batch."""
 
     unit = "tokens"
-    head = None  # whole logits: the divergence needs the vocabulary at every trained position
 
     def __init__(
         self,
@@ -75,6 +84,9 @@ class DistillLoss:
         estimator: str = "k1",
         forward_top_k: int = 0,
         on_policy: bool = False,
+        head=None,
+        chunk_tokens: int = 0,
+        teacher_head=None,
     ):
         if loss not in LOSSES or estimator not in ESTIMATORS:
             raise ValueError(f"unknown distillation loss {loss!r} or estimator {estimator!r}")
@@ -83,6 +95,8 @@ class DistillLoss:
         names = (("on_policy",) if on_policy else ()) + (("reverse_kl",) if loss == "reverse_kl" else ())
         self.metric_names = names
         self.progress_metrics = {"reverse_kl": "kl"} if loss == "reverse_kl" else {}
+        self.teacher_head = teacher_head
+        self.head, self.chunk = loss_head(head, chunk_tokens) if teacher_head is not None else (None, 0)
 
     def count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE).sum())
@@ -90,25 +104,75 @@ class DistillLoss:
     def log_probs(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
         return (logits[:, :vocab].float() / self.temperature).log_softmax(-1)
 
-    def __call__(self, model, batch: dict) -> Loss:
-        mask = batch["labels"] != IGNORE
-        student = model(**model_inputs(model, batch)).logits[mask]
-        with torch.no_grad():
-            teacher = self.teacher(**model_inputs(self.teacher, batch)).logits[mask]
+    def divergence(self, student: torch.Tensor, teacher: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """[the summed loss, the summed k1 (detached; 0 for jsd)] of positions whose logits
+        are `student` and `teacher` ([positions, vocabulary]) and whose labels are `sampled`."""
         vocab = min(student.shape[-1], teacher.shape[-1])
         s, t = self.log_probs(student, vocab), self.log_probs(teacher, vocab)
-        metrics = {}
         if self.loss == "jsd":
-            per_token = generalized_jsd(s, top_k_only(t, self.top_k), self.beta)
+            return torch.stack([generalized_jsd(s, top_k_only(t, self.top_k), self.beta).sum(), s.new_zeros(())])
+        own, theirs = s.gather(1, sampled[:, None]).squeeze(1), t.gather(1, sampled[:, None]).squeeze(1)
+        k1 = own - theirs
+        per_token = k1.detach() * own if self.estimator == "k1" else torch.exp(-k1) + k1 - 1
+        if self.forward_top_k:
+            per_token = per_token + kl(top_k_only(t, self.forward_top_k), s)
+        return torch.stack([per_token.sum(), k1.detach().sum()])
+
+    def __call__(self, model, batch: dict) -> Loss:
+        labels = batch["labels"]
+        mask = labels != IGNORE
+        if self.head is None:
+            student = model(**model_inputs(model, batch)).logits[mask]
+            with torch.no_grad():
+                teacher = self.teacher(**model_inputs(self.teacher, batch)).logits[mask]
+            sums = self.divergence(student, teacher, labels[mask])
         else:
-            sampled = batch["labels"][mask][:, None]
-            own, theirs = s.gather(1, sampled).squeeze(1), t.gather(1, sampled).squeeze(1)
-            k1 = own - theirs
-            per_token = k1.detach() * own if self.estimator == "k1" else torch.exp(-k1) + k1 - 1
-            if self.forward_top_k:
-                per_token = per_token + kl(top_k_only(t, self.forward_top_k), s)
-            metrics["reverse_kl"] = k1.detach().sum()
+            sums = self.chunked(model, batch, mask)
+        metrics = {}
+        if self.loss == "reverse_kl":
+            metrics["reverse_kl"] = sums[1].detach()
         if "on_policy" in self.metric_names:
             rows = batch.get("on_policy", torch.zeros(mask.shape[0], device=mask.device))
             metrics["on_policy"] = (mask.sum(1) * rows).sum().float()
-        return Loss(per_token.sum(), metrics)
+        return Loss(sums[0], metrics)
+
+    def chunked(self, model, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+        """The divergence's sums, `self.chunk` trained positions at a time (class docstring)."""
+        with torch.no_grad(), hidden_at(self.teacher_head, mask) as taken:
+            self.teacher(**model_inputs(self.teacher, batch))
+        teacher_hidden, sampled = taken[0], batch["labels"][mask]
+        weight, bias = self.teacher_head.weight, self.teacher_head.bias
+        # Each trained position's number in row-major order, where trained_head passes labels:
+        # a chunk's numbers pick its teacher hidden states and sampled tokens.
+        order = torch.full_like(batch["labels"], IGNORE)
+        order[mask] = torch.arange(int(mask.sum()), device=mask.device)
+
+        def per_chunk(hidden, w, b, at):
+            with torch.no_grad():
+                teacher = F.linear(teacher_hidden[at], weight, bias)
+            return self.divergence(F.linear(hidden, w, b), teacher, sampled[at])
+
+        with trained_head(self.head, order, self.chunk, per_chunk, _sums):
+            return model(**model_inputs(model, batch)).logits
+
+
+def _sums(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(parts).sum(0)
+
+
+@contextmanager
+def hidden_at(head: torch.nn.Linear, mask: torch.Tensor):
+    """Inside, `head`'s forward records (in the list yielded) the hidden states it is given at
+    the positions of `mask`, [positions, hidden] in row-major order, and returns no logits:
+    a model's forward then computes none."""
+    taken = []
+
+    def forward(hidden):
+        taken.append(hidden[mask])
+        return hidden.new_zeros(())
+
+    head.forward = forward
+    try:
+        yield taken
+    finally:
+        del head.forward

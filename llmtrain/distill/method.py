@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigures, preview_row
+from ..core.objective import chunk_positions
 from ..core.source import loader_source
 from ..data.batches import Collator
 from ..data.build import ROWS
+from ..distributed.topology import Topology
 from ..errors import warn
 from ..model import (
     check_reference,
+    chunkable_head,
     disable_dropout,
     kv_cache_bytes,
     load_model,
@@ -58,8 +61,24 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
         disable_dropout(model)
     d = cfg.distill
     teacher = load_teacher(cfg, accelerator.device)
+    topology = Topology.of(accelerator)
+    shard = d.shard_teacher and topology.sharded and accelerator.num_processes > 1
+    # Both output layers in chunks, where both can be (a sharded teacher's weights exist only
+    # inside its own forward: whole logits then).
+    logits = cfg.train.loss_chunk_logits
+    head = chunkable_head(model) if logits and not shard else None
     objective = DistillLoss(
-        teacher, d.loss, d.beta, d.temperature, d.top_k, d.estimator, d.forward_top_k, on_policy=cfg.on_policy()
+        teacher,
+        d.loss,
+        d.beta,
+        d.temperature,
+        d.top_k,
+        d.estimator,
+        d.forward_top_k,
+        on_policy=cfg.on_policy(),
+        head=head,
+        chunk_tokens=chunk_positions(head, logits),
+        teacher_head=chunkable_head(teacher) if head is not None else None,
     )
     if not cfg.on_policy():
         collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
@@ -68,7 +87,7 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
     rows = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
 
     def source(prepared, backend, beat):
-        if d.shard_teacher and backend.topology.sharded and accelerator.num_processes > 1:
+        if shard:
             objective.teacher = backend.shard_frozen(objective.teacher)
             how = "ZeRO-3" if backend.topology.zero3 else "FSDP2"
             accelerator.print(f"distill.teacher: sharded across {accelerator.num_processes} processes ({how})")
@@ -134,10 +153,11 @@ def steps_per_epoch(cfg, rows: int, world: int) -> int | None:
 def memory(cfg, mcfg, total: int, width: int, tokens: int) -> dict[str, float]:
     """The teacher's weights, whole on each process (distill.shard_teacher: the plan's
     figures are a whole process's; its share is what ZeRO-3 or FSDP2 give it); both models'
-    float32 logits at every position of a micro-batch (the divergence takes whole logits);
+    float32 logits of a micro-batch, at most train.loss_chunk_logits at a time (DistillLoss);
     with on-policy steps, generation's KV cache."""
     out = {f"teacher {cfg.distill.teacher}": saved_weights_bytes(cfg.distill.teacher)}
-    out["student and teacher logits (float32)"] = 2.0 * tokens * getattr(mcfg, "vocab_size", 0) * 4
+    logits = tokens * getattr(mcfg, "vocab_size", 0)  # in chunks of at most train.loss_chunk_logits
+    out["student and teacher logits (float32)"] = 2.0 * 4 * min(logits, cfg.train.loss_chunk_logits or logits)
     if cfg.on_policy():
         out["generation KV cache"] = kv_cache_bytes(mcfg, width, tokens)
     return out

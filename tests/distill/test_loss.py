@@ -175,3 +175,36 @@ def test_an_empty_batch_counts_nothing_and_reaches_every_weight(models):
     out.total.backward()
     assert objective.count(batch) == 0 and float(out.total) == 0.0
     assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(loss="jsd", beta=0.3, top_k=5), dict(loss="reverse_kl", estimator="k3", forward_top_k=4)], ids=str
+)
+def test_both_output_layers_in_chunks_give_the_whole_logits_loss(models, kw):
+    """Three trained positions at a time, the teacher's hidden states taken from inside its
+    output layer and both models' logits computed per chunk (recomputed in backward): the
+    loss, its k1 and its gradients are those of whole logits; the heads are back afterwards."""
+    from llmtrain.model import chunkable_head
+
+    student, teacher = models
+    batch = rows_batch(student.config.vocab_size)
+    results = []
+    for chunk in (0, 3):
+        heads = (
+            dict(head=chunkable_head(student), chunk_tokens=3, teacher_head=chunkable_head(teacher)) if chunk else {}
+        )
+        objective = DistillLoss(teacher, temperature=0.9, **kw, **heads)
+        assert (objective.head is not None) == bool(chunk)
+        student.zero_grad()
+        out = objective(student, batch)
+        out.total.backward()
+        results.append((out, [p.grad.clone() for p in student.parameters()]))
+    (whole, whole_grads), (chunked, chunked_grads) = results
+    assert float(chunked.total.detach()) == pytest.approx(float(whole.total.detach()), rel=1e-5)
+    for key in whole.metrics:
+        assert float(chunked.metrics[key]) == pytest.approx(float(whole.metrics[key]), rel=1e-5)
+    scale = max(float(g.abs().max()) for g in whole_grads)
+    for a, b in zip(chunked_grads, whole_grads):  # rows' logits computed apart round apart: 1e-5 of the largest
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
+    assert "forward" not in vars(chunkable_head(student)) and "forward" not in vars(chunkable_head(teacher))
+    assert logits_of(teacher, batch).shape[-1] == teacher.config.vocab_size  # the teacher's head is its own again
