@@ -40,7 +40,6 @@ The peers are TRL's defaults, and TRL's best: the same, with gradient checkpoint
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import harness
@@ -179,36 +178,28 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
     }
 
 
-SYSTEMS = ("llmtrain", *harness.PEERS)
-
-
 def main() -> None:
-    options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-agents")
-    options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
-    args = options.parse_args()
-    if args.rows:
-        options.error("--rows: the agents workload is sized by prompts and steps; leave --rows out")
-    if args.worker:  # one TRL run, in its own process
-        harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
-        return
-
-    root = args.dir / args.workload
-    root.mkdir(parents=True, exist_ok=True)
-    setup = prepare(args.workload, root)
-    before = held_out(setup["model"])
-    results = harness.run_rl_systems(__file__, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
-    report(args, setup, before, results)
+    harness.rl_benchmark(
+        __file__,
+        __doc__,
+        WORKLOADS,
+        "agents",
+        "agents workload is sized by prompts and steps",
+        prepare,
+        lambda setup: held_out(setup["model"]),
+        ours,
+        run_trl,
+        report,
+    )
 
 
 def report(args, setup: dict, before: float, results: dict) -> None:
     import trl
 
-    ours = min(results["llmtrain"], key=lambda r: r["step_s"]) if "llmtrain" in results else None
-    systems = f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
     lines = [
         harness.heading(f"GRPO with tools, {args.workload}"),
         "",
-        harness.command("agents_vs_trl.py", args, systems) + "; "
+        harness.command("agents_vs_trl.py", args, harness.systems_flag(args)) + "; "
         f"the calculator demo's SFT model and questions, tools add and multiply, {setup['prompts']} prompts x "
         f"{GROUP} episodes a step, {setup['steps']} steps, at most {MAX_TOKENS} completion tokens and {TURNS} "
         f"turns, temperature {TEMPERATURE}, dapo loss, lr {LR}, fp32, one process; TRL {trl.__version__}. "
@@ -218,10 +209,7 @@ def report(args, setup: dict, before: float, results: dict) -> None:
         "| peak memory | ours / this, step time |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, runs in results.items():
-        r = min(runs, key=lambda x: x["step_s"])  # the fastest repeat: the least disturbed
-        held = ", ".join(f"{x['held_out']:.3f}" for x in runs)
-        ratio = f"{r['step_s'] / ours['step_s']:.2f}x" if ours else "n/a"
+    for name, r, held, ratio in harness.rl_rows(results, 3):
         lines.append(
             f"| {name} | {held} | {r['train_reward']:.3f} | {r['tool_calls']:.2f} | {r['step_s']:.2f} s | "
             f"{r['peak_mem_gib']:.2f} GiB | {ratio} |"

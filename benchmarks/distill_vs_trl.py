@@ -180,36 +180,28 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
     }
 
 
-SYSTEMS = ("llmtrain", *harness.PEERS)
-
-
 def main() -> None:
-    options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-distill")
-    options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
-    args = options.parse_args()
-    if args.rows:
-        options.error("--rows: the distillation workload is sized by steps; leave --rows out")
-    if args.worker:  # one TRL run, in its own process
-        harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
-        return
-
-    root = args.dir / args.workload
-    root.mkdir(parents=True, exist_ok=True)
-    setup = prepare(args.workload, root)
-    before = held_out(setup["student"], setup)
-    results = harness.run_rl_systems(__file__, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
-    report(args, setup, before, results)
+    harness.rl_benchmark(
+        __file__,
+        __doc__,
+        WORKLOADS,
+        "distill",
+        "distillation workload is sized by steps",
+        prepare,
+        lambda setup: held_out(setup["student"], setup),
+        ours,
+        run_trl,
+        report,
+    )
 
 
 def report(args, setup: dict, before: float, results: dict) -> None:
     import trl
 
-    ours = min(results["llmtrain"], key=lambda r: r["step_s"]) if "llmtrain" in results else None
-    systems = f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
     lines = [
         harness.heading(f"GKD distillation, {args.workload}"),
         "",
-        harness.command("distill_vs_trl.py", args, systems) + "; "
+        harness.command("distill_vs_trl.py", args, harness.systems_flag(args)) + "; "
         f"the distillation demo's teacher (821k parameters) and student (115k, random weights), its one-exchange "
         f"chat rows, {setup['micro']} rows a step, {setup['steps']} steps, on-policy fraction {FRACTION} "
         f"(TRL's lmbda), at most {NEW_TOKENS} new tokens at temperature {TEMPERATURE}, generalized JSD with beta "
@@ -219,10 +211,7 @@ def report(args, setup: dict, before: float, results: dict) -> None:
         "| system | held-out JSD after | step time | peak memory | ours / this, step time |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for name, runs in results.items():
-        r = min(runs, key=lambda x: x["step_s"])  # the fastest repeat: the least disturbed
-        held = ", ".join(f"{x['held_out']:.4f}" for x in runs)
-        ratio = f"{r['step_s'] / ours['step_s']:.2f}x" if ours else "n/a"
+    for name, r, held, ratio in harness.rl_rows(results, 4):
         lines.append(f"| {name} | {held} | {r['step_s']:.3f} s | {r['peak_mem_gib']:.2f} GiB | {ratio} |")
     harness.publish(lines, args.results)
 

@@ -226,12 +226,9 @@ def data_counts(setup: dict) -> dict:
     return {"pairs": len(done), "trained": sum(d["n_trained"] for d in done), "tokens": sum(d["length"] for d in done)}
 
 
-SYSTEMS = ("llmtrain", *harness.PEERS)
-
-
 def main() -> None:
     options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-dpo")
-    options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
+    harness.systems_option(options)
     args = options.parse_args()
     if args.rows:
         WORKLOADS[args.workload]["pairs"] = args.rows
@@ -243,7 +240,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     setup = prepare(args.workload, root)
     counts = data_counts(setup)
-    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS if name in args.systems}
+    results: dict[str, list[dict]] = {name: [] for name in harness.SYSTEMS if name in args.systems}
     for repeat in range(args.repeats):
         for name in results:
             out = root / f"{name}-{repeat}"
@@ -272,11 +269,10 @@ def report(args, setup: dict, counts: dict, results: dict) -> None:
 
     pairs = counts["pairs"]
     ours = best_of(results["llmtrain"]) if "llmtrain" in results else None
-    systems = f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
     lines = [
         harness.heading(f"DPO, {args.workload}"),
         "",
-        harness.command("dpo_vs_trl.py", args, systems) + "; "
+        harness.command("dpo_vs_trl.py", args, harness.systems_flag(args)) + "; "
         f"{pairs} pairs, {counts['trained']:,} trained / {counts['tokens']:,} tokens per epoch, "
         f"max length {setup['seq']}, {setup['micro']} pairs per step, beta {BETA}, lr {LR}, "
         f"precision {setup['precision']}; TRL {trl.__version__}.",

@@ -207,36 +207,28 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
     }
 
 
-SYSTEMS = ("llmtrain", *harness.PEERS)
-
-
 def main() -> None:
-    options = harness.parser(__doc__, WORKLOADS, harness.ROOT / "runs" / "bench-grpo")
-    options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
-    args = options.parse_args()
-    if args.rows:
-        options.error("--rows: the GRPO workload is sized by prompts and steps; leave --rows out")
-    if args.worker:  # one TRL run, in its own process
-        harness.worker_result(run_trl(json.loads(args.setup), args.dir, args.worker == "trl-best"))
-        return
-
-    root = args.dir / args.workload
-    root.mkdir(parents=True, exist_ok=True)
-    setup = prepare(args.workload, root)
-    before = held_out_reward(setup["model"], setup["held_out"])
-    results = harness.run_rl_systems(__file__, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
-    report(args, setup, before, results)
+    harness.rl_benchmark(
+        __file__,
+        __doc__,
+        WORKLOADS,
+        "grpo",
+        "GRPO workload is sized by prompts and steps",
+        prepare,
+        lambda setup: held_out_reward(setup["model"], setup["held_out"]),
+        ours,
+        run_trl,
+        report,
+    )
 
 
 def report(args, setup: dict, before: float, results: dict) -> None:
     import trl
 
-    ours = min(results["llmtrain"], key=lambda r: r["step_s"]) if "llmtrain" in results else None
-    systems = f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
     lines = [
         harness.heading(f"GRPO, {args.workload}"),
         "",
-        harness.command("grpo_vs_trl.py", args, systems) + "; "
+        harness.command("grpo_vs_trl.py", args, harness.systems_flag(args)) + "; "
         f"the demo's SFT model and questions, {setup['prompts']} prompts x {GROUP} completions a step, "
         f"{setup['steps']} steps, at most {NEW_TOKENS} new tokens, temperature {TEMPERATURE}, dapo loss, lr {LR}, "
         f"fp32, one process; TRL {trl.__version__}. Held-out reward before training: {before:.3f} "
@@ -246,10 +238,7 @@ def report(args, setup: dict, before: float, results: dict) -> None:
         "| ours / this, step time |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, runs in results.items():
-        r = min(runs, key=lambda x: x["step_s"])  # the fastest repeat: the least disturbed
-        held = ", ".join(f"{x['held_out']:.3f}" for x in runs)
-        ratio = f"{r['step_s'] / ours['step_s']:.2f}x" if ours else "n/a"
+    for name, r, held, ratio in harness.rl_rows(results, 3):
         lines.append(
             f"| {name} | {held} | {r['train_reward']:.3f} | {r['step_s']:.2f} s | "
             f"{r['generation_tokens_per_s']:.0f} | {r['peak_mem_gib']:.2f} GiB | {ratio} |"

@@ -103,6 +103,19 @@ def parser(doc: str, workloads: dict, default_dir: Path) -> argparse.ArgumentPar
     return p
 
 
+SYSTEMS = ("llmtrain", *PEERS)
+
+
+def systems_option(options: argparse.ArgumentParser) -> None:
+    """--systems, for the benchmarks that run some of SYSTEMS only."""
+    options.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
+
+
+def systems_flag(args) -> str:
+    """The --systems part of the command line that reproduces a run, where it ran some only."""
+    return f" --systems {' '.join(args.systems)}" if list(args.systems) != list(SYSTEMS) else ""
+
+
 def run_ours(recipe: str, setup: dict, out: Path, args: list[str]) -> tuple[list[dict], str]:
     """One llmtrain run of `recipe` with `args` (--config first) in a fresh process, writing
     to `out`: its training rows of metrics.jsonl, and what it printed. `out` is emptied
@@ -150,6 +163,39 @@ def run_rl_systems(script: str, args, root: Path, setup: dict, systems: list[str
             print(f"{name} run {repeat + 1}: {r['step_s']:.2f} s/step, held-out {r['held_out']:.3f}", flush=True)
             results[name].append(r)
     return results
+
+
+def rl_benchmark(script: str, doc: str, workloads: dict, name: str, sized_by: str, prepare, before, ours, peer, report):
+    """The main() of the RL benchmarks (grpo_vs_trl.py, agents_vs_trl.py, distill_vs_trl.py):
+    as a --worker, one peer's run (`peer(setup, out, best)`); otherwise the workload prepared
+    in runs/bench-<name>/<workload> (`prepare(workload, root)` -> setup), the held-out figure
+    before training (`before(setup)`), every system's runs (run_rl_systems) and
+    `report(args, setup, before, results)`. `sized_by` says what sizes the workload, in the
+    line refusing --rows."""
+    options = parser(doc, workloads, ROOT / "runs" / f"bench-{name}")
+    systems_option(options)
+    args = options.parse_args()
+    if args.rows:
+        options.error(f"--rows: the {sized_by}; leave --rows out")
+    if args.worker:  # one TRL run, in its own process
+        worker_result(peer(json.loads(args.setup), args.dir, args.worker == "trl-best"))
+        return
+    root = args.dir / args.workload
+    root.mkdir(parents=True, exist_ok=True)
+    setup = prepare(args.workload, root)
+    held = before(setup)
+    results = run_rl_systems(script, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
+    report(args, setup, held, results)
+
+
+def rl_rows(results: dict[str, list[dict]], digits: int):
+    """For each system: (its name, its fastest repeat, the least disturbed; every repeat's
+    held-out figure to `digits` places; the fastest repeat's step time over llmtrain's)."""
+    ours = min(results["llmtrain"], key=lambda r: r["step_s"]) if "llmtrain" in results else None
+    for name, runs in results.items():
+        r = min(runs, key=lambda x: x["step_s"])
+        held = ", ".join(f"{x['held_out']:.{digits}f}" for x in runs)
+        yield name, r, held, f"{r['step_s'] / ours['step_s']:.2f}x" if ours else "n/a"
 
 
 def worker_result(result: dict) -> None:
