@@ -10,6 +10,7 @@ import torch
 
 from llmtrain.data.rows import IGNORE
 from llmtrain.distill.loss import DistillLoss, generalized_jsd, top_k_only
+from tests.support.data import answered_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +29,7 @@ def models(tiny_model):
 
 def rows_batch(vocab: int, rows: int = 5, width: int = 12) -> dict:
     """Right-padded rows with prompts of 2 to 4 tokens and answers of 1 to 7 (labels shifted)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, vocab, (rows, width), generator=g)
-    labels = torch.full_like(ids, IGNORE)
-    attention = torch.zeros_like(ids)
-    for r in range(rows):
-        prompt, answer = 2 + r % 3, 1 + (r * 3) % 7
-        attention[r, : prompt + answer] = 1
-        labels[r, prompt - 1 : prompt + answer - 1] = ids[r, prompt : prompt + answer]
-    return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+    return answered_batch(vocab, [(2 + r % 3, 1 + (r * 3) % 7) for r in range(rows)], width, seed=1)
 
 
 def logits_of(model, batch):

@@ -14,6 +14,7 @@ from llmtrain.data.rows import IGNORE
 from llmtrain.errors import RewardError
 from llmtrain.rl.advantages import ESTIMATORS, estimate, nanstd
 from llmtrain.rl.loss import LOSS_TYPES, GRPOLoss
+from tests.support.data import answered_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +29,8 @@ def rollout_batch(vocab: int, rows: int = 6, width: int = 14, seed: int = 3) -> 
     """Prompts of 3 to 5 tokens, completions of 1 to 8, right-padded; labels shifted (the
     position before each completion token predicts it); advantages of both signs; old and
     reference log-probs near the policy's, so some ratios clip."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab, (rows, width), generator=g)
-    labels = torch.full_like(ids, IGNORE)
-    attention = torch.zeros_like(ids)
-    for r in range(rows):
-        prompt, completion = 3 + r % 3, 1 + (r * 5) % 8
-        attention[r, : prompt + completion] = 1
-        labels[r, prompt - 1 : prompt + completion - 1] = ids[r, prompt : prompt + completion]
-    return {
-        "input_ids": ids,
-        "attention_mask": attention,
-        "labels": labels,
-        "advantages": torch.linspace(-1.5, 2.0, rows),
-    }
+    lengths = [(3 + r % 3, 1 + (r * 5) % 8) for r in range(rows)]
+    return answered_batch(vocab, lengths, width, seed) | {"advantages": torch.linspace(-1.5, 2.0, rows)}
 
 
 def plain_token_logps(model, batch, temperature):

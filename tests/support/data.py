@@ -1,7 +1,8 @@
 """Rows and datasets the tests share: a chat row of two exchanges (CHAT), a chat template
 that renders tools and tool calls (TOOLS_TEMPLATE), rows written as a JSONL file (`write`),
 an in-memory Dataset (`rows_dataset`), each sample of a packed set (`packed_samples`), a
-tokenizer carrying a given template (`templated`), and the data that the mixing and
+tokenizer carrying a given template (`templated`), a batch of random prompts and answers
+(`answered_batch`), and the data that the mixing and
 streaming tests share with their launches in tests/launch/ (`write_sources`; `mixed_rows`
 read with `stream_config`)."""
 
@@ -92,3 +93,21 @@ def stream_config(**kw) -> DataConfig:
     """The streaming tests' data settings (`kw` overrides them): mixed_rows' over-long rows
     dropped at data.max_seq_len=128, a shuffle buffer of 8."""
     return DataConfig(**({"train": "x", "max_seq_len": 128, "overlong": "drop", "shuffle_buffer": 8} | kw))
+
+
+def answered_batch(vocab: int, lengths: list[tuple[int, int]], width: int, seed: int) -> dict:
+    """Rows of random tokens from `seed` (ids 5 and up), row r a prompt of lengths[r][0]
+    tokens and an answer of lengths[r][1], right-padded to `width`, with shifted labels on the
+    answer (the position before each answer token predicts it), as the collator gives them."""
+    import torch
+
+    from llmtrain.data.rows import IGNORE
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (len(lengths), width), generator=g)
+    labels = torch.full_like(ids, IGNORE)
+    attention = torch.zeros_like(ids)
+    for r, (prompt, answer) in enumerate(lengths):
+        attention[r, : prompt + answer] = 1
+        labels[r, prompt - 1 : prompt + answer - 1] = ids[r, prompt : prompt + answer]
+    return {"input_ids": ids, "attention_mask": attention, "labels": labels}
