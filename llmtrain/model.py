@@ -477,6 +477,17 @@ def reference_config(cfg: ModelConfig, name: str = "") -> ModelConfig:
     )
 
 
+def load_frozen(cfg: ModelConfig, name: str = "", device=None):
+    """A frozen model beside the trained one (a reference, a distillation teacher): `name`'s
+    weights, or with none the trained model's starting ones (reference_config), whole on this
+    process (whole_models: a ZeRO-3 launch would partition it as it loads), without gradients,
+    in eval mode, on `device` where given."""
+    with whole_models():
+        model = load_model(reference_config(cfg, name))
+    model.requires_grad_(False).eval()
+    return model if device is None else model.to(device)
+
+
 def load_model(cfg: ModelConfig, zero3: bool = False):
     """The model from cfg.name_or_path as training takes it (dtype, attention, quantized,
     checkpointed, LoRA adapters); `zero3`: the run is under DeepSpeed ZeRO-3 (`add_lora`)."""

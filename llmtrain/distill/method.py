@@ -18,11 +18,9 @@ from ..model import (
     chunkable_head,
     disable_dropout,
     kv_cache_bytes,
-    load_model,
+    load_frozen,
     pad_id,
-    reference_config,
     saved_weights_bytes,
-    whole_models,
 )
 from ..rl.sampling import HFGenerator
 from .config import DistillConfig
@@ -44,15 +42,6 @@ def check_distill(cfg, tokenizer) -> None:
     check_reference(cfg.distill.teacher, "distill.teacher", cfg.model, tokenizer, role="teacher")
 
 
-def load_teacher(cfg, device):
-    """The teacher: frozen, in eval mode, whole on this process (never partitioned by ZeRO-3
-    as it loads; distill.shard_teacher shards it once the student is prepared), in the
-    student's dtype and attention, never LoRA-adapted."""
-    with whole_models():
-        teacher = load_model(reference_config(cfg.model, cfg.distill.teacher))
-    return teacher.requires_grad_(False).eval().to(device)
-
-
 def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
     """The divergence to the teacher over padded or packed rows; with on-policy steps, their
     rows' answers sampled by the student as the loop draws them (onpolicy.OnPolicyBatches),
@@ -60,9 +49,11 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
     if cfg.model.dropout == "none":
         disable_dropout(model)
     d = cfg.distill
-    teacher = load_teacher(cfg, accelerator.device)
-    topology = Topology.of(accelerator)
-    shard = d.shard_teacher and topology.sharded and accelerator.num_processes > 1
+    # Frozen, in the student's dtype and attention, never LoRA-adapted; whole on each process
+    # until distill.shard_teacher shards it beside the prepared student.
+    teacher = load_frozen(cfg.model, d.teacher, accelerator.device)
+    sharded = Topology.of(accelerator).sharded and accelerator.num_processes > 1  # forwards are collectives
+    shard = d.shard_teacher and sharded
     # Both output layers in chunks, where both can be (a sharded teacher's weights exist only
     # inside its own forward: whole logits then).
     logits = cfg.train.loss_chunk_logits
@@ -98,8 +89,7 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
             )
         if not cfg.on_policy():
             return rows(prepared, backend, beat)
-        synced = backend.topology.sharded and accelerator.num_processes > 1  # generation is a collective
-        generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature, synced=synced)
+        generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature, synced=sharded)
         loaded = rows(prepared, backend, beat)
         t = cfg.train
         return OnPolicyBatches(

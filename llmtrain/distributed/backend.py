@@ -11,6 +11,7 @@ accumulation count, which the scale undoes.
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -108,9 +109,7 @@ class Backend:
         if not self.topology.sharded or self.accelerator.num_processes == 1:
             return model
         if self.topology.zero3:
-            import copy
-
-            import deepspeed
+            import deepspeed  # only under DeepSpeed: its import is slow and sets up its accelerator
 
             config = copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config)
             for key in ("optimizer", "scheduler"):  # training-only: no optimizer is given

@@ -13,10 +13,8 @@ from ..model import (
     check_reference,
     chunkable_head,
     disable_dropout,
-    load_model,
+    load_frozen,
     pad_id,
-    reference_config,
-    whole_models,
 )
 from .config import DPOConfig, RewardConfig
 from .kto import KTOLoss
@@ -58,8 +56,7 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
         return Parts(objective, source)
 
     def reference_model():
-        with whole_models():  # a whole copy on each process: ZeRO-3 would partition it as it loads
-            ref = load_model(reference_config(cfg.model, d.reference))
+        ref = load_frozen(cfg.model, d.reference)  # whole on each process (ReferencePass places it)
         return ref, make(chunkable_head(ref) if logits else None)  # its own output layer
 
     sets = [train_set, eval_set]

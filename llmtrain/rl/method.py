@@ -12,10 +12,8 @@ from ..model import (
     chunkable_head,
     disable_dropout,
     kv_cache_bytes,
-    load_model,
-    reference_config,
+    load_frozen,
     saved_weights_bytes,
-    whole_models,
 )
 from .agent import Agent, check_positions
 from .config import GRPOConfig
@@ -53,9 +51,7 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
     )
     frozen = None
     if g.beta and not cfg.model.lora.enabled:  # a full fine-tune's reference: the starting weights, kept apart
-        with whole_models():  # a whole copy on each process, never partitioned by ZeRO-3
-            frozen = load_model(reference_config(cfg.model, g.reference))
-        frozen.requires_grad_(False).eval().to(accelerator.device)
+        frozen = load_frozen(cfg.model, g.reference, accelerator.device)  # whole on each process
 
     def source(prepared, backend, beat):
         reference = None
