@@ -48,9 +48,6 @@ class DistillCollator(Collator):
         batch["on_policy"] = torch.tensor([float(e.get("on_policy", 0.0)) for e in examples])
         return batch
 
-    def empty_batch(self, packed: bool) -> dict:
-        return self([{"input_ids": [self.pad_id], "labels": [IGNORE]}])
-
 
 def on_policy_step(seed: int, epoch: int, step: int, fraction: float) -> bool:
     """Whether step `step` of pass `epoch` trains on the student's own answers: a coin seeded

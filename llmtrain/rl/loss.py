@@ -58,9 +58,9 @@ Weights = Callable[[torch.Tensor, torch.Tensor, torch.dtype, int], torch.Tensor]
 class Clip:
     """The bounds a loss type clips its ratio to."""
 
-    low: float = 0.8  # 1 - grpo.epsilon
-    high: float = 1.2  # 1 + grpo.epsilon_high (or grpo.epsilon)
-    cap: float = 5.0  # CISPO's cap on its importance weight: 1 + grpo.cispo_epsilon_high
+    low: float  # 1 - grpo.epsilon
+    high: float  # 1 + grpo.epsilon_high (or grpo.epsilon)
+    cap: float  # CISPO's cap on its importance weight: 1 + grpo.cispo_epsilon_high
 
 
 def each_token(mask: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, max_len: int) -> torch.Tensor:
