@@ -595,24 +595,14 @@ CALC_SFT_TIME = "about four minutes on an idle CPU, longer on a busy one"
 @builds("tiny-llama-small/config.json")
 def build_small_model(root: Path) -> None:
     """tiny-llama-small/ under root: the distillation demo's student, a randomly initialised
-    Llama built like tiny-llama (its tokenizer and chat template, its shape of layer) but
-    smaller: half as wide, half as deep (115k parameters against 821k)."""
-    import torch
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-
+    Llama built as tiny-llama is (build_model_dir, from the same rows: the same tokenizer and
+    chat template) but half as wide and half as deep (115k parameters against 821k)."""
     build_assets(root)
-    base = root / "tiny-llama"
-    config = AutoConfig.from_pretrained(base)
-    config.hidden_size, config.intermediate_size = config.hidden_size // 2, config.intermediate_size // 2
-    config.num_hidden_layers = config.num_hidden_layers // 2
-    config.head_dim = config.hidden_size // config.num_attention_heads
+    base = json.loads((root / "tiny-llama" / "config.json").read_text())
+    rows = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines() if line]
+    corpus = [m["content"] for r in rows for m in r["messages"]]
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llama-small.tmp-", dir=root))
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+    build_model_dir(tmp, corpus, base["hidden_size"] // 2, base["num_hidden_layers"] // 2, seed=1)
     into_place(tmp, root / "tiny-llama-small")
 
 

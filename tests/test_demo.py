@@ -323,7 +323,8 @@ def test_the_calculator_score_plays_episodes_as_the_grpo_demo_does():
 def test_the_distillation_demo_plans_its_teacher_and_builds_its_student_untrained(fake_build, monkeypatch, tiny_model):
     """`llmtrain plan` of the distillation demo on a fresh cache: the teacher (a training run)
     is stood in for by the base model, said in a line; the student, built not trained, is
-    built: the base model's tokenizer and layers, half as wide and half as deep."""
+    built from the same rows: the base model's tokenizer and layers, half as wide and half as
+    deep."""
     import shutil
 
     from transformers import AutoConfig, AutoTokenizer
@@ -333,6 +334,7 @@ def test_the_distillation_demo_plans_its_teacher_and_builds_its_student_untraine
 
     root, log = fake_build
     shutil.copytree(tiny_model, root / "tiny-llama", dirs_exist_ok=True)  # a real base model to build from
+    demo.write_jsonl(demo.make_rows(200, seed=0), root / "train.jsonl")  # and the rows it was built from (conftest)
     monkeypatch.setenv("LLMTRAIN_CACHE", str(root.parent))
     names = ["model.name_or_path=demo:tiny-llama-small", "data.train=demo:train"]
     cfg = load_config(None, [*names, "distill.teacher=demo:tiny-llama-teacher"], DistillConfig)
