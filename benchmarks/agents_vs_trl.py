@@ -3,6 +3,7 @@ prompts, tools, reward, group and steps.
 
     python benchmarks/agents_vs_trl.py                   # CPU workload, about 15 minutes on 2 idle cores
     python benchmarks/agents_vs_trl.py --repeats 1 --systems llmtrain trl-best
+    python benchmarks/agents_vs_trl.py --workload gpu --repeats 1      # one GPU, bigger steps
 
 Needs `pip install trl` beside llmtrain. The workload is the offline calculator demo's
 (docs/agents.md):
@@ -48,6 +49,8 @@ LR, GROUP, MAX_TOKENS, TEMPERATURE, TURNS = 1e-4, 8, 160, 1.0, 2
 WORKLOADS = {
     # prompts per step, steps, max length (prompt + completion)
     "cpu": dict(prompts=4, steps=40, seq=256, precision="no"),
+    # the same model and prompts, twice the prompts a step, on one GPU
+    "gpu": dict(prompts=8, steps=25, seq=256, precision="no"),
 }
 OURS_CONFIG = """\
 # llmtrain's side of benchmarks/agents_vs_trl.py (written by it; the rest comes on the command line)

@@ -3,6 +3,7 @@ student, rows, steps and settings.
 
     python benchmarks/distill_vs_trl.py                    # CPU workload, a few minutes on 2 idle cores
     python benchmarks/distill_vs_trl.py --repeats 1 --systems llmtrain trl-best
+    python benchmarks/distill_vs_trl.py --workload gpu --repeats 1      # one GPU, bigger steps
 
 Needs `pip install trl` beside llmtrain. The workload is the offline distillation demo's
 (docs/distill.md): the teacher is the SFT demo's model (tiny-llama-teacher, built on first use,
@@ -12,9 +13,9 @@ collator trains the last assistant message alone; llmtrain trains every answer, 
 with one answer give both the same tokens to train).
 
 Both systems run GKD as TRL defines it: for about half the rows the student samples its own
-answer (TRL: a coin per batch, lmbda; llmtrain: a coin per row, distill.on_policy_fraction),
+answer (TRL: a coin per batch, lmbda; llmtrain: a coin per step, distill.on_policy_fraction),
 at temperature 1 up to 16 new tokens, and the loss is the generalized JSD with beta 0.5
-between the two models' distributions at every answer token; 8 rows a step, the same
+between the two models' distributions at every answer token; 8 rows a step (32 on the gpu workload), the same
 learning rate (constant), fp32, one process, in a fresh process per run, in the order
 A B C A B C.
 
@@ -40,6 +41,8 @@ LR, BETA, FRACTION, NEW_TOKENS, TEMPERATURE = 1e-3, 0.5, 0.5, 16, 1.0
 WORKLOADS = {
     # rows per step, steps, max length
     "cpu": dict(micro=8, steps=80, seq=256, precision="no"),
+    # the same models and rows, four times the rows a step, on one GPU
+    "gpu": dict(micro=32, steps=60, seq=256, precision="no"),
 }
 OURS_CONFIG = """\
 # llmtrain's side of benchmarks/distill_vs_trl.py (written by it; the rest comes on the command line)

@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_vs_trl.py                     # CPU workload, about 10 minutes on 2 idle cores
     python benchmarks/grpo_vs_trl.py --repeats 1 --ours grpo.loss_type=grpo
+    python benchmarks/grpo_vs_trl.py --workload gpu --repeats 1      # one GPU, bigger steps
     python benchmarks/grpo_vs_trl.py --systems llmtrain trl-default --results /tmp/r.md
 
 Needs `pip install trl` beside llmtrain. The workload is the offline demo's:
@@ -42,6 +43,8 @@ LR, GROUP, NEW_TOKENS, TEMPERATURE = 1e-4, 8, 12, 1.0
 WORKLOADS = {
     # prompts per step, steps, held-out prompts, max length (prompt + completion)
     "cpu": dict(prompts=8, steps=60, questions=200, seq=64, precision="no"),
+    # the same model and questions, twice the prompts a step, on one GPU
+    "gpu": dict(prompts=16, steps=40, questions=200, seq=64, precision="no"),
 }
 OURS_CONFIG = """\
 # llmtrain's side of benchmarks/grpo_vs_trl.py (written by it; the rest comes on the command line)
