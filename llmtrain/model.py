@@ -17,6 +17,7 @@ from .attention import choose as choose_attention
 from .config import ModelConfig
 from .errors import AttentionError, ModelError, describe, shown, warn
 from .files import is_path
+from .processor import check_processor, freeze_vision, is_vision, language_only, load_processor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -193,11 +194,19 @@ def meta_model(cfg: ModelConfig, mcfg, zero3: bool = False):
         return add_lora(model, cfg, zero3=zero3)
 
 
-def auto_class(cfg: ModelConfig):
-    """transformers' class for model.head: the causal LM, or the same body with a one-label
-    sequence-classification head ('score', recipes/reward.py)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def auto_class(cfg: ModelConfig, mcfg):
+    """transformers' class for model.head: the causal LM (for a vision-language model, its
+    image-text class), or the same body with a one-label sequence-classification head
+    ('score', recipes/reward.py)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
+    if is_vision(mcfg):
+        if cfg.head == "score":
+            raise ModelError(
+                f"model.name_or_path: '{cfg.name_or_path}' is a vision-language model; reward models "
+                "(recipes/reward.py) are trained from text models only"
+            )
+        return AutoModelForImageTextToText
     return AutoModelForSequenceClassification if cfg.head == "score" else AutoModelForCausalLM
 
 
@@ -212,7 +221,9 @@ def _meta(cfg: ModelConfig, mcfg, dtype: torch.dtype):
         mcfg.num_labels = 1
     try:
         with whole_models(), torch.device("meta"):
-            return auto_class(cfg).from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            return auto_class(cfg, mcfg).from_config(mcfg, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except ModelError:
+        raise
     except Exception as e:  # the user's config.json describes no model that can be built
         raise ModelError(
             f"model.name_or_path: cannot build a model from the config of '{cfg.name_or_path}' ({describe(e)}); "
@@ -300,15 +311,30 @@ def model_class(cfg: ModelConfig, mcfg) -> type:
     return type(_meta(cfg, mcfg, torch.float32))
 
 
-def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None, vision: bool = False):
     """The model's (fast) tokenizer; `chat_template` (data.chat_template, resolved by
-    DataConfig.chat_template_text) replaces its own, and is exported with the model."""
+    DataConfig.chat_template_text) replaces its own, and is exported with the model. With
+    `vision` (a vision-language model: vision.is_vision), the tokenizer of its processor,
+    carrying the processor (vision.processor_of), whose chat template it renders with."""
     from transformers import AutoTokenizer
 
+    processor = None
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
+        if vision:
+            processor = load_processor(cfg.name_or_path, **hub_kwargs(cfg))
+            tok = getattr(processor, "tokenizer", None)
+        else:
+            tok = AutoTokenizer.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
     except Exception as e:
-        raise load_error("a tokenizer", cfg.name_or_path, e) from None
+        raise load_error("a processor" if vision else "a tokenizer", cfg.name_or_path, e) from None
+    if vision:
+        if tok is None:
+            raise ModelError(f"model.name_or_path: the processor of '{cfg.name_or_path}' has no tokenizer")
+        check_processor(processor, cfg.name_or_path)
+        if chat_template:
+            processor.chat_template = chat_template  # exported with the processor
+        tok.chat_template = processor.chat_template or tok.chat_template  # what rows render with
+        tok.processor = processor
     if not tok.is_fast:
         raise ModelError(
             f"model.name_or_path: '{cfg.name_or_path}' has no fast tokenizer; llmtrain needs one "
@@ -491,9 +517,12 @@ def load_frozen(cfg: ModelConfig, name: str = "", device=None):
 def load_model(cfg: ModelConfig, zero3: bool = False):
     """The model from cfg.name_or_path as training takes it (dtype, attention, quantized,
     checkpointed, LoRA adapters); `zero3`: the run is under DeepSpeed ZeRO-3 (`add_lora`)."""
+    from transformers import AutoConfig
+
     quantized = quantization_kwargs(cfg)
     try:
-        model = auto_class(cfg).from_pretrained(
+        mcfg = AutoConfig.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
+        model = auto_class(cfg, mcfg).from_pretrained(
             cfg.name_or_path,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
@@ -501,10 +530,14 @@ def load_model(cfg: ModelConfig, zero3: bool = False):
             **head_kwargs(cfg),
             **quantized,
         )
+    except ModelError:
+        raise
     except Exception as e:
         what = "a sequence-classification (reward) model" if cfg.head == "score" else "a causal LM"
         raise load_error(what, cfg.name_or_path, e) from None
     model.config.use_cache = False
+    if is_vision(mcfg) and cfg.freeze_vision:
+        freeze_vision(model)
     if model.config._attn_implementation == "sdpa":
         share_sdpa_masks()  # one float copy of a boolean mask for all layers, not one each
     if is_quantized(model) and model.device.type == "cpu":  # 8-bit layers have no such path: left as they are
@@ -524,6 +557,8 @@ def add_lora(model, cfg: ModelConfig, report=None, zero3: bool = False):
     lora = cfg.lora
     exclude = SCORE_HEADS if cfg.head == "score" else ()
     modules, parameters, skipped = lora_targets(model, lora, exclude=exclude, zero3=zero3)
+    if is_vision(model.config) and cfg.freeze_vision and not isinstance(modules, str):
+        modules = language_only(model, _linear_modules(model), modules)
     if skipped and report is not None:
         why = (
             "under DeepSpeed ZeRO-3 peft's adapters on fused expert weights neither train as on one process nor "
@@ -567,6 +602,13 @@ def add_lora(model, cfg: ModelConfig, report=None, zero3: bool = False):
             f"model.lora.target_modules: {shown(given)} cannot be adapted ({describe(e)}); the model's "
             f"linear layers are named {', '.join(linear)}; or use all-linear"
         ) from None
+
+
+def _linear_modules(model) -> dict[str, torch.nn.Module]:
+    """The model's linear layers by whole name (nn.Linear, GPT-2's Conv1D, their quantized forms)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
 
 
 def _linear_names(model, head: bool = False) -> list[str]:
@@ -718,6 +760,7 @@ def saved_weights_bytes(path: str) -> float:
 
 def kv_cache_bytes(mcfg, width: int, tokens: int) -> float:
     """Generation's KV cache: keys and values per layer for `tokens` tokens of `width` bytes."""
+    mcfg = text_config(mcfg)  # a vision-language model's text layers
     heads = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     return float(2 * mcfg.num_hidden_layers * heads * head_dim * width * tokens)

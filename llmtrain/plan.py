@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from . import demo
+from .attention import text_config
 from .cli import exit_past_threads, refuse_options, run_config, user_errors
 from .config import to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, absolute_paths, check
@@ -44,7 +45,9 @@ from .model import (
 )
 from .observe.console import survive_closed_streams
 from .observe.quiet import quiet_bars_off_terminal
+from .processor import is_vision
 from .train import check_lengths
+from .vision import rows_kind
 
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
 
@@ -261,13 +264,14 @@ def memory_estimate(
     if launch.offload_params:
         weights = 0.0
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len * method.plan.sequences(cfg)
-    hidden, layers = mcfg.hidden_size, mcfg.num_hidden_layers
+    text = text_config(mcfg)  # a vision-language model's text layers
+    hidden, layers = text.hidden_size, text.num_hidden_layers
     per_layer = tokens * hidden * (2 if cfg.model.gradient_checkpointing else 34) * scale
     activations = layers * per_layer + (tokens * hidden * 34 * scale if cfg.model.gradient_checkpointing else 0)
     logits = cfg.train.loss_chunk_logits
-    chunk = max(1, logits // mcfg.vocab_size) if chunkable and logits else 0
+    chunk = max(1, logits // text.vocab_size) if chunkable and logits else 0
     if cfg.model.head != "score":  # logits over the vocabulary (a score head has one number per token)
-        activations += 2 * (min(tokens, chunk) if chunk else tokens) * mcfg.vocab_size * 4
+        activations += 2 * (min(tokens, chunk) if chunk else tokens) * text.vocab_size * 4
     out = {"weights": weights, "gradients": grads, "optimizer state": optim, "activations": activations}
     return out | method.plan.memory(cfg, mcfg, total, width, tokens)
 
@@ -307,12 +311,12 @@ def plan(argv: list[str]) -> None:
     check(cfg)
 
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text(), is_vision(mcfg))
     check_vocab(cfg.model, mcfg, tokenizer)
     if method.check is not None:
         method.check(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    kind = method.kind(cfg)
+    kind = rows_kind(method.kind(cfg), tokenizer, cfg)
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(

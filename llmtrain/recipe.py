@@ -27,7 +27,9 @@ from .model import attention_backend, check_model, check_vocab, load_model, load
 from .observe.metrics import describe_run, plot_losses
 from .output import checkpoint, rundir
 from .output.export import model_for_sampling, sample, save_final
+from .processor import is_vision
 from .train import keep_writing, setup, train
+from .vision import rows_kind
 
 
 def run(name: str, argv: list[str] | None = None) -> None:
@@ -60,11 +62,12 @@ def run(name: str, argv: list[str] | None = None) -> None:
         return
     resume_from, identity = start.resume_from, start.identity
 
-    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text())
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text(), is_vision(mcfg))
     check_vocab(cfg.model, mcfg, tokenizer)
     if method.check is not None:
         method.check(cfg, tokenizer)
-    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, method.kind(cfg))
+    kind = rows_kind(method.kind(cfg), tokenizer, cfg)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model, Topology.of(accelerator).zero3)

@@ -94,6 +94,10 @@ class ModelConfig:
     """Mixture-of-experts models: the router load-balancing loss, times the model's
     router_aux_loss_coef, is trained as the model's config says (output_router_logits),
     'train': always, 'log': never; the metrics row logs it (router_aux) in each case."""
+    freeze_vision: bool = True
+    """Vision-language models (loaded with AutoModelForImageTextToText and their processor):
+    keep the vision tower and the projector into the language model frozen, training the
+    language model alone (LoRA then adapts its layers only); false trains them too."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def problems(self) -> list[str]:
@@ -150,6 +154,13 @@ class DataConfig:
     split's rows are malformed."""
     system_prompt: str = ""
     """A system message put first in chat rows that have none of their own."""
+    max_images: Annotated[int, Bounds(0, 1024)] = 16
+    """Images one row may hold (vision-language models); a row with more is malformed."""
+    max_image_bytes: Annotated[int, AT_LEAST_1] = 32 << 20
+    """Largest image file read, in bytes; a larger one makes its row malformed."""
+    max_image_pixels: Annotated[int, AT_LEAST_1] = 40_000_000
+    """Largest image decoded, in pixels (width x height, checked before decoding); a
+    larger one makes its row malformed. The processor then resizes it as the model needs."""
     packing: bool = False
     """Pack rows into max_seq_len sequences. Samples never attend to each other and their
     positions restart at 0."""

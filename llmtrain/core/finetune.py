@@ -7,6 +7,7 @@ from ..config import Config
 from ..data.batches import Collator
 from ..data.build import ROWS
 from ..model import disable_dropout, pad_id
+from ..vision import IMAGE_ROWS, ImageCollator, processor_of
 from .method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, preview_row
 from .objective import TokenLoss
 from .source import loader_source
@@ -17,7 +18,11 @@ def finetune_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> P
     if cfg.model.dropout == "none":
         disable_dropout(model)
     objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits, cfg.model.router_aux_loss)
-    collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
+    if processor_of(tokenizer) is not None:  # a vision-language model's rows carry images
+        width = IMAGE_ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0
+        collator = ImageCollator(pad_id(tokenizer), processor_of(tokenizer), cfg.data.max_image_pixels, width)
+    else:
+        collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
     return Parts(objective, loader_source(cfg, accelerator, objective, train_set, eval_set, collator))
 
 

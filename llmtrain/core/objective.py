@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention import packed_mask, padding_needs_mask, transformers_model
 from ..data.rows import IGNORE
 from ..model import chunkable_head
+from ..processor import MODEL_INPUTS
 from .router import RouterBalance
 
 
@@ -148,6 +149,7 @@ def model_inputs(model, batch: dict) -> dict:
     within each sample, in the form of the backend the model was loaded with:
     attention.packed_mask)."""
     kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
+    kwargs |= {k: batch[k] for k in MODEL_INPUTS if k in batch}  # a vision-language model's images
     if getattr(transformers_model(model).config, "output_router_logits", False):
         # A mixture-of-experts config that asks for router logits makes the model take its
         # own load-balancing loss over the batch, reading the attention mask as a 2-D

@@ -72,6 +72,9 @@ class DataKind:
     # (key, examples) -> None: sees each split's examples as soon as they are prepared, before
     # any weights load (rl/prompts.grpo_prompts checks the reward functions against them).
     check_split: Callable | None = None
+    # (Source) -> text: what its examples depend on besides the source's own content, for the
+    # cache key (vision.images_stamp: the image files its rows name); None for nothing.
+    stamp: Callable | None = None
 
     def process(self, row: dict, tokenizer, cfg: DataConfig) -> dict:
         """One row -> its example with its status, or `empty` with why it is dropped

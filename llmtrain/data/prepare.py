@@ -120,7 +120,7 @@ def check_source(src: Source, tokenizer, cfg: DataConfig) -> None:
         )
 
 
-def _fingerprint(source: Source, version: str, tokenizer, cfg: DataConfig) -> str:
+def _fingerprint(source: Source, version: str, tokenizer, cfg: DataConfig, stamp=None) -> str:
     """A stable cache key, so every rank (and the next run) finds the tokenized rows that
     the main process wrote instead of tokenizing again: the source's content, the kind's
     `version` (data.format for SFT rows) and every setting that changes what a row becomes.
@@ -137,11 +137,23 @@ def _fingerprint(source: Source, version: str, tokenizer, cfg: DataConfig) -> st
         cfg.system_prompt,
         tok,
         str(tokenizer.eos_token_id),
+        images_key(tokenizer, cfg),
+        stamp(source) if stamp is not None else "",
         "llmtrain-data-v6",
     ):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
+
+
+def images_key(tokenizer, cfg: DataConfig) -> str:
+    """What makes a vision-language model's rows besides its tokenizer: its processor's
+    settings (how many tokens an image becomes) and the bounds on images; empty for text."""
+    processor = getattr(tokenizer, "processor", None)  # vision.processor_of, which imports this module
+    if processor is None:
+        return ""
+    settings = (processor.to_json_string(), processor.image_processor.to_json_string())
+    return "".join(settings) + f"{cfg.max_images},{cfg.max_image_bytes},{cfg.max_image_pixels}"
 
 
 def prepare(kind, key: str, names: list[str], tokenizer, cfg: DataConfig):
@@ -190,7 +202,7 @@ def tokenize_sources(kind, key: str, names: list[str], tokenizer, cfg: DataConfi
             tokenized,
             with_indices=True,
             remove_columns=[c for c in src.dataset.column_names if c != LINE],
-            new_fingerprint=_fingerprint(src, kind.version or cfg.format, tokenizer, cfg),
+            new_fingerprint=_fingerprint(src, kind.version or cfg.format, tokenizer, cfg, kind.stamp),
             desc=f"tokenizing {Path(name).name}",
         )
         status = ds["status"]

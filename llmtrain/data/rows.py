@@ -110,7 +110,14 @@ class SystemPrompt(dict):
     row's (`render_chat`)."""
 
 
-class TextRow(dict):
+class FileRow(dict):
+    """A row of a local data file, which knows the file's folder (`root`): relative image
+    paths in it are read from there (llmtrain.vision)."""
+
+    root = None
+
+
+class TextRow(FileRow):
     """A row whose fields are all text: a CSV row (CSV has no types; an empty field is None).
     A column read as a boolean or a number reads that text (`flag`, `number`)."""
 
@@ -144,13 +151,16 @@ class NothingToTrain(RowError):
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # ipython: Llama 3's tool results
 
 
-def message(m, i: int, field: str = "messages") -> dict:
+def message(m, i: int, field: str = "messages", images: list | None = None) -> dict:
     """Message `i` of a chat row as the chat template takes it: its content parts joined
     as text, its tool calls kept, and whether its assistant turn is trained (`train`).
-    Errors name it as `field`[i] (a preference pair's messages are 'chosen', ...)."""
+    Errors name it as `field`[i] (a preference pair's messages are 'chosen', ...). With
+    `images` (a list), a content with image parts stays a list of parts, each image part
+    a bare {type: image} for the template, and what it named (a path, or None for a
+    placeholder) appended to `images`; without, an image part is an error."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise RowError(f"{field}[{i}]: needs a 'role' of {', '.join(ROLES)}, got {shown(m)}")
-    out = {"role": m["role"], "content": content_text(m.get("content"), i, field)}
+    out = {"role": m["role"], "content": content_text(m.get("content"), i, field, images)}
     if m.get("tool_calls") is not None:
         if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
             raise RowError(f"{field}[{i}]: 'tool_calls' must be a list, on an assistant message")
@@ -169,33 +179,57 @@ def message(m, i: int, field: str = "messages") -> dict:
     return out
 
 
-def content_text(content, i: int, field: str = "messages") -> str:
+# A content part that is an image, and the keys that may name it (Hugging Face's chat
+# messages use image, url or path; OpenAI's image_url parts hold {url: ...}).
+IMAGE_PARTS = ("image", "image_url")
+IMAGE_KEYS = ("image", "path", "url", "image_url")
+IMAGES_WHERE = "recipes/finetune.py trains images, on a vision-language model (one with a processor)"
+
+
+def content_text(content, i: int, field: str = "messages", images: list | None = None) -> str | list[dict]:
     """A message's content as text: a string, or OpenAI-style parts of type text joined
-    by newlines (as the chat APIs read them). Other part types cannot be trained here."""
+    by newlines (as the chat APIs read them); with `images` and image parts, the parts
+    (`message`). Other part types cannot be trained here."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise RowError(f"{field}[{i}]: 'content' must be a string or a list of parts, got {type(content).__name__}")
-    texts = []
+    parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind in IMAGE_PARTS:
+            if images is None:
+                raise RowError(f"{field}[{i}]: holds an image; only {IMAGES_WHERE}")
+            ref = next((part[k] for k in IMAGE_KEYS if part.get(k) is not None), None)
+            images.append(ref.get("url") if isinstance(ref, dict) else ref)
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
             raise RowError(
                 f"{field}[{i}]: content part {shown(part)} is not supported; only {{type: text, text: ...}} parts "
-                "can be trained"
+                "(and images, for a vision-language model) can be trained"
             )
-        texts.append(part["text"])
-    return "\n".join(texts)
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
-def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
+def text_of(content) -> str:
+    """A message's text: its content, or the text of its parts (`content_text`)."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] for p in content if p["type"] == "text")
+
+
+def to_messages(row: dict, fmt: str, system_prompt: str = "", images: list | None = None) -> list[dict]:
     """A chat, sharegpt or alpaca row as chat messages, with `system_prompt` (data.system_prompt)
-    first when the row has no system message of its own."""
+    first when the row has no system message of its own; `images` as `message` takes it."""
     if fmt == "chat":
         messages = row["messages"]
         if not isinstance(messages, list):
             raise RowError("'messages' must be a list of {role, content}")
-        out = [message(m, i) for i, m in enumerate(messages)]
+        out = [message(m, i, images=images) for i, m in enumerate(messages)]
     elif fmt == "sharegpt":
         turns = row["conversations"]
         if not isinstance(turns, list):
@@ -230,7 +264,14 @@ def to_messages(row: dict, fmt: str, system_prompt: str = "") -> list[dict]:
 def chat_ids(
     messages: list[dict], tokenizer, loss_on: str, train_from: int = 0, tools=None
 ) -> tuple[list[int], list[int]]:
-    """Render messages (and `tools`, the row's tool definitions) with the tokenizer's chat
+    """(input_ids, labels) of `labelled_chat`."""
+    return labelled_chat(messages, tokenizer, loss_on, train_from, tools)[1:]
+
+
+def labelled_chat(
+    messages: list[dict], tokenizer, loss_on: str, train_from: int = 0, tools=None
+) -> tuple[str, list[int], list[int]]:
+    """(text, input_ids, labels): render messages (and `tools`, the row's tool definitions) with the tokenizer's chat
     template (data.chat_template, where set, was put on the tokenizer when it was loaded);
     label the assistant turns from message `train_from` on by character span, except
     those marked `train: false`. Tool calls are part of their assistant turn.
@@ -249,7 +290,7 @@ def chat_ids(
     if loss_on != "all":
         if not trained:
             raise NothingToTrain("every assistant turn has train: false")
-        if not any(messages[i]["content"].strip() or messages[i].get("tool_calls") for i in trained):
+        if not any(text_of(messages[i]["content"]).strip() or messages[i].get("tool_calls") for i in trained):
             raise NothingToTrain("empty answer")
     text = render(messages)
     check_rendered(messages, tools, text, render)
@@ -275,7 +316,7 @@ def chat_ids(
     ids = enc["input_ids"]
     inside = [any(s < e2 and e > s2 for s2, e2 in spans) for s, e in enc["offset_mapping"]]
     trains_inside = loss_on != "all"  # the spans are what trains, or under loss_on=all what does not
-    return ids, [tok if hit == trains_inside else IGNORE for tok, hit in zip(ids, inside, strict=True)]
+    return text, ids, [tok if hit == trains_inside else IGNORE for tok, hit in zip(ids, inside, strict=True)]
 
 
 def render_chat(
@@ -393,7 +434,7 @@ def check_control_tokens(messages: list[dict], tools, tokenizer) -> None:
     if pattern is None:
         return
     for m in messages:
-        for what, value in (("content", m["content"]), ("tool_calls", m.get("tool_calls"))):
+        for what, value in (("content", text_of(m["content"])), ("tool_calls", m.get("tool_calls"))):
             text = value if isinstance(value, str) else json.dumps(value) if value else ""
             if found := pattern.search(text):
                 raise RowError(
@@ -430,7 +471,7 @@ def check_rendered(messages: list[dict], tools, text: str, render) -> None:
         # A template that writes a default system prompt when there is none renders a row
         # whose system message is that default the same without it: dropped only if its
         # text is nowhere in the rendering.
-        content = m["content"].strip()
+        content = text_of(m["content"]).strip()
         other_role = m["role"] not in ("user", "assistant")
         if other_role and content and content not in text and same(messages[:i] + messages[i + 1 :]):
             raise RowError(f"the chat template drops {_a(m['role'])} message; {fix}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import DataError, describe
 from ..files import LINE, RAW, TEXT_FILES, content_hash, first_rows, is_path, no_such_file, row_dataset
-from .rows import REQUIRED, TextRow
+from .rows import REQUIRED, FileRow, TextRow
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -25,17 +25,21 @@ class Source:
     format: str = ""
     raw: bool = False  # rows are files.RAW JSON text with their files.LINE (local .jsonl/.json/.csv)
     text: bool = False  # every field is text (CSV): parsed rows are rows.TextRow
+    root: Path | None = None  # a local file's folder, which relative image paths in its rows start from
 
     def where(self, row: dict, index: int) -> str:
         """'file.jsonl line 12' for a row of a local text file, else 'name row 12'."""
         return f"{self.name} line {row[LINE]}" if self.raw else f"{self.name} row {index}"
 
     def parse(self, row: dict) -> dict:
-        """The row as the user wrote it."""
-        if not self.raw:
-            return row
-        parsed = json.loads(row[RAW])
-        return TextRow(parsed) if self.text else parsed
+        """The row as the user wrote it; a local file's row as a rows.FileRow that knows the
+        file's folder."""
+        parsed = json.loads(row[RAW]) if self.raw else row
+        if self.root is None or not isinstance(parsed, dict):
+            return parsed
+        out = TextRow(parsed) if self.text else FileRow(parsed)
+        out.root = self.root
+        return out
 
 
 def load_source(name: str, key: str, streaming: bool = False) -> Source:
@@ -58,7 +62,7 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
                 raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
             ds = row_dataset(path, key, streaming)
             columns = sorted({k for row in first for k in row})
-            return Source(key, name, ds, columns, raw=True, text=suffix == ".csv")
+            return Source(key, name, ds, columns, raw=True, text=suffix == ".csv", root=path.resolve().parent)
         if suffix == ".parquet" and parquet_rows(path, key, name) == 0:  # datasets: "BatchSize must be > 0"
             raise DataError(f"{key}: {name} has no rows; give a file with at least one row")
         try:
@@ -75,7 +79,7 @@ def load_source(name: str, key: str, streaming: bool = False) -> Source:
             if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
                 e = e.__cause__  # "An error occurred while generating the dataset" says nothing
             raise DataError(f"{key}: could not read {name} ({no_rows(e) or describe(e)})") from None
-        return Source(key, name, ds, list(ds.column_names or []))
+        return Source(key, name, ds, list(ds.column_names or []), root=path.resolve().parent)
     if path.is_dir():
         saved = (path / "state.json").is_file() and (path / "dataset_info.json").is_file()  # a Dataset
         if saved or (path / "dataset_dict.json").is_file():  # or a DatasetDict, a folder per split

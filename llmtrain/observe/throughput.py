@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from ..attention import text_config
+
 # Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets.
 PEAK_BF16 = {
     "H200": 989e12,
@@ -94,7 +96,8 @@ class StepMeter:
         self.device, self.world, self.unit = device, world, unit
         self.n_params, self.peak = matmul_params(model), device_peak_flops(device)
         self.head_params = full_numel(head.weight) if head is not None else 0
-        self.layers, self.hidden = model.config.num_hidden_layers, model.config.hidden_size
+        text = text_config(model.config)  # a vision-language model's text layers
+        self.layers, self.hidden = text.num_hidden_layers, text.hidden_size
 
     def figures(self, window, result) -> dict:
         """The step's seconds (`step_s`, from drawing its batches, which for an RL run

@@ -12,6 +12,7 @@ from .. import safefs
 from ..data.rows import end_of_turn_ids, stop_ids
 from ..distributed.topology import Topology
 from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
+from ..processor import processor_of, save_processor
 from .checkpoint import STATE_FILE, WriteFailed, complete_checkpoints, publish, write_failed
 
 
@@ -97,7 +98,10 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
         model.save_pretrained(tmp, max_shard_size=export.shard_bytes())
     if main:
         with_cache(tmp / "config.json", base)
-        tokenizer.save_pretrained(tmp)
+        if processor_of(tokenizer) is not None:  # a vision-language model: its processor, which holds the tokenizer
+            save_processor(processor_of(tokenizer), tmp)
+        else:
+            tokenizer.save_pretrained(tmp)
         (tmp / "llmtrain_config.yaml").write_text(config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     return None
@@ -270,7 +274,7 @@ def model_for_sampling(accelerator, model, final: Path, base):
     exported final/ loaded back (an adapter onto the base loaded as training loaded it)."""
     if not Topology.of(accelerator).sharded:
         return accelerator.unwrap_model(model)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     with whole_models():
         if (final / "adapter_config.json").is_file():
@@ -278,13 +282,17 @@ def model_for_sampling(accelerator, model, final: Path, base):
 
             return PeftModel.from_pretrained(_base_again(base), final).to(accelerator.device)
         kw = {"trust_remote_code": base.trust_remote_code}  # final/ holds the model's code, if it has its own
-        return AutoModelForCausalLM.from_pretrained(final, **kw).to(accelerator.device)
+        cls = auto_class(base, AutoConfig.from_pretrained(final, **kw))
+        return cls.from_pretrained(final, **kw).to(accelerator.device)
 
 
 def _base_again(base):
     """The base model's weights loaded again, whole, from where and as training loaded them
     (model.revision, model.trust_remote_code), in their own saved dtype and unquantized."""
-    return auto_class(base).from_pretrained(base.name_or_path, **hub_kwargs(base), **head_kwargs(base))
+    from transformers import AutoConfig
+
+    cls = auto_class(base, AutoConfig.from_pretrained(base.name_or_path, **hub_kwargs(base)))
+    return cls.from_pretrained(base.name_or_path, **hub_kwargs(base), **head_kwargs(base))
 
 
 def _merged_from_adapter(peft_model, adapter_dir: Path, base):

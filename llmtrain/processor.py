@@ -1,0 +1,144 @@
+"""A vision-language model as a model: whether a config is one (`is_vision`), its processor
+loaded and saved (`load_processor`, `save_processor`; without torchvision too), carried by its
+tokenizer (`processor_of`), checked for the inputs llmtrain passes to its forward
+(MODEL_INPUTS), and its vision tower frozen (`freeze_vision`, `language_only` for LoRA).
+Rows and batches of images are llmtrain.vision's; this module sits below the data pipeline,
+beside llmtrain.model, which uses it."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from .errors import ModelError
+
+# The processor's per-token outputs a model's forward reads beside input_ids.
+SEQUENCE_INPUTS = ("token_type_ids", "mm_token_type_ids")
+# Every input a batch may carry to the model besides the text's (objective.model_inputs):
+# the per-token ones and what image processors return.
+MODEL_INPUTS = (
+    *SEQUENCE_INPUTS,
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_grid_thw",
+    "image_sizes",
+    "num_crops",
+)
+
+
+def is_vision(mcfg) -> bool:
+    """Whether a model config describes a vision-language model (one with a vision tower)."""
+    return getattr(mcfg, "vision_config", None) is not None
+
+
+def processor_of(tokenizer):
+    """The processor a vision-language model's tokenizer carries (module docstring), or None."""
+    return getattr(tokenizer, "processor", None)
+
+
+def load_processor(name: str, **kwargs):
+    """AutoProcessor.from_pretrained(name), or where that fails for want of torchvision on a
+    processor that holds a video processor (Qwen2.5-VL's, Qwen3-VL's, SmolVLM's), the same
+    processor without it: images and text work as with it, and llmtrain trains no video.
+
+    Written here because transformers builds, checks and loads a processor's video
+    processor with torchvision even when only images are given, and a CPU machine often
+    has none (PyPI's torchvision wheels are built for CUDA's torch). The processor's class
+    is loaded with its video processor left out of its attributes, for this call alone."""
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    try:
+        return AutoProcessor.from_pretrained(name, **kwargs)
+    except Exception as e:
+        if is_torchvision_available() or "video" not in str(e).lower():
+            raise
+    import json
+
+    import transformers
+    from transformers.utils import cached_file
+
+    config = json.loads(Path(cached_file(name, "processor_config.json", **kwargs)).read_text())
+    cls = getattr(transformers, config.get("processor_class", ""), None)
+    if not isinstance(cls, type) or "video_processor" not in cls.get_attributes():
+        raise ModelError(f"model.name_or_path: the processor of '{name}' needs torchvision; pip install torchvision")
+    with images_only(cls):
+        processor = cls.from_pretrained(name, video_processor=None, **kwargs)
+    processor.video_processor = None
+    return processor
+
+
+def save_processor(processor, directory) -> None:
+    """processor.save_pretrained(directory), also for one loaded without its video
+    processor (`load_processor`), which is saved without it."""
+    cls = type(processor)
+    if getattr(processor, "video_processor", False) is None and "video_processor" in cls.get_attributes():
+        with images_only(cls):
+            processor.save_pretrained(directory)
+    else:
+        processor.save_pretrained(directory)
+
+
+@contextlib.contextmanager
+def images_only(cls):
+    """Inside, processor class `cls` has no video processor among its attributes, and
+    transformers' check of a processor's parts lets a missing one be (`load_processor`)."""
+    from unittest import mock
+
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    attributes = [a for a in cls.get_attributes() if a != "video_processor"]
+    with (
+        mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda s, n, a: a and check(s, n, a)),
+        mock.patch.object(cls, "get_attributes", classmethod(lambda c: list(attributes))),
+    ):
+        yield
+
+
+def language_model(model):
+    """(its name, the module): the language model inside a vision-language model, which
+    transformers' image-text classes return from get_decoder()."""
+    decoder = model.get_decoder()
+    name = next((n for n, m in model.named_modules() if m is decoder), None)
+    if name is None or decoder is model:
+        raise ModelError(f"model.name_or_path: cannot find the language model inside {type(model).__name__}")
+    return name, decoder
+
+
+def freeze_vision(model) -> None:
+    """model.freeze_vision: every weight but the language model's and the output layer's
+    (the vision tower and the projector into the language model) takes no gradient."""
+    _, decoder = language_model(model)
+    head = model.get_output_embeddings()
+    kept = {id(p) for p in decoder.parameters()} | {id(p) for p in (head.parameters() if head is not None else ())}
+    for p in model.parameters():
+        if id(p) not in kept:
+            p.requires_grad_(False)
+
+
+def language_only(model, linear: dict, names: list[str]) -> list[str]:
+    """LoRA's target modules (last names) as the whole names of the `linear` layers (by
+    whole name) inside the language model that bear them: with the vision tower frozen, its
+    layers of the same names (q_proj, ...) must get no adapters either."""
+    prefix, _ = language_model(model)
+    wanted = set(names)
+    return [n for n in linear if n.startswith(prefix + ".") and n.rsplit(".", 1)[-1] in wanted]
+
+
+def check_processor(processor, name: str) -> None:
+    """Refuse a processor llmtrain cannot batch images with: one whose image processor is
+    missing, or returns an input not in MODEL_INPUTS (which objective.model_inputs would not
+    pass to the model)."""
+    from PIL import Image
+
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        raise ModelError(f"model.name_or_path: the processor of '{name}' has no image processor")
+    out = image_processor(images=[[Image.new("RGB", (32, 32))]], return_tensors="pt")
+    unknown = sorted(set(out) - set(MODEL_INPUTS))
+    if unknown:
+        raise ModelError(
+            f"model.name_or_path: the image processor of '{name}' returns {', '.join(unknown)}, which llmtrain does "
+            "not pass to the model yet; this vision-language model is not supported"
+        )

@@ -1,0 +1,184 @@
+"""recipes/finetune.py on tiny vision-language models (tests/support/vision_models.py) and
+chat rows with images, launched as a user launches it: each family trains with its vision
+tower frozen and exports a final/ (model and processor) that plain transformers loads and
+asks about an image; LoRA trains adapters in the language model only and exports merged; the
+step is the same on one process and two (the loss weighted over the global batch); a run
+stopped after a checkpoint resumes to the same weights; careless rows are one line each.
+Every family's rows and one training step without a launch: tests/test_vision.py."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from llmtrain.processor import load_processor
+from tests.support.runs import assert_same_weights, launch, recipe_args, rewind, run_recipe, train_rows
+from tests.support.vision_models import build
+
+pytestmark = pytest.mark.slow
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    """16 rows asking the colour of a square (images in a folder beside the data file, named
+    relative to it), some through the `images` column's placeholders, one row without an image."""
+    root = tmp_path_factory.mktemp("colours")
+    (root / "img").mkdir()
+    names = sorted(COLOURS)
+    lines = []
+    for i in range(16):
+        colour = names[i % 3]
+        Image.new("RGB", (32 + 8 * (i % 2), 32), COLOURS[colour]).save(root / "img" / f"{i}.png")
+        image = {"type": "image", "image": f"img/{i}.png"} if i % 4 else {"type": "image"}
+        row = {
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "what colour?"}]},
+                {"role": "assistant", "content": colour},
+            ]
+        }
+        if not i % 4:
+            row["images"] = [f"img/{i}.png"]
+        lines.append(row)
+    lines.append({"messages": [{"role": "user", "content": "no picture"}, {"role": "assistant", "content": "none"}]})
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return root / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("vlms")
+    return {family: build(family, root / family) for family in ("qwen2_5_vl", "gemma3", "llava", "idefics3")}
+
+
+RUN = ["train.max_steps=4", "train.micro_batch_size=4", "data.max_seq_len=160", "log.every_steps=1"]
+
+
+def ask(final: Path, image: Path) -> str:
+    """final/ loaded by transformers (the processor as AutoProcessor, or without its video
+    processor where torchvision is missing: llmtrain.vision.load_processor) answering a
+    question about `image`."""
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(str(final))
+    model = AutoModelForImageTextToText.from_pretrained(final).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
+
+
+@pytest.mark.parametrize(("family", "packing"), [("qwen2_5_vl", False), ("gemma3", False), ("llava", True)])
+def test_each_family_trains_with_its_vision_tower_frozen_and_exports_what_transformers_loads(
+    family, packing, models, rows, base_config, cache_env, tmp_path
+):
+    out = tmp_path / "run"
+    run = [*RUN, f"data.packing={str(packing).lower()}"]
+    proc = run_recipe(recipe_args(base_config, models[family], rows, out, *run), cache_env)
+    assert "17/17 rows kept" in proc.stdout and ("packed 17 rows into" in proc.stdout) == packing
+    losses = [r["loss"] for r in train_rows(out)]
+    assert len(losses) == 4 and all(loss == loss for loss in losses)
+    before, after = load_file(models[family] / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    vision = {k for k in before if any(v in k for v in ("visual", "vision", "projector"))}
+    assert vision and not changed & vision and changed  # the language model trained, the rest as it was
+    assert (out / "final" / "processor_config.json").is_file() and (out / "final" / "chat_template.jinja").is_file()
+    ask(out / "final", rows.parent / "img" / "1.png")
+
+
+@pytest.mark.parametrize(("family", "packing"), [("qwen2_5_vl", False), ("idefics3", True)])
+def test_lora_adapts_the_language_model_alone_and_exports_merged(
+    family, packing, models, rows, base_config, cache_env, tmp_path
+):
+    out = tmp_path / "lora"
+    lora = ["model.lora.enabled=true", "export.merge_lora=true", f"data.packing={str(packing).lower()}"]
+    run_recipe(recipe_args(base_config, models[family], rows, out, *RUN, *lora), cache_env)
+    adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+    inside = "text_model" if family == "idefics3" else "language_model"
+    assert adapter and all(inside in k for k in adapter)
+    ask(out / "final", rows.parent / "img" / "2.png")
+
+
+@pytest.fixture(scope="module")
+def one_process(models, rows, base_config, cache_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "run"
+    run = [*RUN, "checkpoint.every_steps=2"]
+    run_recipe(recipe_args(base_config, models["qwen2_5_vl"], rows, out, *run), cache_env)
+    return out
+
+
+def test_two_processes_take_the_same_steps_as_one(models, rows, base_config, cache_env, one_process, tmp_path):
+    """Qwen2.5-VL (positions in three dimensions for image tokens): 2 processes x micro-batch
+    1 x 2 accumulated give the losses and weights of one process with micro-batch 4."""
+    out = tmp_path / "two"
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "checkpoint.every_steps=2"]
+    run = [r for r in RUN if not r.startswith("train.micro_batch_size")]
+    run_recipe(recipe_args(base_config, models["qwen2_5_vl"], rows, out, *run, *layout), cache_env, nproc=2)
+    want = [r["loss"] for r in train_rows(one_process)]
+    assert [r["loss"] for r in train_rows(out)] == pytest.approx(want, rel=1e-5)
+    assert_same_weights(out, one_process, "2 processes")
+
+
+@pytest.mark.parametrize("topology", ["ds_zero3", "fsdp2"])
+def test_sharded_runs_take_the_same_steps_and_export_the_same_model(
+    models, rows, base_config, cache_env, one_process, tmp_path, topology
+):
+    """ZeRO-3 and FSDP2 (the vision tower's blocks wrapped as the language model's, frozen):
+    the steps of one process, and a final/ that loads to the same weights."""
+    from transformers import AutoModelForImageTextToText
+
+    if topology.startswith("ds_"):
+        pytest.importorskip("deepspeed")
+    out = tmp_path / topology
+    layout = ["train.micro_batch_size=2", "checkpoint.every_steps=2"]
+    run = [r for r in RUN if not r.startswith("train.micro_batch_size")]
+    launch(recipe_args(base_config, models["qwen2_5_vl"], rows, out, *run, *layout), cache_env, topology)
+    want = [r["loss"] for r in train_rows(one_process)]
+    assert [r["loss"] for r in train_rows(out)] == pytest.approx(want, rel=1e-5)
+    got = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict()
+    for key, value in AutoModelForImageTextToText.from_pretrained(one_process / "final").state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert (out / "final" / "processor_config.json").is_file()
+
+
+def test_a_run_stopped_after_a_checkpoint_resumes_to_the_same_weights(
+    models, rows, base_config, cache_env, one_process, tmp_path
+):
+    out = tmp_path / "resumed"
+    rewind(out, 2, source=one_process)
+    run = [*RUN, "checkpoint.every_steps=2", "checkpoint.resume=auto"]
+    proc = run_recipe(recipe_args(base_config, models["qwen2_5_vl"], rows, out, *run), cache_env)
+    assert "resumed from" in proc.stdout
+    assert [r["loss"] for r in train_rows(out)] == [r["loss"] for r in train_rows(one_process)]
+    for key, value in load_file(one_process / "final" / "model.safetensors").items():
+        torch.testing.assert_close(load_file(out / "final" / "model.safetensors")[key], value, rtol=0, atol=0)
+
+
+def test_careless_rows_and_settings_are_one_line_each(models, rows, base_config, cache_env, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(rows.parent, bad)
+    (bad / "img" / "3.png").write_bytes((bad / "img" / "3.png").read_bytes()[:40])  # truncated
+    model = models["llava"]
+
+    def error(data, *extra, model=model) -> str:
+        proc = run_recipe(recipe_args(base_config, model, data, tmp_path / "out", *RUN, *extra), cache_env, check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1, proc.stderr[-3000:]
+        return lines[0]
+
+    assert "train.jsonl line 4: an image cannot be decoded" in error(bad / "train.jsonl")
+    (bad / "img" / "3.png").unlink()
+    assert "train.jsonl line 4: image 'img/3.png': no such file" in error(bad / "train.jsonl")
+    assert "data.packing: the model attends both ways among an image's tokens" in error(
+        rows, "data.packing=true", model=models["gemma3"]
+    )
+    assert "over data.max_image_pixels=100" in error(rows, "data.max_image_pixels=100")

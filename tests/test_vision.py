@@ -1,0 +1,234 @@
+"""Images in chat rows (llmtrain/vision.py), without a model: content parts read into
+placeholders and names, images read and bounded as a careless user's files would test them
+(missing, a URL, too large, too many pixels, corrupt, truncated, not an image), the `images`
+column filling placeholders, and labels carried onto the processor's tokens. The tiny
+vision-language models' rows and runs: tests/launch/test_vision.py."""
+
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from llmtrain.config import Config, DataConfig, ModelConfig
+from llmtrain.core.objective import TokenLoss, model_inputs
+from llmtrain.data.build import ROWS
+from llmtrain.data.rows import IGNORE, FileRow, RowError, message
+from llmtrain.errors import DataError
+from llmtrain.model import check_model, load_model, load_tokenizer
+from llmtrain.processor import is_vision, processor_of
+from llmtrain.vision import (
+    IMAGE_ROWS,
+    ImageCollator,
+    PackedImageRows,
+    carry_labels,
+    read_image,
+    row_images,
+    rows_kind,
+)
+from tests.support.vision_models import FAMILIES, build
+
+
+def png(path, size=(16, 16), colour=(255, 0, 0)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format="PNG")
+    if path is not None:
+        path.write_bytes(out.getvalue())
+    return out.getvalue()
+
+
+def test_image_parts_become_placeholders_and_their_names_are_kept_in_order():
+    names: list = []
+    m = message(
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": "a.png"},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": {"url": "b.png"}},
+                {"type": "image"},
+            ],
+        },
+        0,
+        images=names,
+    )
+    assert m["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "image"}]
+    assert names == ["a.png", "b.png", None]
+    # text parts alone stay text, as for a text model
+    assert message({"role": "user", "content": [{"type": "text", "text": "hi"}]}, 0, images=[])["content"] == "hi"
+
+
+def test_an_image_for_a_text_model_or_another_recipe_is_one_line():
+    with pytest.raises(RowError, match=r"messages\[1\]: holds an image; only recipes/finetune.py trains images"):
+        message({"role": "user", "content": [{"type": "image", "image": "a.png"}]}, 1)
+
+
+def test_images_are_read_relative_to_the_data_file_and_bounded(tmp_path):
+    cfg = DataConfig()
+    data = png(tmp_path / "red.png")
+    assert read_image("red.png", tmp_path, cfg) == data
+    assert read_image(str(tmp_path / "red.png"), None, cfg) == data
+    assert read_image({"bytes": data, "path": None}, None, cfg) == data  # a hub data set's undecoded image
+
+    def error(ref, root=tmp_path, **kw) -> str:
+        with pytest.raises(RowError) as e:
+            read_image(ref, root, DataConfig(**kw))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "no such file (paths are relative to the data file's folder)" in error("missing.png")
+    assert "is a URL; llmtrain reads local image files only" in error("https://example.com/cat.png")
+    assert "is a relative path, which only rows of a local data file can give" in error("red.png", root=None)
+    assert "over data.max_image_bytes=10" in error("red.png", max_image_bytes=10)
+    big = png(tmp_path / "big.png", size=(40, 30))
+    assert "40x30 pixels is over data.max_image_pixels=1000" in error("big.png", max_image_pixels=1000)
+    (tmp_path / "cut.png").write_bytes(big[: len(big) // 2])
+    assert "cannot be decoded" in error("cut.png")
+    (tmp_path / "notes.png").write_text("not an image")
+    assert "cannot be decoded" in error("notes.png")
+    (tmp_path / "folder.png").mkdir()
+    assert "is not a file" in error("folder.png")
+    assert "give a file path" in error(7)
+
+
+def test_placeholders_take_the_images_column_in_order_and_must_match_it():
+    assert row_images(["a.png", None, None], {"images": ["b.png", "c.png"]}) == ["a.png", "b.png", "c.png"]
+    assert row_images(["a.png"], {}) == ["a.png"]
+    with pytest.raises(RowError, match=r"2 image placeholder\(s\) .* 'images' column has 1 image"):
+        row_images([None, None], {"images": ["b.png"]})
+
+
+def test_labels_follow_the_text_onto_the_processors_tokens_and_image_tokens_never_train():
+    # plain: <s> U <img> q A a </s>, trained "a </s>"; the processor puts 3 image tokens (9)
+    # in place of the placeholder (5) and a start (8) before it.
+    plain = [1, 4, 5, 6, 7, 3, 2]
+    labels = [IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, 3, 2]
+    full = [1, 4, 8, 9, 9, 9, 6, 7, 3, 2]
+    carried, images = carry_labels(plain, labels, full)
+    assert carried == [IGNORE] * 8 + [3, 2]
+    assert images == [2, 3, 4, 5]
+    # Qwen's placeholder is one of the image's own tokens: the one the rendering held counts too
+    carried, images = carry_labels([1, 4, 9, 7, 3, 2], [IGNORE] * 4 + [3, 2], [1, 4, 9, 9, 9, 7, 3, 2])
+    assert carried == [IGNORE] * 6 + [3, 2] and images == [2, 3, 4]
+    with pytest.raises(RowError, match="changed trained tokens"):
+        carry_labels(plain, labels, [1, 4, 8, 9, 6, 7, 9, 2])
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("vlms")
+    return {family: build(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    for name, colour in COLOURS.items():
+        png(root / f"{name}.png", size=(40, 32), colour=colour)
+    return root
+
+
+def colour_row(colour: str, root, system: bool = False) -> FileRow:
+    messages = [{"role": "system", "content": "Answer in one word."}] if system else []
+    messages += [
+        {"role": "user", "content": [{"type": "image", "image": f"{colour}.png"}, {"type": "text", "text": "colour?"}]},
+        {"role": "assistant", "content": colour},
+        {"role": "user", "content": [{"type": "text", "text": "and this?"}, {"type": "image"}]},
+        {"role": "assistant", "content": "blue"},
+    ]
+    row = FileRow({"messages": json.loads(json.dumps(messages)), "images": ["blue.png"]})
+    row.root = root
+    return row
+
+
+def loaded(path, **kw):
+    cfg = ModelConfig(name_or_path=str(path), attn_implementation="sdpa", **kw)
+    mcfg = check_model(cfg, 256)
+    assert is_vision(mcfg)
+    return cfg, load_tokenizer(cfg, vision=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_answers_train_and_every_image_gets_its_tokens(family, models, images):
+    """The trained positions decode to the two answers (and their end of turn); the
+    processor's image tokens, as many as it makes for each image, carry no loss."""
+    cfg, tokenizer = loaded(models[family])
+    example = IMAGE_ROWS.process(colour_row("red", images, system=family != "gemma3"), tokenizer, DataConfig())
+    assert example["status"] == "ok", example["status"]
+    trained = [t for t in example["labels"] if t != IGNORE]
+    assert tokenizer.decode(trained, skip_special_tokens=True).split() == ["red", "blue"]
+    image_id, ids = tokenizer.image_token_id, example["input_ids"]
+    assert image_id not in trained
+    # what the processor makes of one such image alone (the count depends on the size for some)
+    alone = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+    picture = Image.open(images / "red.png").convert("RGB")
+    per_image = processor_of(tokenizer)(text=[alone], images=[[picture]])["input_ids"][0].count(image_id)
+    assert ids.count(image_id) == 2 * per_image > 0
+    assert example["images"] == [(images / "red.png").read_bytes(), (images / "blue.png").read_bytes()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_trains_the_language_model_and_leaves_the_vision_tower_frozen(family, models, images):
+    cfg, tokenizer = loaded(models[family])
+    examples = [IMAGE_ROWS.process(colour_row(c, images), tokenizer, DataConfig()) for c in ("red", "green")]
+    examples.append(
+        IMAGE_ROWS.process(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]},
+            tokenizer,
+            DataConfig(),
+        )
+    )
+    collate = ImageCollator(tokenizer.pad_token_id, processor_of(tokenizer), DataConfig().max_image_pixels)
+    batch = collate([{k: e[k] for k in collate.columns if k in e} for e in examples])
+    model = load_model(cfg)
+    loss = TokenLoss.for_model(model, 0)(model, batch)
+    assert torch.isfinite(loss.total)
+    loss.total.backward()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(
+        p.grad is not None for n, p in model.named_parameters() if p.requires_grad and "embed" not in n
+    )
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    vision = ("vision", "visual", "projector", "connector", "image_newline")
+    assert frozen and all(any(v in n for v in vision) for n in frozen), frozen
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm", "llava", "llava_next"])
+def test_packed_rows_give_each_row_the_logits_it_has_alone(family, models, images):
+    """Rows with images (and one without) packed into one sequence: each row's logits are
+    those of the row run alone, its own image features on its own image tokens."""
+    import datasets
+
+    cfg, tokenizer = loaded(models[family])
+    text_row = {"messages": [{"role": "user", "content": "no picture"}, {"role": "assistant", "content": "none"}]}
+    rows = [colour_row("red", images), text_row, colour_row("green", images)]
+    examples = [IMAGE_ROWS.process(r, tokenizer, DataConfig()) for r in rows]
+    collate = ImageCollator(tokenizer.pad_token_id, processor_of(tokenizer), DataConfig().max_image_pixels)
+    width = sum(e["length"] for e in examples)
+    packed = PackedImageRows(datasets.Dataset.from_list(examples), width)
+    assert len(packed) == 1
+    model = load_model(cfg).eval()
+    with torch.no_grad():
+        together = model(**model_inputs(model, collate([packed[0]]))).logits[0]
+        start = 0
+        for i in packed.bins[0]:
+            e = examples[i]
+            alone = model(**model_inputs(model, collate([e]))).logits[0]
+            n = e["length"]
+            torch.testing.assert_close(together[start : start + n], alone[:n], rtol=1e-4, atol=1e-5)
+            start += n
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
+def test_a_model_whose_image_tokens_packing_cannot_keep_is_refused_in_one_line(family, models):
+    _, tokenizer = loaded(models[family])
+    cfg = Config()
+    cfg.data.packing = True
+    with pytest.raises(DataError, match=r"^data.packing: the model .* which packed rows cannot keep exact yet"):
+        rows_kind(ROWS, tokenizer, cfg)
+    cfg.data.packing = False
+    assert rows_kind(ROWS, tokenizer, cfg) is IMAGE_ROWS
