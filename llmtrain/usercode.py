@@ -180,11 +180,14 @@ def changed_handlers(before: dict, after: dict) -> bool:
 
 
 @contextmanager
-def contained(what: str, error: type[UserError], fix: str, file: str | None = None):
+def contained(what: str, error: type[UserError], fix: str, file: str | None = None, current=lambda: True):
     """Run the block (user code) as the module docstring says. `what` names the code in its
     messages ('grpo.rewards: rewards.py:short'); `error` is the UserError an exception
     becomes, '<what> raised <exception> (<file>:<line>); <fix>'; `file` is the code's own
-    file, whose line is the one named (else the innermost line outside llmtrain)."""
+    file, whose line is the one named (else the innermost line outside llmtrain). `current()`
+    says, when the block ends, whether its caller still waits for it: a call its caller gave
+    up on (a tool that timed out, in a thread of its own) puts no process state back, since
+    the state it saw at its start is stale by then (the run, or another test, has moved on)."""
     main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
     before = [s.get() for s in SETTINGS]
     handlers = STOP_HANDLERS.get() if main else None
@@ -203,13 +206,13 @@ def contained(what: str, error: type[UserError], fix: str, file: str | None = No
     except BaseException as e:
         failure = f"{what} raised {describe(e)}{where(e, file)}; {fix}"
     finally:
-        for setting, was in zip(SETTINGS, before):
+        for setting, was in zip(SETTINGS, before if current() else ()):
             if (now := setting.get()) != was:
                 setting.put(was)
                 to = f" (to {now!r})" if isinstance(now, (bool, int, str, tuple, torch.dtype, torch.device)) else ""
                 hint = f"; {setting.hint}" if setting.hint else ""
                 warn_once(what, setting.name, f"changed {setting.name}{to}; llmtrain put it back{hint}")
-        if handlers is not None and changed_handlers(handlers, after := STOP_HANDLERS.get()):
+        if handlers is not None and current() and changed_handlers(handlers, after := STOP_HANDLERS.get()):
             STOP_HANDLERS.put({sig: h if llmtrains_own(h) else handlers[sig] for sig, h in after.items()})
             warn_once(
                 what,

@@ -146,10 +146,12 @@ class ToolBox:
             return self.failed(name, f"the arguments must be an object of named values, not {as_text(arguments)!r}")
         self.check_hung()
         box: dict = {}
+        abandoned = threading.Event()  # set when the call times out: its end then puts nothing back
 
         def run() -> None:
             try:
-                with contained(f"{self.key}: {tool.spec}", ToolError, "fix the tool", tool.file):
+                spec = f"{self.key}: {tool.spec}"
+                with contained(spec, ToolError, "fix the tool", tool.file, lambda: not abandoned.is_set()):
                     try:
                         box["result"] = tool.fn(**copy.deepcopy(arguments))
                     except BaseException as e:  # what the model is told; contained names it for the log
@@ -162,6 +164,7 @@ class ToolBox:
         thread.start()
         thread.join(self.timeout_s)
         if thread.is_alive():
+            abandoned.set()
             self.hung.append((tool.spec, thread))
             return self.failed(name, f"timed out after {self.timeout_s:g} s", timed_out=True)
         if "error" in box:

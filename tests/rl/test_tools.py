@@ -2,8 +2,10 @@
 nothing a tool does stops the run or reaches it: an exception, an exit, a hang, megabytes of
 output and edited arguments are each a result the model sees or nothing at all."""
 
+import io
 import json
 import os
+import sys
 import threading
 import time
 
@@ -178,3 +180,19 @@ def test_a_hanging_call_times_out_and_too_many_stop_the_run(spec, monkeypatch):
     with pytest.raises(ToolError, match=r"^grpo.tools: 2 calls of .*my_tools.py:sleeps timed out and still run"):
         tools.call("sleeps", {"seconds": 0})
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("tool "))
+
+
+def test_a_call_that_timed_out_puts_nothing_back_when_it_ends(spec):
+    """The state a timed-out call saw at its start is stale when it ends: its end must not
+    put that back over what the run set meanwhile (here: sys.stderr, as pytest's capture of
+    the next test sets it)."""
+    tools = box(spec, "sleeps", timeout_s=0.1)
+    before = sys.stderr
+    assert tools.call("sleeps", {"seconds": 0.4}).timed_out
+    meanwhile = sys.stderr = io.StringIO()
+    try:
+        for _, thread in tools.hung:
+            thread.join()
+        assert sys.stderr is meanwhile
+    finally:
+        sys.stderr = before
