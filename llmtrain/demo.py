@@ -37,6 +37,7 @@ from .config.validate import DEMO_NAMES, PathKey, map_paths, named
 from .data.rows import stop_ids
 from .distributed.stop import run_child
 from .errors import warn
+from .processor import load_processor
 from .rl.episodes import play
 from .rl.prompts import prompt_ids
 from .rl.rewards import completion_text
@@ -606,6 +607,170 @@ def build_small_model(root: Path) -> None:
     into_place(tmp, root / "tiny-llama-small")
 
 
+# --- the images demo (docs/vision.md) ------------------------------------------------------
+
+SHAPES, SHADES = (
+    ("square", "circle", "triangle"),
+    {
+        "red": (220, 40, 40),
+        "green": (40, 170, 60),
+        "blue": (40, 70, 220),
+        "yellow": (230, 200, 30),
+    },
+)
+SHAPE_QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?", "dots": "How many dots?"}
+IMAGE_SIZE, IMAGE_PATCH = 32, 4
+# ChatML as the demo's, with an image part rendered as the processor's <image> placeholder.
+VISION_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def draw_shape(rng: random.Random):
+    """(a 32x32 picture, {question kind: answer}): a square, circle or triangle of one of
+    four colours at a random place and size on white, with one to four black dots beside it."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    shape, shade, dots = rng.choice(SHAPES), rng.choice(sorted(SHADES)), rng.randint(1, 4)
+    size = rng.randint(12, 20)
+    x, y = rng.randint(1, IMAGE_SIZE - size - 1), rng.randint(1, IMAGE_SIZE - size - 1)
+    box = (x, y, x + size, y + size)
+    if shape == "square":
+        draw.rectangle(box, fill=SHADES[shade])
+    elif shape == "circle":
+        draw.ellipse(box, fill=SHADES[shade])
+    else:
+        draw.polygon([(x, y + size), (x + size, y + size), (x + size // 2, y)], fill=SHADES[shade])
+    placed = 0
+    while placed < dots:  # 2x2 dots on white, apart from the shape and each other
+        dx, dy = rng.randint(0, IMAGE_SIZE - 2), rng.randint(0, IMAGE_SIZE - 2)
+        area = [
+            image.getpixel((dx + i, dy + j))
+            for i in (-1, 0, 1, 2)
+            for j in (-1, 0, 1, 2)
+            if 0 <= dx + i < IMAGE_SIZE and 0 <= dy + j < IMAGE_SIZE
+        ]
+        if all(p == (255, 255, 255) for p in area):
+            draw.rectangle((dx, dy, dx + 1, dy + 1), fill=(0, 0, 0))
+            placed += 1
+    return image, {"colour": shade, "shape": shape, "dots": str(dots)}
+
+
+def shape_rows(folder: Path, n: int, seed: int, prefix: str) -> list[dict]:
+    """`n` chat rows, each a picture drawn into folder/img/ (named relative to the data file
+    beside it) with one of the three questions about it, and its answer."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        image, answers = draw_shape(rng)
+        name = f"img/{prefix}-{i}.png"
+        image.save(folder / name)
+        kind = rng.choice(sorted(SHAPE_QUESTIONS))
+        content = [{"type": "image", "image": name}, {"type": "text", "text": SHAPE_QUESTIONS[kind]}]
+        rows.append(
+            {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answers[kind]}]}
+        )
+    return rows
+
+
+@builds("shapes/train.jsonl", "shapes/eval.jsonl")
+def build_shapes(root: Path, train_rows: int = 3000, eval_rows: int = 300) -> None:
+    """shapes/ under root: the images demo's pictures (img/) and its chat rows about them,
+    train.jsonl and eval.jsonl, built in a temporary folder renamed into place whole."""
+    tmp = Path(tempfile.mkdtemp(prefix="shapes.tmp-", dir=root))
+    (tmp / "img").mkdir()
+    write_jsonl(shape_rows(tmp, train_rows, 11, "train"), tmp / "train.jsonl")
+    write_jsonl(shape_rows(tmp, eval_rows, 12, "eval"), tmp / "eval.jsonl")
+    into_place(tmp, root / "shapes")
+
+
+@builds("tiny-vlm/config.json")
+def build_vision_model(root: Path) -> None:
+    """tiny-vlm/ under root: a LLaVA-shaped model with random weights (a 2-layer CLIP vision
+    tower on 32x32 pictures in 4x4 patches, a projector, and a Llama language model of
+    tiny-llama's size), with the demo's byte-level tokenizer and an <image> token, and its
+    processor, saved with save_pretrained."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    corpus = [*SHAPE_QUESTIONS.values(), *SHAPES, *SHADES, "1 2 3 4", "user assistant"]
+    tokenizer = build_tokenizer(corpus)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = VISION_TEMPLATE
+    grid = (IMAGE_SIZE // IMAGE_PATCH) ** 2
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384)
+    text |= dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    text |= dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text |= dict(pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    vision |= dict(num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=IMAGE_PATCH, projection_dim=64)
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",  # the patches, not the class token
+        vision_feature_layer=-1,
+        image_seq_length=grid,
+        tie_word_embeddings=True,
+    )
+    size = {"size": {"shortest_edge": IMAGE_SIZE}, "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}}
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(**size),
+        tokenizer=tokenizer,
+        patch_size=IMAGE_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=VISION_TEMPLATE,
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-vlm.tmp-", dir=root))
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    into_place(tmp, root / "tiny-vlm")
+
+
+def score_shapes(model_dir: str | Path, eval_file: str | Path) -> tuple[float, dict[str, float]]:
+    """The share of the images demo's held-out questions (`eval_file`) a model answers
+    exactly right (greedy), overall and by kind of question."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(str(model_dir))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    rows = [json.loads(line) for line in Path(eval_file).read_text().splitlines() if line]
+    kinds: dict[str, list[bool]] = {}
+    for start in range(0, len(rows), 50):
+        part = rows[start : start + 50]
+        prompts = [r["messages"][:1] for r in part]
+        texts = [
+            processor.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts
+        ]
+        images = [[Image.open(Path(eval_file).parent / p[0]["content"][0]["image"]).convert("RGB")] for p in prompts]
+        processor.tokenizer.padding_side = "left"
+        inputs = processor(text=texts, images=images, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        said = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        for r, got in zip(part, said):
+            question = r["messages"][0]["content"][1]["text"]
+            kind = next(k for k, q in SHAPE_QUESTIONS.items() if q == question)
+            kinds.setdefault(kind, []).append(got.strip() == r["messages"][1]["content"])
+    right = [ok for v in kinds.values() for ok in v]
+    return sum(right) / len(right), {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
+
+
 def with_tool_template(source: Path, target: Path) -> None:
     """`source`'s model saved to `target` with the calculator demo's tool template."""
     from transformers import AutoTokenizer
@@ -742,6 +907,10 @@ def resolve_demo_names(cfg, train: bool = True) -> list[str]:
         build_calc_rows(root)
     if "demo:tiny-llama-small" in names:  # built, not trained: seconds
         build_small_model(root)
+    if "demo:tiny-vlm" in names:
+        build_vision_model(root)
+    if any(n.startswith("demo:shapes") for n in names):
+        build_shapes(root)
     notes = [] if train else stand_ins(root, names, paths)
     if train:
         if any(n.startswith("demo:pairs") for n in names):
@@ -820,7 +989,10 @@ def kind(question: str) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["score"] or len(sys.argv) < 3:
-        sys.exit("usage: python -m llmtrain.demo score MODEL_DIR [MODEL_DIR ...]")
+        sys.exit("usage: python -m llmtrain.demo score MODEL_DIR|demo:NAME [MODEL_DIR ...]")
+    if "demo:tiny-vlm" in sys.argv[2:]:  # the images demo's model before training: built if need be
+        build_vision_model(cache_dir())
+    sys.argv[2:] = [str(cache_dir() / DEMO_NAMES[p]) if p in DEMO_NAMES else p for p in sys.argv[2:]]
     if missing := [p for p in sys.argv[2:] if not (Path(p) / "config.json").is_file()]:
         print(
             f"error: {', '.join(missing)}: no model directory (no config.json); give the directory a run saved, "
@@ -829,6 +1001,13 @@ if __name__ == "__main__":
         )
         sys.exit(2)
     for path in sys.argv[2:]:
+        if "vision_config" in json.loads((Path(path) / "config.json").read_text()):  # the images demo's model
+            shapes = cache_dir() / DEMO_NAMES["demo:shapes-eval"]
+            build_shapes(cache_dir())
+            overall, by_kind = score_shapes(path, shapes)
+            kinds = ", ".join(f"{k} {v:.0%}" for k, v in by_kind.items())
+            print(f"{path}: {overall:.1%} of 300 held-out picture questions answered right ({kinds})")
+            continue
         if "<tool_call>" in (Path(path) / "tokenizer_config.json").read_text() + "".join(
             f.read_text() for f in Path(path).glob("*.jinja")
         ):  # the calculator demo's model (docs/agents.md): questions played as episodes with its tools

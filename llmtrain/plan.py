@@ -45,7 +45,7 @@ from .model import (
 )
 from .observe.console import survive_closed_streams
 from .observe.quiet import quiet_bars_off_terminal
-from .processor import is_vision
+from .processor import is_vision, processor_of
 from .train import check_lengths
 from .vision import rows_kind
 
@@ -390,6 +390,8 @@ def plan(argv: list[str]) -> None:
     )
     for line in data_lines:
         print(f"  {line}")
+    if processor_of(tokenizer) is not None:
+        print(f"  {image_line(ds, mcfg, cfg.data.max_seq_len)}")
     if steps_per_epoch is None:
         print(f"  steps per pass: not known ahead (streamed); total steps: {t.max_steps}")
     else:
@@ -414,6 +416,24 @@ def plan(argv: list[str]) -> None:
         print("  (on CPU a run logs its process's peak resident memory: Python, the libraries and the data on top)")
     for line in method.describe(cfg, ds[0], tokenizer):
         print(line)
+
+
+def image_line(rows, mcfg, width: int) -> str:
+    """What the images of a vision-language model's rows take: images per row, the image
+    tokens among each row's tokens (a share of data.max_seq_len, and so of the activations
+    the memory estimate counts per token), counted from the tokenized rows."""
+    image_id = getattr(mcfg, "image_token_id", None) or getattr(mcfg, "image_token_index", None)
+    sample = [rows[i] for i in range(min(len(rows), 1000))]  # the first rows, as the batch lines read them
+    images = [len(r.get("images") or []) for r in sample]
+    tokens = [r["input_ids"].count(image_id) if image_id is not None else 0 for r in sample]
+    shown = [t for t, n in zip(tokens, images) if n]
+    if not shown:
+        return f"images: none in the first {len(sample)} rows"
+    return (
+        f"images: {sum(images)} in the first {len(sample)} rows ({len(shown)} rows hold any, at most {max(images)} "
+        f"a row); image tokens per such row: mean {sum(shown) / len(shown):.0f}, at most {max(shown)} "
+        f"({max(shown) / width:.0%} of data.max_seq_len)"
+    )
 
 
 def recipe_named(config: Path | None, overrides: list[str]) -> str:

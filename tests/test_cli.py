@@ -324,6 +324,7 @@ def test_the_shipped_demo_configs_are_found():
         "kto_demo.yaml",
         "orpo_demo.yaml",
         "reward_demo.yaml",
+        "vision_demo.yaml",
     }
     assert {m.demo for m in METHODS.values()} <= {p.name for p, _ in DEMO_CONFIGS}
 

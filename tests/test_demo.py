@@ -3,6 +3,7 @@ rejected one wrong, in the three row shapes, with the model's own wrong answers 
 has them; the same pairs as KTO's unpaired rows."""
 
 import contextlib
+import json
 import os
 import stat
 import subprocess
@@ -348,3 +349,34 @@ def test_the_distillation_demo_plans_its_teacher_and_builds_its_student_untraine
     assert small.head_dim * small.num_attention_heads == small.hidden_size
     vocab = AutoTokenizer.from_pretrained(cfg.model.name_or_path).get_vocab()
     assert vocab == AutoTokenizer.from_pretrained(root / "tiny-llama").get_vocab()
+
+
+def test_the_images_demo_draws_answerable_pictures_for_a_model_that_reads_them(tmp_path):
+    """Each picture's answer is what was drawn (its colour is in its pixels; the dots are
+    black 2x2 squares), and the demo's model, loaded as a run loads it, turns a row into its
+    image tokens (one per 4x4 patch) with the answer alone trained."""
+    import random
+
+    from llmtrain.config import DataConfig, ModelConfig
+    from llmtrain.data.rows import IGNORE, FileRow
+    from llmtrain.model import load_tokenizer
+    from llmtrain.vision import IMAGE_ROWS
+
+    rng = random.Random(0)
+    for _ in range(20):
+        image, answers = demo.draw_shape(rng)
+        pixels = list(image.getdata())
+        assert demo.SHADES[answers["colour"]] in pixels and answers["shape"] in demo.SHAPES
+        assert pixels.count((0, 0, 0)) == 4 * int(answers["dots"])
+    demo.build_shapes(tmp_path, train_rows=4, eval_rows=2)
+    demo.build_vision_model(tmp_path)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "tiny-vlm")), vision=True)
+    rows = (tmp_path / "shapes" / "train.jsonl").read_text().splitlines()
+    example = IMAGE_ROWS.process(json.loads(rows[0]), tokenizer, DataConfig())
+    assert example["status"].startswith("error: image 'img/train-0.png' is a relative path")  # no data file's folder
+    row = FileRow(json.loads(rows[0]))
+    row.root = tmp_path / "shapes"
+    example = IMAGE_ROWS.process(row, tokenizer, DataConfig())
+    assert example["input_ids"].count(tokenizer.convert_tokens_to_ids("<image>")) == (32 // 4) ** 2
+    answer = json.loads(rows[0])["messages"][1]["content"]
+    assert tokenizer.decode([t for t in example["labels"] if t != IGNORE]) == f"{answer}<|im_end|>\n"

@@ -102,6 +102,9 @@ DEMO_NAMES = {
     "demo:calc-eval": "calc-eval.jsonl",
     "demo:tiny-llama-teacher": "tiny-llama-teacher",
     "demo:tiny-llama-small": "tiny-llama-small",
+    "demo:tiny-vlm": "tiny-vlm",
+    "demo:shapes-train": "shapes/train.jsonl",
+    "demo:shapes-eval": "shapes/eval.jsonl",
 }
 
 

@@ -182,3 +182,20 @@ def test_careless_rows_and_settings_are_one_line_each(models, rows, base_config,
         rows, "data.packing=true", model=models["gemma3"]
     )
     assert "over data.max_image_pixels=100" in error(rows, "data.max_image_pixels=100")
+
+
+def test_plan_counts_the_images_and_their_tokens(models, rows, base_config, cache_env):
+    import os
+    import sys
+
+    from tests.support.runs import run_python
+
+    llmtrain = str(Path(sys.executable).parent / "llmtrain")
+    args = recipe_args(base_config, models["llava"], rows, "unused", *RUN)
+    proc = run_python([sys.executable, llmtrain, "plan", *args], dict(os.environ) | cache_env, 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 16 of the 17 rows hold one image each; LLaVA's tiny tower makes 16 tokens of each
+    assert (
+        "images: 16 in the first 17 rows (16 rows hold any, at most 1 a row); image tokens per such row: mean 16"
+        in (proc.stdout)
+    )
