@@ -14,7 +14,7 @@ from PIL import Image
 from llmtrain.config import Config, DataConfig, ModelConfig
 from llmtrain.core.objective import TokenLoss, model_inputs
 from llmtrain.data.build import ROWS
-from llmtrain.data.rows import IGNORE, FileRow, RowError, message
+from llmtrain.data.rows import IGNORE, FileRow, RowError, message, row_problem
 from llmtrain.errors import DataError
 from llmtrain.model import check_model, load_model, load_tokenizer
 from llmtrain.processor import is_vision, processor_of
@@ -232,3 +232,36 @@ def test_a_model_whose_image_tokens_packing_cannot_keep_is_refused_in_one_line(f
         rows_kind(ROWS, tokenizer, cfg)
     cfg.data.packing = False
     assert rows_kind(ROWS, tokenizer, cfg) is IMAGE_ROWS
+
+
+def test_an_over_long_row_is_cut_after_its_images_or_follows_data_overlong(models, images):
+    """data.overlong=truncate cuts a row after its last image token; a row whose image tokens
+    run past data.max_seq_len is dropped as too long (an error under overlong=error), never
+    cut through an image. (Idefics3 renders parts in order; LLaVA's template puts images
+    first in a turn.)"""
+    _, tokenizer = loaded(models["idefics3"])
+    image_id = tokenizer.image_token_id
+
+    def row(words_before: int, words_after: int) -> FileRow:
+        content = [
+            {"type": "text", "text": "word " * words_before},
+            {"type": "image", "image": "red.png"},
+            {"type": "text", "text": "colour?"},
+        ]
+        answer = {"role": "assistant", "content": "red " * words_after}
+        r = FileRow({"messages": [{"role": "user", "content": content}, answer]})
+        r.root = images
+        return r
+
+    whole = IMAGE_ROWS.process(row(0, 40), tokenizer, DataConfig(max_seq_len=512))
+    n_image = whole["input_ids"].count(image_id)
+    last = len(whole["input_ids"]) - whole["input_ids"][::-1].index(image_id)
+    width = last + 40  # the image, the question and some of the answer
+    cut = IMAGE_ROWS.process(row(0, 40), tokenizer, DataConfig(max_seq_len=width))
+    assert cut["status"] == "truncated" and cut["input_ids"] == whole["input_ids"][:width]
+    assert cut["input_ids"].count(image_id) == n_image > 0 and len(cut["images"]) == 1
+    late = IMAGE_ROWS.process(row(60, 1), tokenizer, DataConfig(max_seq_len=width))
+    assert late["status"].startswith("too long (") and "image tokens past data.max_seq_len" in late["status"]
+    strict = DataConfig(max_seq_len=width, overlong="error")
+    refused = IMAGE_ROWS.process(row(60, 1), tokenizer, strict)
+    assert f"tokens, above data.max_seq_len={width}" in row_problem(refused["status"], strict)
