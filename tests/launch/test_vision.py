@@ -162,6 +162,21 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_same_weights(
         torch.testing.assert_close(load_file(out / "final" / "model.safetensors")[key], value, rtol=0, atol=0)
 
 
+def test_a_checkpoint_of_one_process_resumes_on_two(models, rows, base_config, cache_env, one_process, tmp_path):
+    """The run of one process with micro-batch 4, stopped after its step-2 checkpoint and
+    resumed on 2 processes x micro-batch 1 x 2 accumulated: the steps of the run it continues."""
+    out = tmp_path / "relaid"
+    rewind(out, 2, source=one_process)
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "checkpoint.every_steps=2"]
+    run = [r for r in RUN if not r.startswith("train.micro_batch_size")]
+    args = recipe_args(base_config, models["qwen2_5_vl"], rows, out, *run, *layout, "checkpoint.resume=auto")
+    proc = run_recipe(args, cache_env, nproc=2)
+    assert "resuming a run of 1 process(es) x 4 x 1 as 2 process(es) x 1 x 2" in proc.stdout
+    want = [r["loss"] for r in train_rows(one_process)]
+    assert [r["loss"] for r in train_rows(out)] == pytest.approx(want, rel=1e-5)
+    assert_same_weights(out, one_process, "resumed on 2 processes")
+
+
 def test_careless_rows_and_settings_are_one_line_each(models, rows, base_config, cache_env, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(rows.parent, bad)
