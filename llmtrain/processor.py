@@ -142,3 +142,33 @@ def check_processor(processor, name: str) -> None:
             f"model.name_or_path: the image processor of '{name}' returns {', '.join(unknown)}, which llmtrain does "
             "not pass to the model yet; this vision-language model is not supported"
         )
+
+
+def packed_positions(model, batch: dict):
+    """The (4, batch, length) position ids of a packed batch for a model that positions image
+    tokens in three dimensions (Qwen-VL's, which read mm_token_type_ids): row 0 the text
+    positions restarting at 0 for each packed sample (`batch["position_ids"]`, which the
+    packed mask is built from), rows 1-3 each sample's own multimodal positions, as the
+    model's get_rope_index computes them for the sample alone (with its images' grids, in
+    order). Padding keeps its text positions. transformers reads such a 4-row tensor as
+    packed positions; computed here, sample by sample, because its own computation spans the
+    whole row."""
+    import torch
+
+    inner = model.model  # the Qwen*VLModel, which holds get_rope_index
+    ids, types, docs, text = batch["input_ids"], batch["mm_token_type_ids"], batch["doc_ids"], batch["position_ids"]
+    grids, used = batch.get("image_grid_thw"), 0
+    rope = text[None].expand(3, -1, -1).clone()
+    for b in range(ids.shape[0]):
+        for d in docs[b].unique().tolist():
+            if d < 0:
+                continue
+            where = (docs[b] == d).nonzero().squeeze(1)
+            s, e = int(where[0]), int(where[-1]) + 1
+            kinds = types[b, s:e]
+            images = int(((kinds == 1) & (torch.nn.functional.pad(kinds, (1, 0))[:-1] != 1)).sum())  # image runs
+            grid = grids[used : used + images] if images else None
+            used += images
+            pos, _ = inner.get_rope_index(ids[b : b + 1, s:e], kinds[None], image_grid_thw=grid)
+            rope[:, b, s:e] = pos[:, 0].to(rope.dtype)
+    return torch.cat([text[None], rope], 0)

@@ -38,9 +38,10 @@ passes on.
 Packing (`PackedImageRows`) joins rows as text rows are joined, with their images in order:
 a model puts each image's features at its tokens in order, so each row's features stay on
 its tokens, and the packed mask keeps rows apart. A model whose forward reads per-token
-inputs beside the ids is refused in one line (`unpackable`): Gemma 3 attends both ways
-among an image's tokens, which the packed causal mask does not, and Qwen-VL positions image
-tokens in three dimensions, which positions restarting at 0 do not give.
+inputs beside the ids to attend is refused in one line (`unpackable`): Gemma 3 attends both
+ways among an image's tokens, which the packed causal mask does not. Qwen-VL, which positions
+image tokens in three dimensions, gets each sample's own positions
+(processor.packed_positions, from objective.model_inputs).
 """
 
 from __future__ import annotations
@@ -266,7 +267,8 @@ class PackedImageRows(PackedDataset):
     def __getitem__(self, j: int) -> dict:
         rows = self.rows[self.bins[j]]
         out = join_rows([{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])])
-        return out | {"images": [image for images in rows["images"] for image in images]}
+        out["images"] = [image for images in rows["images"] for image in images]
+        return out | {k: [t for row in rows[k] for t in row] for k in SEQUENCE_INPUTS if k in rows}
 
 
 class ImageCollator(Collator):
@@ -337,16 +339,14 @@ def _image_names(row) -> list[str]:
 
 def unpackable(processor) -> str | None:
     """Why rows of this processor's model cannot be packed exactly, or None: a model whose
-    forward reads per-token inputs beside the ids (SEQUENCE_INPUTS) attends or positions its
-    image tokens in ways the packed attention mask and restarting positions do not keep."""
+    forward reads token_type_ids attends among its image tokens in a way the packed causal
+    mask does not keep (mm_token_type_ids, Qwen-VL's positions, are packed: model_inputs)."""
     from PIL import Image
 
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
     out = processor(text=[text], images=[[Image.new("RGB", (32, 32))]], add_special_tokens=False)
     if "token_type_ids" in out:
         return "the model attends both ways among an image's tokens (token_type_ids, as Gemma 3)"
-    if "mm_token_type_ids" in out:
-        return "the model gives image tokens positions in three dimensions (mm_token_type_ids, as Qwen-VL)"
     return None
 
 
