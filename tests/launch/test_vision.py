@@ -177,6 +177,18 @@ def test_a_checkpoint_of_one_process_resumes_on_two(models, rows, base_config, c
     assert_same_weights(out, one_process, "resumed on 2 processes")
 
 
+def test_packed_qwen_rows_take_the_same_steps_on_two_processes(models, rows, base_config, cache_env, tmp_path):
+    """Packed Qwen2.5-VL sequences (each sample with its own three-dimensional positions):
+    2 processes x 1 sequence give the losses and weights of 1 process x 2 sequences."""
+    run = [r for r in RUN if not r.startswith("train.micro_batch_size")] + ["data.packing=true"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_recipe(recipe_args(base_config, models["qwen2_5_vl"], rows, one, *run, "train.micro_batch_size=2"), cache_env)
+    args = recipe_args(base_config, models["qwen2_5_vl"], rows, two, *run, "train.micro_batch_size=1")
+    run_recipe(args, cache_env, nproc=2)
+    assert [r["loss"] for r in train_rows(two)] == pytest.approx([r["loss"] for r in train_rows(one)], rel=1e-5)
+    assert_same_weights(two, one, "packed, 2 processes")
+
+
 def test_careless_rows_and_settings_are_one_line_each(models, rows, base_config, cache_env, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(rows.parent, bad)
