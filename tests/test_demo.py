@@ -357,6 +357,8 @@ def test_the_images_demo_draws_answerable_pictures_for_a_model_that_reads_them(t
     image tokens (one per 4x4 patch) with the answer alone trained."""
     import random
 
+    import numpy as np
+
     from llmtrain.config import DataConfig, ModelConfig
     from llmtrain.data.rows import IGNORE, FileRow
     from llmtrain.model import load_tokenizer
@@ -365,7 +367,7 @@ def test_the_images_demo_draws_answerable_pictures_for_a_model_that_reads_them(t
     rng = random.Random(0)
     for _ in range(20):
         image, answers = demo.draw_shape(rng)
-        pixels = list(image.getdata())
+        pixels = [tuple(p) for p in np.asarray(image).reshape(-1, 3).tolist()]
         assert demo.SHADES[answers["colour"]] in pixels and answers["shape"] in demo.SHAPES
         assert pixels.count((0, 0, 0)) == 4 * int(answers["dots"])
     demo.build_shapes(tmp_path, train_rows=4, eval_rows=2)
