@@ -17,7 +17,7 @@ from .attention import choose as choose_attention
 from .config import ModelConfig
 from .errors import AttentionError, ModelError, describe, shown, warn
 from .files import is_path
-from .processor import check_processor, freeze_vision, is_vision, language_only, load_processor
+from .processor import check_processor, freeze_vision, is_vision, language_only, load_processor, unquantized
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -443,10 +443,12 @@ def pad_id(tokenizer) -> int:
             return tid
 
 
-def quantization_kwargs(cfg: ModelConfig) -> dict:
+def quantization_kwargs(cfg: ModelConfig, keep: list[str] | None = None) -> dict:
     """from_pretrained's arguments for model.quantization: bitsandbytes' config, and the
     process's own device, where the weights are quantized as they load (a quantized model
-    cannot be moved afterwards)."""
+    cannot be moved afterwards). `keep`: the modules left unquantized, where not
+    transformers' own choice (a vision-language model's vision tower and projector:
+    processor.unquantized)."""
     if cfg.quantization == "none":
         return {}
     try:
@@ -461,10 +463,13 @@ def quantization_kwargs(cfg: ModelConfig) -> dict:
 
     compute = DTYPES[cfg.dtype] if cfg.dtype != "auto" else torch.bfloat16
     if cfg.quantization == "int8":
-        quant = BitsAndBytesConfig(load_in_8bit=True)
+        quant = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=keep)
     else:
         quant = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization, bnb_4bit_compute_dtype=compute
+            load_in_4bit=True,
+            bnb_4bit_quant_type=cfg.quantization,
+            bnb_4bit_compute_dtype=compute,
+            llm_int8_skip_modules=keep,
         )
     return {"quantization_config": quant, "device_map": {"": PartialState().device}}
 
@@ -519,9 +524,10 @@ def load_model(cfg: ModelConfig, zero3: bool = False):
     checkpointed, LoRA adapters); `zero3`: the run is under DeepSpeed ZeRO-3 (`add_lora`)."""
     from transformers import AutoConfig
 
-    quantized = quantization_kwargs(cfg)
     try:
         mcfg = AutoConfig.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
+        keep = unquantized(_meta(cfg, mcfg, torch.float32)) if is_vision(mcfg) and cfg.quantization != "none" else None
+        quantized = quantization_kwargs(cfg, keep)
         model = auto_class(cfg, mcfg).from_pretrained(
             cfg.name_or_path,
             dtype=DTYPES[cfg.dtype],

@@ -117,6 +117,19 @@ def freeze_vision(model) -> None:
             p.requires_grad_(False)
 
 
+def unquantized(model) -> list[str]:
+    """The modules of a vision-language model that QLoRA leaves unquantized: the vision
+    tower and the projector (every part of the multimodal body but the language model: the
+    issue's QLoRA is on the language model, and image features keep their precision) and the
+    output layer, which transformers keeps whole on its own but not once a list is given."""
+    name, decoder = language_model(model)
+    prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
+    body = model.get_submodule(prefix[:-1]) if prefix else model
+    parts = [prefix + n for n, child in body.named_children() if child is not decoder]  # whole names: matched
+    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)  # from the start
+    return [*parts, *([head] if head else [])]
+
+
 def language_only(model, linear: dict, names: list[str]) -> list[str]:
     """LoRA's target modules (last names) as the whole names of the `linear` layers (by
     whole name) inside the language model that bear them: with the vision tower frozen, its

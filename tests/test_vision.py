@@ -265,3 +265,23 @@ def test_an_over_long_row_is_cut_after_its_images_or_follows_data_overlong(model
     strict = DataConfig(max_seq_len=width, overlong="error")
     refused = IMAGE_ROWS.process(row(60, 1), tokenizer, strict)
     assert f"tokens, above data.max_seq_len={width}" in row_problem(refused["status"], strict)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_qlora_quantizes_the_language_model_alone_and_trains_adapters_there(family, models, images):
+    """model.quantization=nf4 with LoRA: the language model's linear layers load in 4 bits,
+    the vision tower, projector and output layer stay whole; a step trains the adapters only."""
+    pytest.importorskip("bitsandbytes")
+    cfg, tokenizer = loaded(models[family], quantization="nf4")
+    cfg.lora.enabled = True
+    model = load_model(cfg)
+    inside = "language_model"
+    quantized = {n for n, m in model.named_modules() if type(m).__module__.startswith("bitsandbytes")}
+    assert quantized and all(inside in n for n in quantized), sorted(quantized)[:5]
+    examples = [IMAGE_ROWS.process(colour_row(c, images), tokenizer, DataConfig()) for c in ("red", "green")]
+    collate = ImageCollator(tokenizer.pad_token_id, processor_of(tokenizer), DataConfig().max_image_pixels)
+    loss = TokenLoss.for_model(model, 0)(model, collate([{k: e[k] for k in collate.columns} for e in examples]))
+    loss.total.backward()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n and inside in n for n in trained)
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
