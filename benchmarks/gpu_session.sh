@@ -3,8 +3,8 @@
 # transformers and peft but no network: the GPU tests, the padding-mask timing, then the
 # benchmarks against TRL at a size that fits a short lease. Wheels for what it lacks come from
 # `bash ../shared/gpu/fetch-wheels.sh` (into .whl/, carried along); a copy of the demo models
-# (LLMTRAIN_CACHE) saves their building there. Logs and result tables go to $OUT (default
-# ./gpu-out); copy the tables into benchmarks/RESULTS.md by hand.
+# (LLMTRAIN_CACHE=$PWD/.gpu-cache, which git ignores) saves their building there. Logs and
+# result tables go to $OUT (default ./gpu-out); copy the tables into benchmarks/RESULTS.md by hand.
 #   bash benchmarks/gpu_session.sh [pytest args...]
 # Each part has a time limit in seconds, and 0 leaves it out: TEST_S, MASK_S, DPO_S, SFT_S,
 # GRPO_S, DISTILL_S, AGENTS_S (e.g. TEST_S=0 MASK_S=0 for the benchmarks alone).

@@ -145,11 +145,18 @@ def run_peer(script: str, name: str, setup: dict, out: Path, env: dict | None = 
     return json.loads(line[0][len("RESULT ") :])
 
 
-def run_rl_systems(script: str, args, root: Path, setup: dict, systems: list[str], ours) -> dict[str, list[dict]]:
+def rl_progress(r: dict) -> str:
+    """A run's line as the RL benchmarks print it, whose runs report step_s and held_out."""
+    return f"{r['step_s']:.2f} s/step, held-out {r['held_out']:.3f}"
+
+
+def run_systems(
+    script: str, args, root: Path, setup: dict, systems: list[str], ours, progress=rl_progress
+) -> dict[str, list[dict]]:
     """Each of `systems` run `args.repeats` times, in the order A B C A B C, each run in a
     fresh process and an empty `root/<system>-<repeat>`: llmtrain through `ours(setup, out,
-    overrides)`, a peer through `script --worker`. For the RL benchmarks (grpo_vs_trl.py,
-    agents_vs_trl.py), whose runs report step_s and held_out."""
+    overrides)`, a peer through `script --worker`; each run's line is `progress(result)`.
+    For the benchmarks whose runs report step_s (the RL ones, vision_vs_trl.py)."""
     results: dict[str, list[dict]] = {name: [] for name in systems}
     for repeat in range(args.repeats):
         for name in results:
@@ -160,7 +167,7 @@ def run_rl_systems(script: str, args, root: Path, setup: dict, systems: list[str
             else:
                 env = dict(os.environ, HF_DATASETS_CACHE=str(out / "datasets-cache"))
                 r = run_peer(script, name, setup, out, env)
-            print(f"{name} run {repeat + 1}: {r['step_s']:.2f} s/step, held-out {r['held_out']:.3f}", flush=True)
+            print(f"{name} run {repeat + 1}: {progress(r)}", flush=True)
             results[name].append(r)
     return results
 
@@ -169,7 +176,7 @@ def rl_benchmark(script: str, doc: str, workloads: dict, name: str, sized_by: st
     """The main() of the RL benchmarks (grpo_vs_trl.py, agents_vs_trl.py, distill_vs_trl.py):
     as a --worker, one peer's run (`peer(setup, out, best)`); otherwise the workload prepared
     in runs/bench-<name>/<workload> (`prepare(workload, root)` -> setup), the held-out figure
-    before training (`before(setup)`), every system's runs (run_rl_systems) and
+    before training (`before(setup)`), every system's runs (run_systems) and
     `report(args, setup, before, results)`. `sized_by` says what sizes the workload, in the
     line refusing --rows."""
     options = parser(doc, workloads, ROOT / "runs" / f"bench-{name}")
@@ -184,7 +191,7 @@ def rl_benchmark(script: str, doc: str, workloads: dict, name: str, sized_by: st
     root.mkdir(parents=True, exist_ok=True)
     setup = prepare(args.workload, root)
     held = before(setup)
-    results = run_rl_systems(script, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
+    results = run_systems(script, args, root, setup, [n for n in SYSTEMS if n in args.systems], ours)
     report(args, setup, held, results)
 
 

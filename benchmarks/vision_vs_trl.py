@@ -69,7 +69,7 @@ def ours(setup: dict, out: Path, overrides: list[str]) -> dict:
     ]
     steps, _ = harness.run_ours("finetune.py", setup, out, args)
     return {
-        "seconds": sum(r["step_s"] for r in steps),
+        "step_s": sum(r["step_s"] for r in steps) / len(steps),
         "steps": len(steps),
         "loss": sum(r["loss"] for r in steps) / len(steps),
         "peak_mem_gib": max(r["peak_mem_gib"] for r in steps),
@@ -126,7 +126,7 @@ def run_trl(setup: dict, out: Path, best: bool) -> dict:
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
-        "seconds": timer.seconds,
+        "step_s": timer.seconds / trainer.state.global_step,
         "steps": trainer.state.global_step,
         "loss": sum(losses) / len(losses),
         "peak_mem_gib": harness.peak_memory_gib(),
@@ -143,13 +143,9 @@ def main() -> None:
     root = args.dir / args.workload
     root.mkdir(parents=True, exist_ok=True)
     setup = prepare(args.workload, root)
-    results: dict[str, list[dict]] = {"llmtrain": [], "trl-default": [], "trl-best": []}
-    for repeat in range(args.repeats):
-        for name in results:
-            out = root / f"{name}-{repeat}"
-            r = ours(setup, out, args.ours) if name == "llmtrain" else harness.run_peer(__file__, name, setup, out)
-            print(f"{name} run {repeat + 1}: {r['seconds']:.1f} s over {r['steps']} steps", flush=True)
-            results[name].append(r)
+    results = harness.run_systems(
+        __file__, args, root, setup, list(harness.SYSTEMS), ours, lambda r: f"{r['step_s']:.3f} s/step"
+    )
     report(args, setup, results)
 
 
@@ -157,9 +153,9 @@ def report(args, setup: dict, results: dict) -> None:
     import trl
 
     def best_of(runs):  # the fastest repeat: the least disturbed by the machine
-        return min(runs, key=lambda r: r["seconds"])
+        return min(runs, key=lambda r: r["step_s"])
 
-    ours = best_of(results["llmtrain"])["seconds"] / best_of(results["llmtrain"])["steps"]
+    ours = best_of(results["llmtrain"])["step_s"]
     lines = [
         harness.heading(f"Images, {args.workload}"),
         "",
@@ -173,7 +169,7 @@ def report(args, setup: dict, results: dict) -> None:
     ]
     for name, runs in results.items():
         r = best_of(runs)
-        step = r["seconds"] / r["steps"]
+        step = r["step_s"]
         lines.append(
             f"| {name} | {step:.3f} s | {r['steps']} | {r['loss']:.4f} | {r['peak_mem_gib']:.2f} GiB | "
             f"{step / ours:.2f}x |"

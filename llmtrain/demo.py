@@ -750,6 +750,7 @@ def score_shapes(model_dir: str | Path, eval_file: str | Path) -> tuple[float, d
     processor = load_processor(str(model_dir))
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     rows = [json.loads(line) for line in Path(eval_file).read_text().splitlines() if line]
+    processor.tokenizer.padding_side = "left"  # generation continues each prompt where it ends
     kinds: dict[str, list[bool]] = {}
     for start in range(0, len(rows), 50):
         part = rows[start : start + 50]
@@ -758,7 +759,6 @@ def score_shapes(model_dir: str | Path, eval_file: str | Path) -> tuple[float, d
             processor.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts
         ]
         images = [[Image.open(Path(eval_file).parent / p[0]["content"][0]["image"]).convert("RGB")] for p in prompts]
-        processor.tokenizer.padding_side = "left"
         inputs = processor(text=texts, images=images, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, do_sample=False)

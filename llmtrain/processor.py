@@ -119,9 +119,9 @@ def freeze_vision(model) -> None:
 
 def unquantized(model) -> list[str]:
     """The modules of a vision-language model that QLoRA leaves unquantized: the vision
-    tower and the projector (every part of the multimodal body but the language model: the
-    issue's QLoRA is on the language model, and image features keep their precision) and the
-    output layer, which transformers keeps whole on its own but not once a list is given."""
+    tower and the projector (every part of the multimodal body but the language model, so
+    that image features keep their precision) and the output layer, which transformers
+    keeps whole on its own but not once a list is given."""
     name, decoder = language_model(model)
     prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
     body = model.get_submodule(prefix[:-1]) if prefix else model

@@ -59,14 +59,13 @@ from .data.packing import PackedDataset, join_rows
 from .data.prepare import check_source
 from .data.rows import (
     IGNORE,
-    IMAGE_KEYS,
-    KEPT,
     RowError,
     check_line,
     labelled_chat,
     length_status,
     row_format,
-    shift,
+    row_tools,
+    sft_example,
     to_messages,
     tokenize_row,
 )
@@ -79,10 +78,10 @@ URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # http:, https:, data:, s3:, fil
 # --- reading images -------------------------------------------------------------------
 
 
-def read_image(ref, root: Path | None, cfg: DataConfig) -> bytes:
-    """The bytes of image `ref` (a path, or a hub data set's image as {bytes, path} or a
-    PIL image), read within data.max_image_bytes and checked to decode within
-    data.max_image_pixels; a RowError saying what is wrong otherwise."""
+def read_image(ref, root: Path | None, cfg: DataConfig):
+    """(the bytes of image `ref`, the image they decode to): `ref` a path, or a hub data
+    set's image as {bytes, path} or a PIL image; read within data.max_image_bytes and
+    decoded within data.max_image_pixels; a RowError saying what is wrong otherwise."""
     if isinstance(ref, dict) and isinstance(ref.get("bytes"), bytes):
         data = ref["bytes"]
     elif isinstance(ref, dict) and isinstance(ref.get("path"), str):
@@ -97,8 +96,7 @@ def read_image(ref, root: Path | None, cfg: DataConfig) -> bytes:
         raise RowError(f"image {shown(ref)}: give a file path (relative to the data file's folder)")
     if len(data) > cfg.max_image_bytes:
         raise RowError(f"an image of {len(data)} bytes is over data.max_image_bytes={cfg.max_image_bytes}")
-    decode(data, cfg.max_image_pixels)
-    return data
+    return data, decode(data, cfg.max_image_pixels)
 
 
 def _read_file(name: str, root: Path | None, cfg: DataConfig) -> bytes:
@@ -203,23 +201,21 @@ def image_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     root = getattr(row, "root", None)
     check_line(row)
     fmt = row_format(row) if cfg.format == "auto" else cfg.format
-    images = []
+    images, pictures = [], []
     if fmt == "chat":
         refs: list = []
-        tools = row.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RowError("'tools' must be a list of tool definitions")
+        tools = row_tools(row)
         messages = to_messages(row, "chat", cfg.system_prompt, images=refs)
         refs = row_images(refs, row)
         if len(refs) > cfg.max_images:
             raise RowError(f"the row has {len(refs)} images, over data.max_images={cfg.max_images}")
-        images = [read_image(r, root, cfg) for r in refs]
-        text, plain, plain_labels = labelled_chat(messages, tokenizer, cfg.loss_on, tools=tools or None)
+        if refs:
+            images, pictures = map(list, zip(*(read_image(r, root, cfg) for r in refs), strict=True))
+        text, plain, plain_labels = labelled_chat(messages, tokenizer, cfg.loss_on, tools=tools)
     else:
         plain, plain_labels = tokenize_row(row, fmt, tokenizer, cfg)
         text = None
     if images:
-        pictures = [decode(b, cfg.max_image_pixels) for b in images]
         try:
             out = processor(text=[text], images=[pictures], add_special_tokens=False, return_tensors="pt")
         except Exception as e:  # the processor refuses the text and images together
@@ -230,24 +226,14 @@ def image_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     else:
         ids, labels, image_positions = plain, plain_labels, []
         extras = {k: [0] * len(ids) for k in SEQUENCE_INPUTS}
-    status = length_status(len(ids), cfg.max_seq_len, cfg)
-    if status == "truncated" and image_positions and image_positions[-1] >= cfg.max_seq_len:
-        status = f"too long ({len(ids)} tokens, image tokens past data.max_seq_len, which a cut would split)"
-    if status not in KEPT:
-        return status
     width = cfg.max_seq_len
-    labels = shift(labels[:width])
-    if all(t == IGNORE for t in labels):
-        return "no trained tokens"
-    return {
-        "input_ids": ids[:width],
-        "labels": labels,
-        "length": min(len(ids), width),
-        "n_trained": sum(t != IGNORE for t in labels),
-        "images": images,
-        **{k: v[:width] for k, v in extras.items()},
-        "status": status,
-    }
+    status = length_status(len(ids), width, cfg)
+    if status == "truncated" and image_positions and image_positions[-1] >= width:
+        status = f"too long ({len(ids)} tokens, image tokens past data.max_seq_len, which a cut would split)"
+    example = sft_example(ids, labels, status, width)
+    if isinstance(example, str):
+        return example
+    return example | {"images": images, **{k: v[:width] for k, v in extras.items()}}
 
 
 def empty_example() -> dict:
@@ -322,18 +308,16 @@ def images_stamp(source) -> str:
 
 
 def _image_names(row) -> list[str]:
-    """The image file names a row gives, wherever it gives them (module docstring)."""
-    if not isinstance(row, dict):
+    """The image file names a chat row gives, read as image_example reads them; none for a
+    malformed row or one of another format (the row pipeline reports or reads it)."""
+    refs: list = []
+    try:
+        check_line(row)
+        to_messages(row, "chat", images=refs)
+        refs = row_images(refs, row)
+    except (RowError, KeyError, TypeError):
         return []
-    column = row.get("images")
-    names = list(column) if isinstance(column, list) else [column]
-    messages = row.get("messages")
-    for m in messages if isinstance(messages, list) else []:
-        content = m.get("content") if isinstance(m, dict) else None
-        for part in content if isinstance(content, list) else []:
-            if isinstance(part, dict):
-                names += [part.get(k) for k in IMAGE_KEYS]
-    names = [n.get("url") or n.get("path") if isinstance(n, dict) else n for n in names]
+    names = [r.get("path") if isinstance(r, dict) else r for r in refs]  # a hub data set's {bytes, path}
     return [n for n in names if isinstance(n, str)]
 
 

@@ -67,9 +67,10 @@ def test_an_image_for_a_text_model_or_another_recipe_is_one_line():
 def test_images_are_read_relative_to_the_data_file_and_bounded(tmp_path):
     cfg = DataConfig()
     data = png(tmp_path / "red.png")
-    assert read_image("red.png", tmp_path, cfg) == data
-    assert read_image(str(tmp_path / "red.png"), None, cfg) == data
-    assert read_image({"bytes": data, "path": None}, None, cfg) == data  # a hub data set's undecoded image
+    read, picture = read_image("red.png", tmp_path, cfg)
+    assert read == data and picture.size == (16, 16) and picture.getpixel((3, 3)) == (255, 0, 0)
+    assert read_image(str(tmp_path / "red.png"), None, cfg)[0] == data
+    assert read_image({"bytes": data, "path": None}, None, cfg)[0] == data  # a hub data set's undecoded image
 
     def error(ref, root=tmp_path, **kw) -> str:
         with pytest.raises(RowError) as e:

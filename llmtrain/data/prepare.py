@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import DataConfig
 from ..errors import DataError, warn
 from ..files import LINE
+from ..processor import processor_of
 from ..template import MAX_TEMPLATE_CHARS, TemplateLimit, template_source
 from .rows import KEPT, REQUIRED, row_problem, several_formats
 from .sources import Source, detect_format, load_source
@@ -149,7 +150,7 @@ def _fingerprint(source: Source, version: str, tokenizer, cfg: DataConfig, stamp
 def images_key(tokenizer, cfg: DataConfig) -> str:
     """What makes a vision-language model's rows besides its tokenizer: its processor's
     settings (how many tokens an image becomes) and the bounds on images; empty for text."""
-    processor = getattr(tokenizer, "processor", None)  # vision.processor_of, which imports this module
+    processor = processor_of(tokenizer)
     if processor is None:
         return ""
     settings = (processor.to_json_string(), processor.image_processor.to_json_string())

@@ -506,11 +506,16 @@ def tokenize_row(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> tuple[list[
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         c = with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
         return p + c, (list(p) if cfg.loss_on == "all" else [IGNORE] * len(p)) + c
+    messages = to_messages(row, fmt, cfg.system_prompt)
+    return chat_ids(messages, tokenizer, cfg.loss_on, tools=row_tools(row))
+
+
+def row_tools(row: dict) -> list | None:
+    """The row's tool definitions (its `tools` column), or None."""
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RowError("'tools' must be a list of tool definitions")
-    messages = to_messages(row, fmt, cfg.system_prompt)
-    return chat_ids(messages, tokenizer, cfg.loss_on, tools=tools or None)
+    return tools or None
 
 
 def shift(labels: list[int]) -> list[int]:
@@ -544,10 +549,16 @@ def several_formats(fits: str) -> str:
 def _row_example(row: dict, fmt: str, tokenizer, cfg: DataConfig) -> dict | str:
     """process_row's example, or why the row is dropped (`processed`)."""
     ids, labels = tokenize_row(row, fmt, tokenizer, cfg)
-    status = length_status(len(ids), cfg.max_seq_len, cfg)
+    return sft_example(ids, labels, length_status(len(ids), cfg.max_seq_len, cfg), cfg.max_seq_len)
+
+
+def sft_example(ids: list[int], labels: list[int], status: str, width: int) -> dict | str:
+    """An SFT example of `ids` and their (unshifted) `labels` under the length policy's
+    `status` for them: cut on the right to `width` and shifted; or why it is dropped (a
+    status not kept, or no trained token left)."""
     if status not in KEPT:
         return status
-    ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]  # cut on the right
+    ids, labels = ids[:width], labels[:width]  # cut on the right
     labels = shift(labels)
     if all(t == IGNORE for t in labels):
         return "no trained tokens"

@@ -157,6 +157,13 @@ _QWEN_TOKENS = dict(
     ),
     extra=["<|im_start|>"],
 )
+# Idefics3's and SmolVLM's tokens around an image, and those naming an image's tiles.
+_IDEFICS_IMAGE = dict(
+    fake_image_token="<fake_token_around_image>",
+    global_image_token="<global-img>",
+    end_of_utterance_token="<end_of_utterance>",
+)
+_TILES = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
 TOKENS = {
     "qwen2_5_vl": _QWEN_TOKENS,
     "qwen3_vl": _QWEN_TOKENS,
@@ -178,11 +185,9 @@ TOKENS = {
             eos_token="<end_of_utterance>",
             pad_token="<|finetune_right_pad_id|>",
             image_token="<image>",
-            fake_image_token="<fake_token_around_image>",
-            global_image_token="<global-img>",
-            end_of_utterance_token="<end_of_utterance>",
+            **_IDEFICS_IMAGE,
         ),
-        extra=["<|end_of_text|>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)],
+        extra=["<|end_of_text|>", *_TILES],
     ),
     "smolvlm": dict(
         named=dict(
@@ -191,11 +196,9 @@ TOKENS = {
             pad_token="<|im_end|>",
             image_token="<image>",
             video_token="<video>",
-            fake_image_token="<fake_token_around_image>",
-            global_image_token="<global-img>",
-            end_of_utterance_token="<end_of_utterance>",
+            **_IDEFICS_IMAGE,
         ),
-        extra=["<|endoftext|>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)],
+        extra=["<|endoftext|>", *_TILES],
     ),
     "llava": dict(
         named=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", image_token="<image>"),
