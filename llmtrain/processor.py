@@ -185,3 +185,67 @@ def packed_positions(model, batch: dict):
             pos, _ = inner.get_rope_index(ids[b : b + 1, s:e], kinds[None], image_grid_thw=grid)
             rope[:, b, s:e] = pos[:, 0].to(rope.dtype)
     return torch.cat([text[None], rope], 0)
+
+
+def vision_in_every_forward(model, processor) -> None:
+    """Make every forward pass of a vision-language model run its vision tower and
+    projector, also on a batch without images: there on a blank image, where a batch with
+    images runs them (after the token embeddings, before the language model's layers), its
+    features added to the logits times 0 (the numbers unchanged; nan and inf taken out
+    first). Each process thus runs the same layers in the same order, which is what ZeRO-3
+    and FSDP2 record and prefetch by.
+
+    For runs of several processes. Under ZeRO-3 and FSDP2 each layer's weights are gathered
+    from every process as the layer runs, so all processes must run the same layers in the
+    same order: a process whose micro-batch holds no image (text rows, an empty batch at the
+    end of the data) would skip the vision tower while another runs it, and the job fails
+    on mismatched collectives or hangs. With the vision tower trained (model.freeze_vision
+    false), DDP likewise needs its weights in every process's graph. Peers meet the same
+    need with a fake image in text-only batches; done here on the model, as hooks, so every
+    forward (training, evaluation, reference passes) has it without the batches changing."""
+    import torch
+    from PIL import Image
+
+    blank = processor.image_processor(images=[[Image.new("RGB", (32, 32))]], return_tensors="pt")
+    blank = {k: v for k, v in blank.items() if k in MODEL_INPUTS}
+    state: dict = {"blank": False, "features": None}
+
+    def before(module, args, kwargs):  # the whole model's forward starts
+        state["blank"], state["features"] = kwargs.get("pixel_values") is None, None
+
+    def decoding(module, args, kwargs):  # the language model starts: the images' features came just before
+        if state["blank"]:
+            state["blank"] = False
+            device = next(t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+            inputs = {k: v.to(device) for k, v in blank.items()}
+            state["features"] = _every_tensor(model.get_image_features(**inputs))
+
+    def after(module, args, kwargs, output):
+        features, state["features"] = state["features"], None
+        if features is not None:
+            zero = features.float().sum().nan_to_num(0.0, 0.0, 0.0) * 0
+            output.logits = output.logits + zero.to(output.logits.dtype)
+        return output
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    language_model(model)[1].register_forward_pre_hook(decoding, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+
+
+def _every_tensor(value):
+    """The sum of every floating-point tensor in a model output (nested in tuples, lists
+    and dicts), as one scalar: all of it in the graph."""
+    import torch
+
+    total, stack = None, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point():
+                s = v.float().sum()
+                total = s if total is None else total + s
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total if total is not None else torch.zeros(())

@@ -27,7 +27,7 @@ from .model import attention_backend, check_model, check_vocab, load_model, load
 from .observe.metrics import describe_run, plot_losses
 from .output import checkpoint, rundir
 from .output.export import model_for_sampling, sample, save_final
-from .processor import is_vision
+from .processor import is_vision, processor_of, vision_in_every_forward
 from .train import keep_writing, setup, train
 from .vision import rows_kind
 
@@ -71,6 +71,8 @@ def run(name: str, argv: list[str] | None = None) -> None:
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model, Topology.of(accelerator).zero3)
+    if accelerator.num_processes > 1 and processor_of(tokenizer) is not None:
+        vision_in_every_forward(model, processor_of(tokenizer))  # every process runs the same layers
     parts = method.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
     # What a checkpoint's data position means, recorded with every checkpoint and final/.
     settings = checkpoint.position_settings(cfg, accelerator.num_processes, method.position(cfg))

@@ -52,6 +52,7 @@ import re
 from pathlib import Path
 
 from .config import DataConfig
+from .data.answers import answer_ids, empty_answer
 from .data.batches import Collator
 from .data.build import ROWS
 from .data.kind import DataKind
@@ -59,6 +60,8 @@ from .data.packing import PackedDataset, join_rows
 from .data.prepare import check_source
 from .data.rows import (
     IGNORE,
+    IMAGE_KEYS,
+    IMAGE_PARTS,
     RowError,
     check_line,
     labelled_chat,
@@ -191,14 +194,65 @@ def carry_labels(plain: list[int], labels: list[int], full: list[int]) -> tuple[
     return out, [i for i, m in enumerate(matched) if not m or full[i] in inserted]
 
 
+def read_images(refs: list, row: dict, cfg: DataConfig) -> tuple[list[bytes], list]:
+    """(their bytes, the images they decode to) of a row's image parts `refs` (as
+    rows.message collects them), placeholders filled from its `images` column, at most
+    data.max_images, relative paths from the folder of the row's data file (`row.root`,
+    a rows.FileRow's)."""
+    refs = row_images(refs, row)
+    if len(refs) > cfg.max_images:
+        raise RowError(f"the row has {len(refs)} images, over data.max_images={cfg.max_images}")
+    if not refs:
+        return [], []
+    root = getattr(row, "root", None)
+    images, pictures = zip(*(read_image(r, root, cfg) for r in refs), strict=True)
+    return list(images), list(pictures)
+
+
+def with_images(processor, text: str, plain: list[int], labels: list[int], pictures: list):
+    """(input_ids, labels, the processor's per-token inputs, the image tokens' positions)
+    of `text` with its images' tokens inserted by the processor, the labels of `plain`
+    (the text tokenized alone) carried onto them (`carry_labels`)."""
+    try:
+        out = processor(text=[text], images=[pictures], add_special_tokens=False, return_tensors="pt")
+    except Exception as e:  # the processor refuses the text and images together
+        raise RowError(f"the processor cannot take this row's text and images ({describe(e)})") from None
+    ids = out["input_ids"][0].tolist()
+    labels, image_positions = carry_labels(plain, labels, ids)
+    extras = {k: out[k][0].tolist() if k in out else [0] * len(ids) for k in SEQUENCE_INPUTS}
+    return ids, labels, extras, image_positions
+
+
+def no_inputs(n: int) -> dict:
+    """The per-token inputs of `n` tokens of text."""
+    return {k: [0] * n for k in SEQUENCE_INPUTS}
+
+
+def answer_tokens(prompt, answer, tokenizer, tools, pictures: list):
+    """answers.answer_ids (input_ids, labels before shifting, where the answer starts) of
+    an answer after a prompt whose messages show `pictures`, with the per-token inputs and
+    the image tokens' positions: a preference pair's or a KTO row's sequence."""
+    if not pictures:
+        ids, labels, first = answer_ids(prompt, answer, tokenizer, tools)
+        return ids, labels, first, no_inputs(len(ids)), []
+    if empty_answer(answer):
+        return [], [], 0, {}, []
+    text, plain, plain_labels = labelled_chat(prompt + answer, tokenizer, "assistant", len(prompt), tools)
+    ids, labels, extras, positions = with_images(processor_of(tokenizer), text, plain, plain_labels, pictures)
+    return ids, labels, next(i for i, t in enumerate(labels) if t != IGNORE), extras, positions
+
+
+def kept_whole(positions: list[int], cut: int, width: int) -> bool:
+    """Whether cutting `cut` tokens from the left and then keeping `width` keeps every
+    image token (half an image's tokens match none of its features)."""
+    return not positions or (positions[0] >= cut and positions[-1] < cut + width)
+
+
 def image_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     """An SFT row of a vision-language model as its example: input_ids with the images'
     tokens, labels (shifted), its images as bytes and the processor's per-token inputs;
     or why it is dropped (rows.processed's contract). Rows of other formats than chat
-    carry no images and are tokenized as text rows. Relative image paths are read from the
-    folder of the row's data file (`row.root`, a rows.FileRow's)."""
-    processor = processor_of(tokenizer)
-    root = getattr(row, "root", None)
+    carry no images and are tokenized as text rows."""
     check_line(row)
     fmt = row_format(row) if cfg.format == "auto" else cfg.format
     images, pictures = [], []
@@ -206,29 +260,17 @@ def image_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
         refs: list = []
         tools = row_tools(row)
         messages = to_messages(row, "chat", cfg.system_prompt, images=refs)
-        refs = row_images(refs, row)
-        if len(refs) > cfg.max_images:
-            raise RowError(f"the row has {len(refs)} images, over data.max_images={cfg.max_images}")
-        if refs:
-            images, pictures = map(list, zip(*(read_image(r, root, cfg) for r in refs), strict=True))
+        images, pictures = read_images(refs, row, cfg)
         text, plain, plain_labels = labelled_chat(messages, tokenizer, cfg.loss_on, tools=tools)
     else:
         plain, plain_labels = tokenize_row(row, fmt, tokenizer, cfg)
-        text = None
     if images:
-        try:
-            out = processor(text=[text], images=[pictures], add_special_tokens=False, return_tensors="pt")
-        except Exception as e:  # the processor refuses the text and images together
-            raise RowError(f"the processor cannot take this row's text and images ({describe(e)})") from None
-        ids = out["input_ids"][0].tolist()
-        labels, image_positions = carry_labels(plain, plain_labels, ids)
-        extras = {k: out[k][0].tolist() if k in out else [0] * len(ids) for k in SEQUENCE_INPUTS}
+        ids, labels, extras, image_positions = with_images(processor_of(tokenizer), text, plain, plain_labels, pictures)
     else:
-        ids, labels, image_positions = plain, plain_labels, []
-        extras = {k: [0] * len(ids) for k in SEQUENCE_INPUTS}
+        ids, labels, extras, image_positions = plain, plain_labels, no_inputs(len(plain)), []
     width = cfg.max_seq_len
     status = length_status(len(ids), width, cfg)
-    if status == "truncated" and image_positions and image_positions[-1] >= width:
+    if status == "truncated" and not kept_whole(image_positions, 0, width):
         status = f"too long ({len(ids)} tokens, image tokens past data.max_seq_len, which a cut would split)"
     example = sft_example(ids, labels, status, width)
     if isinstance(example, str):
@@ -253,14 +295,23 @@ class PackedImageRows(PackedDataset):
     def __getitem__(self, j: int) -> dict:
         rows = self.rows[self.bins[j]]
         out = join_rows([{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])])
-        out["images"] = [image for images in rows["images"] for image in images]
-        return out | {k: [t for row in rows[k] for t in row] for k in SEQUENCE_INPUTS if k in rows}
+        docs = [{k: rows[k][i] for k in IMAGE_COLUMNS if k in rows} for i in range(len(rows["images"]))]
+        return out | joined_images(docs)
+
+
+# The columns of an example that hold its images and the processor's per-token inputs.
+IMAGE_COLUMNS = ("images", *SEQUENCE_INPUTS)
+
+
+def joined_images(docs: list[dict]) -> dict:
+    """The IMAGE_COLUMNS of packed documents `docs` (in order) as one packed sequence's."""
+    out = {"images": [image for d in docs for image in d["images"]]}
+    return out | {k: [t for d in docs for t in d[k]] for k in SEQUENCE_INPUTS if all(k in d for d in docs)}
 
 
 class ImageCollator(Collator):
-    """batches.Collator's padded batch of a vision-language model's examples, with their
-    per-token inputs padded with 0 and their images (decoded from the example's bytes) as
-    the image processor makes them for the model, all rows' images in one call."""
+    """batches.Collator's padded batch of a vision-language model's examples, with what
+    the model reads of their images (`image_inputs`)."""
 
     columns = ("input_ids", "labels", "images", *SEQUENCE_INPUTS)
 
@@ -269,19 +320,27 @@ class ImageCollator(Collator):
         self.processor, self.max_pixels = processor, max_pixels
 
     def __call__(self, examples: list[dict]) -> dict:
-        import torch
-
         batch = super().__call__(examples)
-        width = batch["input_ids"].shape[1]
-        for key in SEQUENCE_INPUTS:
-            if any(e.get(key) and any(e[key]) for e in examples):
-                rows = [e.get(key) or [0] * len(e["input_ids"]) for e in examples]
-                batch[key] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-        images = [[decode(b, self.max_pixels) for b in e.get("images", [])] for e in examples]
-        if any(images):
-            out = self.processor.image_processor(images=[i for i in images if i], return_tensors="pt")
-            batch |= {k: v for k, v in out.items() if k in MODEL_INPUTS}
-        return batch
+        return batch | image_inputs(examples, batch["input_ids"].shape[1], self.processor, self.max_pixels)
+
+
+def image_inputs(examples: list[dict], width: int, processor, max_pixels: int) -> dict:
+    """What the model reads beside the text of a batch of `examples` (each a row of the
+    batch, its tokens padded on the right to `width`): their per-token inputs padded with
+    0, where any is set, and their images (decoded from the examples' bytes) as the image
+    processor makes them, all rows' in one call, in row order."""
+    import torch
+
+    out = {}
+    for key in SEQUENCE_INPUTS:
+        if any(e.get(key) and any(e[key]) for e in examples):
+            rows = [e.get(key) or [0] * len(e["input_ids"]) for e in examples]
+            out[key] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    images = [[decode(b, max_pixels) for b in e.get("images", [])] for e in examples]
+    if any(images):
+        pixels = processor.image_processor(images=[i for i in images if i], return_tensors="pt")
+        out |= {k: v for k, v in pixels.items() if k in MODEL_INPUTS}
+    return out
 
 
 def images_stamp(source) -> str:
@@ -308,16 +367,23 @@ def images_stamp(source) -> str:
 
 
 def _image_names(row) -> list[str]:
-    """The image file names a chat row gives, read as image_example reads them; none for a
-    malformed row or one of another format (the row pipeline reports or reads it)."""
-    refs: list = []
-    try:
-        check_line(row)
-        to_messages(row, "chat", images=refs)
-        refs = row_images(refs, row)
-    except (RowError, KeyError, TypeError):
-        return []
-    names = [r.get("path") if isinstance(r, dict) else r for r in refs]  # a hub data set's {bytes, path}
+    """The image file names a row gives, whatever its kind: those of the image parts of
+    any of its messages (a chat row's, a pair's prompt, ...) and of its `images` column.
+    Walked with a stack, not recursion: a row's nesting is the user's."""
+    names, stack = [], [row]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if value.get("type") in IMAGE_PARTS:
+                ref = next((value[k] for k in IMAGE_KEYS if value.get(k) is not None), None)
+                names.append(ref.get("url") if isinstance(ref, dict) else ref)
+            else:
+                stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    column = row.get("images") if isinstance(row, dict) else None
+    for ref in column if isinstance(column, list) else [column]:
+        names.append(ref.get("path") if isinstance(ref, dict) else ref)  # a hub data set's {bytes, path}
     return [n for n in names if isinstance(n, str)]
 
 
@@ -340,14 +406,15 @@ IMAGE_ROWS = DataKind(check_source, "images-v1", image_example, empty_example(),
 
 
 def rows_kind(kind: DataKind, tokenizer, cfg) -> DataKind:
-    """The kind of a method's examples for this model: SFT rows (build.ROWS) of a
-    vision-language model are IMAGE_ROWS; other kinds keep text rows (an image in them is a
-    malformed row). Packing a model that `unpackable` names, and streaming rows with images,
-    are refused in one line."""
-    if processor_of(tokenizer) is None:
+    """The kind of a method's examples for this model: for a vision-language model, the
+    kind's own with images (SFT rows, build.ROWS: IMAGE_ROWS; others their `images`), or
+    the text kind where it has none (an image in its rows is a malformed row). Packing a
+    model that `unpackable` names, and streaming rows with images, are refused in one line."""
+    images = IMAGE_ROWS if kind is ROWS else kind.images
+    if processor_of(tokenizer) is None or images is None:
         return kind
-    if cfg.data.packing and kind is ROWS and (why := unpackable(processor_of(tokenizer))):
+    if cfg.data.packing and (why := unpackable(processor_of(tokenizer))):
         raise DataError(f"data.packing: {why}, which packed rows cannot keep exact yet; set data.packing=false")
-    if cfg.data.streaming and kind is ROWS:
+    if cfg.data.streaming:
         raise DataError("data.streaming: rows with images are not streamed yet; set data.streaming=false")
-    return IMAGE_ROWS if kind is ROWS else kind
+    return images

@@ -4,20 +4,19 @@ placeholders and names, images read and bounded as a careless user's files would
 column filling placeholders, and labels carried onto the processor's tokens. The tiny
 vision-language models' rows and runs: tests/launch/test_vision.py."""
 
-import io
 import json
 
 import pytest
 import torch
 from PIL import Image
 
-from llmtrain.config import Config, DataConfig, ModelConfig
+from llmtrain.config import Config, DataConfig
 from llmtrain.core.objective import TokenLoss, model_inputs
 from llmtrain.data.build import ROWS
 from llmtrain.data.rows import IGNORE, FileRow, RowError, message, row_problem
 from llmtrain.errors import DataError
-from llmtrain.model import check_model, load_model, load_tokenizer
-from llmtrain.processor import is_vision, processor_of
+from llmtrain.model import load_model
+from llmtrain.processor import processor_of, vision_in_every_forward
 from llmtrain.vision import (
     IMAGE_ROWS,
     ImageCollator,
@@ -27,15 +26,7 @@ from llmtrain.vision import (
     row_images,
     rows_kind,
 )
-from tests.support.vision_models import FAMILIES, build
-
-
-def png(path, size=(16, 16), colour=(255, 0, 0)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, colour).save(out, format="PNG")
-    if path is not None:
-        path.write_bytes(out.getvalue())
-    return out.getvalue()
+from tests.support.vision_models import FAMILIES, build, loaded, png
 
 
 def test_image_parts_become_placeholders_and_their_names_are_kept_in_order():
@@ -60,7 +51,8 @@ def test_image_parts_become_placeholders_and_their_names_are_kept_in_order():
 
 
 def test_an_image_for_a_text_model_or_another_recipe_is_one_line():
-    with pytest.raises(RowError, match=r"messages\[1\]: holds an image; only recipes/finetune.py trains images"):
+    only = r"messages\[1\]: holds an image; only recipes/finetune.py and recipes/dpo.py train images"
+    with pytest.raises(RowError, match=only):
         message({"role": "user", "content": [{"type": "image", "image": "a.png"}]}, 1)
 
 
@@ -144,13 +136,6 @@ def colour_row(colour: str, root, system: bool = False) -> FileRow:
     row = FileRow({"messages": json.loads(json.dumps(messages)), "images": ["blue.png"]})
     row.root = root
     return row
-
-
-def loaded(path, **kw):
-    cfg = ModelConfig(name_or_path=str(path), attn_implementation="sdpa", **kw)
-    mcfg = check_model(cfg, 256)
-    assert is_vision(mcfg)
-    return cfg, load_tokenizer(cfg, vision=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -286,3 +271,47 @@ def test_qlora_quantizes_the_language_model_alone_and_trains_adapters_there(fami
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n and inside in n for n in trained)
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_forward_runs_the_vision_tower_where_a_batch_with_images_does(family, models, images):
+    """processor.vision_in_every_forward (runs of several processes): a batch without
+    images runs the vision tower on a blank image, in the order a batch with images runs
+    its layers (what ZeRO-3 and FSDP2 gather by), with the same logits as without it; a
+    trained vision tower gets (zero) gradients, as DDP needs of every process."""
+    cfg, tokenizer = loaded(models[family], freeze_vision=False)
+    model = load_model(cfg)
+    collate = ImageCollator(tokenizer.pad_token_id, processor_of(tokenizer), DataConfig().max_image_pixels)
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]}
+    plain = collate([{k: v for k, v in IMAGE_ROWS.process(text, tokenizer, DataConfig()).items() if k != "status"}])
+    shown = IMAGE_ROWS.process(colour_row("red", images), tokenizer, DataConfig())
+    pictured = collate([{k: v for k, v in shown.items() if k != "status"}])
+    order: list[str] = []
+    vision = ("vision", "visual", "projector", "connector")
+    for name, module in model.named_modules():
+        if name and (name.endswith(".layers.0") or name.endswith("layers.1")) and not any(v in name for v in vision):
+            module.register_forward_pre_hook(lambda m, a, name=name: order.append("language"))
+        elif any(v in name for v in vision) and any(p.numel() for p in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(lambda m, a, name=name: order.append("vision"))
+
+    def run(batch):
+        order.clear()
+        return model(**model_inputs(model, batch)).logits, [
+            k for i, k in enumerate(order) if i == 0 or k != order[i - 1]
+        ]
+
+    tower = {n: p for n, p in model.named_parameters() if any(v in n for v in vision)}
+    logits, with_images = run(pictured)
+    logits.sum().backward()
+    used = {n for n, p in tower.items() if p.grad is not None}  # LLaVA reads an inner layer: not all
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        before, without = run(plain)
+    assert with_images == ["vision", "language"] and without == ["language"] and used
+    vision_in_every_forward(model, processor_of(tokenizer))
+    logits, hooked = run(plain)
+    assert hooked == with_images
+    assert torch.equal(logits, before)
+    logits.sum().backward()
+    reached = {n for n, p in tower.items() if p.grad is not None}
+    assert reached >= used and not any(tower[n].grad.any() for n in reached)

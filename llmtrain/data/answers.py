@@ -18,24 +18,32 @@ from ..config import DataConfig
 from .rows import IGNORE, RowError, SystemPrompt, chat_ids, message, with_eos
 
 
-def as_messages(value, what: str) -> list[dict]:
+def as_messages(value, what: str, images: list | None = None) -> list[dict]:
     """A prompt's or an answer's messages: a string is one assistant message, a dict one
-    message; `what` names the field in errors. `train: true` (the default) is dropped."""
+    message; `what` names the field in errors. `train: true` (the default) is dropped.
+    `images` as rows.message takes it (a vision-language model's rows)."""
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not value:
         raise RowError(f"'{what}' must be a string or a non-empty list of {{role, content}} messages")
-    messages = [message(m, i, what) for i, m in enumerate(value)]
+    messages = [message(m, i, what, images) for i, m in enumerate(value)]
     return [{k: v for k, v in m.items() if k != "train" or not v} for m in messages]  # train: true is the default
 
 
-def as_prompt(prompt) -> list[dict]:
-    """A row's `prompt` as messages: a string is one user message."""
+def as_prompt(prompt, images: list | None = None) -> list[dict]:
+    """A row's `prompt` as messages: a string is one user message. `images` as
+    rows.message takes it."""
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    return as_messages(prompt, "prompt")
+    return as_messages(prompt, "prompt", images)
+
+
+def no_images(messages: list[dict], what: str) -> None:
+    """Refuse images in an answer: the model reads images, it does not write them."""
+    if any(not isinstance(m["content"], str) for m in messages):
+        raise RowError(f"'{what}' holds an image; images go in the prompt, which the model reads")
 
 
 def assistant_answer(messages: list[dict], what: str) -> list[dict]:
@@ -52,16 +60,18 @@ def assistant_answer(messages: list[dict], what: str) -> list[dict]:
     return messages
 
 
-def answer_messages(value, what: str, prompt: list[dict]) -> list[dict]:
+def answer_messages(value, what: str, prompt: list[dict], images: bool = False) -> list[dict]:
     """An answer given beside 'prompt': what follows it. Data sets that repeat the whole
     conversation in each answer (UltraFeedback as HuggingFaceH4 publishes it, a 'prompt'
     string beside whole 'chosen' and 'rejected' conversations) begin it with the prompt's
     messages, which are taken off, as TRL does; any other user or system message before the
     answer's assistant turn would make it the answer to another conversation (tool results
-    may come first, continuing a prompt that ends in a tool call)."""
-    messages = as_messages(value, what)
+    may come first, continuing a prompt that ends in a tool call). With `images` (a
+    vision-language model's rows) the repeated prompt may show images; the answer may not."""
+    messages = as_messages(value, what, [] if images else None)
     if len(messages) > len(prompt) and messages[: len(prompt)] == prompt:
         messages = messages[len(prompt) :]
+    no_images(messages, what)
     roles = [m["role"] for m in assistant_answer(messages, what)]
     before = roles[: roles.index("assistant")]
     if {"user", "system"} & set(before):
@@ -96,11 +106,16 @@ def answer_ids(prompt, answer, tokenizer, tools=None) -> tuple[list[int], list[i
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         a = with_eos(tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer) if answer else []
         return p + a, [IGNORE] * len(p) + a, len(p)
-    if not answer or not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in answer):
+    if empty_answer(answer):
         return [], [], 0
     ids, labels = chat_ids(prompt + answer, tokenizer, "assistant", train_from=len(prompt), tools=tools)
     first = next(i for i, t in enumerate(labels) if t != IGNORE)
     return ids, labels, first
+
+
+def empty_answer(answer: list[dict]) -> bool:
+    """Whether an answer's messages have nothing to train: no assistant content, no tool call."""
+    return not answer or not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in answer)
 
 
 def fit(sequences: list[tuple[list[int], list[int]]], prompt: int, width: int) -> tuple[list, int]:

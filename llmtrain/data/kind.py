@@ -29,6 +29,9 @@ kind's key also holds the pipeline's own "llmtrain-data-vN". History:
   assistant turn are errors.
 - prompts (GRPO): v1 the first; v2 a prefilled last assistant message is continued. The key
   adds grpo.max_completion_length, which sets how long a prompt may be.
+- A vision-language model's kinds (their `images`): SFT rows "images-v1"; pairs
+  "image-pairs-v1"; unpaired (KTO) "image-unpaired-v1". Their keys also hold the processor's
+  settings (prepare.py) and the stamp of the image files the rows name (vision.images_stamp).
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ class DataKind:
     # (Source) -> text: what its examples depend on besides the source's own content, for the
     # cache key (vision.images_stamp: the image files its rows name); None for nothing.
     stamp: Callable | None = None
+    # The same examples made from a vision-language model's rows, with their images
+    # (vision.rows_kind picks it); None for a kind whose rows carry no images, in which an
+    # image is a malformed row. SFT rows' (vision.IMAGE_ROWS) sits above this package.
+    images: DataKind | None = None
 
     def process(self, row: dict, tokenizer, cfg: DataConfig) -> dict:
         """One row -> its example with its status, or `empty` with why it is dropped

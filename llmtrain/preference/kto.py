@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..core.objective import Loss, loss_head, model_inputs
+from ..processor import MODEL_INPUTS
 from .loss import answer_logps
 
 METRICS = (
@@ -99,6 +100,7 @@ class KTOLoss:
         log-prob of its trained tokens, and their number."""
         prefix = "kl_" if kl else ""
         seqs = {key: batch[prefix + key] for key in ("input_ids", "attention_mask", "labels")}
+        seqs |= {key: batch[prefix + key] for key in MODEL_INPUTS if prefix + key in batch}  # images
         return answer_logps(model, model_inputs(model, seqs), seqs["labels"], self.head, self.chunk)
 
     def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from ..model import (
     load_frozen,
     pad_id,
 )
+from ..processor import processor_of
 from .config import DPOConfig, RewardConfig
 from .kto import KTOLoss
 from .loss import PreferenceLoss
@@ -42,15 +43,17 @@ def dpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts:
 
     objective = make(chunkable_head(model) if logits else None, adapters_off)
     kind = preference_data(cfg)
+    images = processor_of(tokenizer), cfg.data.max_image_pixels  # a vision-language model's (or None)
     if d.loss == "kto":
-        collator = UnpairedCollator(pad_id(tokenizer))
+        collator = UnpairedCollator(pad_id(tokenizer), *images)
         rows = getattr(train_set, "examples", train_set)  # a data.train with fractions is a Mixture of them
         line, warnings = rows.notes(d.desirable_weight, d.undesirable_weight)
         accelerator.print(line)
         for message in warnings:
             warn(message)
     else:
-        collator = PairCollator(pad_id(tokenizer), kind.width * cfg.data.max_seq_len if cfg.data.packing else 0)
+        width = kind.width * cfg.data.max_seq_len if cfg.data.packing else 0
+        collator = PairCollator(pad_id(tokenizer), width, False, *images)
     source = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
     if not objective.needs_reference_pass:
         return Parts(objective, source)

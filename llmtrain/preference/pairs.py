@@ -26,17 +26,21 @@ import math
 import torch
 
 from ..config import DataConfig
-from ..data.answers import answer_ids, answer_messages, as_messages, as_prompt, assistant_answer, conversation, fit
+from ..data.answers import answer_messages, as_messages, as_prompt, assistant_answer, conversation, fit, no_images
 from ..data.batches import Collator
 from ..data.kind import DataKind
 from ..data.packing import PackedDataset, join_rows
 from ..data.rows import IGNORE, RowError, check_line, length_status, number, shift
 from ..errors import DataError, shown
+from ..processor import SEQUENCE_INPUTS, processor_of
+from ..vision import answer_tokens, image_inputs, images_stamp, joined_images, kept_whole, read_images
 
 
-def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
+def pair_messages(row: dict, images: list | None = None) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
     """(prompt, chosen, rejected): three strings for plain-text pairs, else message lists
-    where the answers hold only what follows the prompt."""
+    where the answers hold only what follows the prompt. With `images` (a vision-language
+    model's rows), what the prompt's image parts name is appended to it (rows.message);
+    answers hold none."""
     check_line(row)
     missing = [k for k in ("chosen", "rejected") if row.get(k) is None]
     if missing:
@@ -44,32 +48,51 @@ def pair_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, list[d
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
         return prompt, chosen, rejected
+    seen = images is not None
     if prompt is not None:
-        prompt = as_prompt(prompt)
-        return prompt, answer_messages(chosen, "chosen", prompt), answer_messages(rejected, "rejected", prompt)
-    chosen, rejected = as_messages(chosen, "chosen"), as_messages(rejected, "rejected")
+        prompt = as_prompt(prompt, images)
+        chosen = answer_messages(chosen, "chosen", prompt, seen)
+        return prompt, chosen, answer_messages(rejected, "rejected", prompt, seen)
+    shown_c, shown_r = ([], []) if seen else (None, None)
+    chosen, rejected = as_messages(chosen, "chosen", shown_c), as_messages(rejected, "rejected", shown_r)
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     if shared == 0:
         raise RowError("'chosen' and 'rejected' share no prompt: their first messages differ (or give 'prompt')")
-    return chosen[:shared], assistant_answer(chosen[shared:], "chosen"), assistant_answer(rejected[shared:], "rejected")
+    answers = assistant_answer(chosen[shared:], "chosen"), assistant_answer(rejected[shared:], "rejected")
+    if seen:  # every image is in the shared prompt, so each side names them all
+        no_images(answers[0], "chosen")
+        no_images(answers[1], "rejected")
+        if shown_c != shown_r:
+            raise RowError("'chosen' and 'rejected' show different images in the messages they share; give the same")
+        images.extend(shown_c)
+    return chosen[:shared], *answers
 
 
 def pair_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     """One row -> {chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels
-    (shifted), length, n_trained, status}, or why the pair is dropped (PAIRS.make)."""
-    prompt, chosen, rejected = pair_messages(row)
+    (shifted), length, n_trained, status}, or why the pair is dropped (PAIRS.make). For a
+    vision-language model (IMAGE_PAIRS.make) also the prompt's images (as bytes, once for
+    both answers) and each answer's per-token inputs (vision.IMAGE_COLUMNS, prefixed)."""
+    vision = processor_of(tokenizer) is not None
+    refs: list | None = [] if vision else None
+    prompt, chosen, rejected = pair_messages(row, refs)
     if chosen == rejected:
         return "identical answers"
     prompt, (chosen, rejected), tools = conversation(row, prompt, (chosen, rejected), tokenizer, cfg)
-    (ci, cl, cp), (ri, rl, rp) = (answer_ids(prompt, a, tokenizer, tools) for a in (chosen, rejected))
+    images, pictures = read_images(refs, row, cfg) if vision else ([], [])
+    sides = [answer_tokens(prompt, a, tokenizer, tools, pictures) for a in (chosen, rejected)]
+    (ci, cl, cp, cx, c_at), (ri, rl, rp, rx, r_at) = sides
     if not ci or not ri or all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
         return "an empty answer"
-    width = cfg.max_seq_len
-    status = length_status(max(len(ci), len(ri)), width, cfg)
+    width, longest = cfg.max_seq_len, max(len(ci), len(ri))
+    status = length_status(longest, width, cfg)
     if status == "truncated":  # both sequences start with the same prompt tokens: cut alike
-        [(ci, cl), (ri, rl)], _ = fit([(ci, cl), (ri, rl)], min(cp, rp), width)
+        [(ci, cl), (ri, rl)], cut = fit([(ci, cl), (ri, rl)], min(cp, rp), width)
+        if not (kept_whole(c_at, cut, width) and kept_whole(r_at, cut, width)):
+            return f"too long ({longest} tokens, image tokens that a cut to data.max_seq_len would split)"
+        cx, rx = ({k: v[cut:][:width] for k, v in x.items()} for x in (cx, rx))
         if ci == ri and cl == rl:  # the answers differed only in what was cut off
             return "identical answers after truncation"
     elif status != "ok":
@@ -77,7 +100,7 @@ def pair_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     cl, rl = shift(cl), shift(rl)
     if all(t == IGNORE for t in cl) or all(t == IGNORE for t in rl):
         return "no trained tokens"
-    return {
+    example = {
         "chosen_input_ids": ci,
         "chosen_labels": cl,
         "rejected_input_ids": ri,
@@ -86,6 +109,10 @@ def pair_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
         "n_trained": sum(t != IGNORE for t in cl) + sum(t != IGNORE for t in rl),
         "status": status,
     }
+    if not vision:
+        return example
+    inputs = {f"{side}_{k}": v for side, x in (("chosen", cx), ("rejected", rx)) for k, v in x.items()}
+    return example | {"images": images} | inputs
 
 
 def pair_margin(row: dict) -> float:
@@ -133,7 +160,16 @@ class PackedPairs(PackedDataset):
             for side in ("chosen", "rejected"):
                 docs.append({"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]})
         margins = {"margin": rows["margin"]} if "margin" in rows else {}  # reward-model pairs
-        return join_rows(docs) | {"pair_index": rows["pair_index"]} | margins
+        out = join_rows(docs) | {"pair_index": rows["pair_index"]} | margins
+        if "images" not in rows:
+            return out
+        # A vision-language model's pairs: each answer shows its pair's images again.
+        shown = [
+            {"images": rows["images"][i]} | {k: rows[f"{side}_{k}"][i] for k in SEQUENCE_INPUTS}
+            for i in range(len(self.bins[j]))
+            for side in ("chosen", "rejected")
+        ]
+        return out | joined_images(shown)
 
 
 class PairCollator:
@@ -142,12 +178,16 @@ class PairCollator:
     answer, -1 for none) and `pair_index` (the k pairs' numbers), and with `margins` each
     pair's `margin` (reward models). Padded: one row per answer, right padding, labels
     IGNORE there. Packed (examples from PackedPairs): the packed rows as
-    batches.Collator pads them to `pack_width`."""
+    batches.Collator pads them to `pack_width`. With a vision-language model's
+    `processor`, each answer's images and per-token inputs (vision.image_inputs): a pair's
+    images are shown to both its answers."""
 
-    def __init__(self, pad_id: int, pack_width: int = 0, margins: bool = False):
+    def __init__(self, pad_id: int, pack_width: int = 0, margins: bool = False, processor=None, max_pixels: int = 0):
         self.tokens = Collator(pad_id, pack_width)
         self.items = "packed sequences of whole pairs" if pack_width else "pairs"
         self.margins = margins
+        self.processor, self.max_pixels = processor, max_pixels
+        images = ("images", *(f"{side}_{k}" for side in ("chosen", "rejected") for k in SEQUENCE_INPUTS))
         self.columns = (
             "chosen_input_ids",
             "chosen_labels",
@@ -155,22 +195,32 @@ class PairCollator:
             "rejected_labels",
             "pair_index",
             *(("margin",) if margins else ()),
+            *(images if processor is not None else ()),
         )
 
     def __call__(self, examples: list[dict]) -> dict:
         if "doc_ids" in examples[0]:
             return self._packed(examples)
-        rows = [{"input_ids": p["chosen_input_ids"], "labels": p["chosen_labels"]} for p in examples]
-        rows += [{"input_ids": p["rejected_input_ids"], "labels": p["rejected_labels"]} for p in examples]
+        rows = [self._answer(p, "chosen") for p in examples] + [self._answer(p, "rejected") for p in examples]
         batch = self.tokens(rows)
+        if self.processor is not None:
+            batch |= image_inputs(rows, batch["input_ids"].shape[1], self.processor, self.max_pixels)
         batch["answers"] = torch.arange(len(rows))[:, None].expand_as(batch["input_ids"]).contiguous()
         batch["pair_index"] = torch.tensor([p["pair_index"] for p in examples], dtype=torch.long)
         if self.margins:
             batch["margin"] = torch.tensor([p["margin"] for p in examples], dtype=torch.float32)
         return batch
 
+    def _answer(self, pair: dict, side: str) -> dict:
+        row = {"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
+        if self.processor is None:
+            return row
+        return row | {"images": pair["images"]} | {k: pair[f"{side}_{k}"] for k in SEQUENCE_INPUTS}
+
     def _packed(self, examples: list[dict]) -> dict:
         batch = self.tokens([{k: e[k] for k in ("input_ids", "labels", "position_ids", "doc_ids")} for e in examples])
+        if self.processor is not None:
+            batch |= image_inputs(examples, batch["input_ids"].shape[1], self.processor, self.max_pixels)
         k = sum(len(e["pair_index"]) for e in examples)
         answers, first = torch.full_like(batch["doc_ids"], -1), 0  # first: the row's first pair in the batch
         for row, e in enumerate(examples):
@@ -206,7 +256,21 @@ EMPTY = {
 
 # Preference pairs for the one builder (build.build_datasets): whole pairs pack into
 # sequences of twice data.max_seq_len, so every pair fits, and each pair is numbered
-# (`pair_index`) for the reference log-probs computed once before training.
+# (`pair_index`) for the reference log-probs computed once before training. A
+# vision-language model's pairs (IMAGE_PAIRS) add their images and per-token inputs.
+IMAGE_PAIRS = DataKind(
+    pair_columns,
+    "image-pairs-v1",
+    pair_example,
+    EMPTY | {"images": []} | {f"{side}_{k}": [] for side in ("chosen", "rejected") for k in SEQUENCE_INPUTS},
+    PackedPairs,
+    2,
+    "pairs",
+    pair_hints=True,
+    batched=("pairs", "packed sequences of whole pairs"),
+    index="pair_index",
+    stamp=images_stamp,
+)
 PAIRS = DataKind(
     pair_columns,
     "pairs-v4",
@@ -218,4 +282,5 @@ PAIRS = DataKind(
     pair_hints=True,
     batched=("pairs", "packed sequences of whole pairs"),
     index="pair_index",
+    images=IMAGE_PAIRS,
 )

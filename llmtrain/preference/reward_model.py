@@ -122,7 +122,8 @@ def reward_pair(row: dict, tokenizer, cfg: DataConfig) -> dict:
     return out | {"margin": margin, "status": status}
 
 
-# Preference pairs with their `margin` column, packed as DPO packs them.
+# Preference pairs with their `margin` column, packed as DPO packs them; text only, as
+# reward models are (model.auto_class refuses a vision-language model's score head).
 REWARD_PAIRS = dataclasses.replace(
-    PAIRS, version="pairs-v4-margins-v2", make=reward_pair, empty=PAIRS.empty | {"margin": 0.0}
+    PAIRS, version="pairs-v4-margins-v2", make=reward_pair, empty=PAIRS.empty | {"margin": 0.0}, images=None
 )

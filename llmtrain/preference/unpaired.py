@@ -25,24 +25,28 @@ sequences that answer their own prompt): `notes` counts them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import torch
 
 from ..config import DataConfig
-from ..data.answers import answer_ids, answer_messages, as_prompt, conversation, fit
+from ..data.answers import answer_messages, as_prompt, conversation, fit
 from ..data.batches import Collator
 from ..data.kind import DataKind
 from ..data.rows import IGNORE, RowError, check_line, flag, length_status, shift
 from ..errors import DataError, shown
+from ..processor import SEQUENCE_INPUTS, processor_of
+from ..vision import IMAGE_COLUMNS, answer_tokens, image_inputs, images_stamp, kept_whole, read_images
 from .pairs import PAIRS
 
 COLUMNS = ("prompt", "completion", "label")
 
 
-def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bool]:
+def unpaired_messages(row: dict, images: list | None = None) -> tuple[list[dict] | str, list[dict] | str, bool]:
     """(prompt, completion, desirable): two strings for a plain-text row, else message
-    lists where the completion holds only what follows the prompt."""
+    lists where the completion holds only what follows the prompt. `images` as
+    pairs.pair_messages takes it."""
     check_line(row)
     missing = [k for k in COLUMNS if row.get(k) is None]
     if missing:
@@ -54,31 +58,39 @@ def unpaired_messages(row: dict) -> tuple[list[dict] | str, list[dict] | str, bo
         )
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt, completion, label
-    prompt = as_prompt(prompt)
-    return prompt, answer_messages(completion, "completion", prompt), label
+    prompt = as_prompt(prompt, images)
+    return prompt, answer_messages(completion, "completion", prompt, images is not None), label
 
 
 def unpaired_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
     """One row -> {input_ids, labels (shifted), prompt_tokens (where the completion starts
     in input_ids), prompt_hash (of those tokens), desirable, length, n_trained, status}, or
-    why the row is dropped (UNPAIRED.make)."""
-    prompt, completion, desirable = unpaired_messages(row)
+    why the row is dropped (UNPAIRED.make). For a vision-language model (IMAGE_UNPAIRED.make)
+    also the prompt's images (as bytes) and the per-token inputs (vision.IMAGE_COLUMNS)."""
+    vision = processor_of(tokenizer) is not None
+    refs: list | None = [] if vision else None
+    prompt, completion, desirable = unpaired_messages(row, refs)
     prompt, (completion,), tools = conversation(row, prompt, (completion,), tokenizer, cfg)
-    ids, labels, start = answer_ids(prompt, completion, tokenizer, tools)
+    images, pictures = read_images(refs, row, cfg) if vision else ([], [])
+    ids, labels, start, inputs, at = answer_tokens(prompt, completion, tokenizer, tools, pictures)
     if not ids or all(t == IGNORE for t in labels):
         return "empty answer"
     if start < 1:  # plain text: nothing before the completion to predict its first token from
         raise RowError("the prompt has no tokens; give a non-empty 'prompt'")
     status = length_status(len(ids), cfg.max_seq_len, cfg)
     if status == "truncated":
+        longest = len(ids)
         [(ids, labels)], cut = fit([(ids, labels)], start, cfg.max_seq_len)
+        if not kept_whole(at, cut, cfg.max_seq_len):
+            return f"too long ({longest} tokens, image tokens that a cut to data.max_seq_len would split)"
+        inputs = {k: v[cut:][: cfg.max_seq_len] for k, v in inputs.items()}
         start -= cut
     elif status != "ok":
         return status
     labels = shift(labels)
     if all(t == IGNORE for t in labels):
         return "no trained tokens"
-    return {
+    example = {
         "input_ids": ids,
         "labels": labels,
         "prompt_tokens": start,
@@ -88,6 +100,7 @@ def unpaired_example(row: dict, tokenizer, cfg: DataConfig) -> dict | str:
         "n_trained": sum(t != IGNORE for t in labels),
         "status": status,
     }
+    return example | {"images": images} | inputs if vision else example
 
 
 def prompt_hash(ids: list[int]) -> int:
@@ -116,12 +129,15 @@ class KLCompletions(torch.utils.data.Dataset):
     """A split's tokenized rows (numbered by `row_index`), each with its KL sequence: its
     own prompt followed by the completion of the next row, (i + 1) mod N in dataset order
     (see the module docstring), cut to `width` tokens on the right. The KL sequence's
-    labels are that completion's tokens, shifted as every label here is."""
+    labels are that completion's tokens, shifted as every label here is. A vision-language
+    model's KL sequence shows its own prompt's images, with the per-token inputs joined as
+    its tokens are."""
 
     columns = ("input_ids", "labels", "prompt_tokens", "prompt_hash", "desirable", "row_index")
 
     def __init__(self, rows, width: int):
-        self.rows, self.width = rows.select_columns(list(self.columns)), width
+        columns = [*self.columns, *(c for c in IMAGE_COLUMNS if c in rows.column_names)]
+        self.rows, self.width = rows.select_columns(columns), width
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -137,7 +153,7 @@ class KLCompletions(torch.utils.data.Dataset):
         # The other row's completion labels before shifting: raw[t] = shifted[t - 1].
         raw = [IGNORE] * p + other["labels"][q - 1 : -1]
         ids = (row["input_ids"][:p] + other["input_ids"][q:])[: self.width]
-        return {
+        out = {
             "input_ids": row["input_ids"],
             "labels": row["labels"],
             "kl_input_ids": ids,
@@ -145,6 +161,11 @@ class KLCompletions(torch.utils.data.Dataset):
             "desirable": row["desirable"],
             "row_index": row["row_index"],
         }
+        if "images" not in row:
+            return out
+        inputs = {k: row[k] for k in IMAGE_COLUMNS}
+        kl = {f"kl_{k}": (row[k][:p] + other[k][q:])[: self.width] for k in SEQUENCE_INPUTS}
+        return out | inputs | kl
 
     def notes(self, desirable_weight: float, undesirable_weight: float) -> tuple[str, list[str]]:
         """(a line on the split's balance, warnings): weights outside the KTO paper's
@@ -181,17 +202,27 @@ class UnpairedCollator:
     """Makes one micro-batch of k rows: `input_ids`, `attention_mask` and `labels` of their
     completions, the same with a `kl_` prefix for their KL sequences (each padded on the
     right on its own), `desirable` (k booleans) and `row_index` (the rows' numbers, for
-    the reference log-probs computed before training)."""
+    the reference log-probs computed before training). With a vision-language model's
+    `processor`, what the model reads of each row's images (vision.image_inputs), which
+    its KL sequence shows too."""
 
-    columns = KLCompletions.columns
     items = "completions"
 
-    def __init__(self, pad_id: int):
+    def __init__(self, pad_id: int, processor=None, max_pixels: int = 0):
         self.tokens = Collator(pad_id)
+        self.processor, self.max_pixels = processor, max_pixels
+        self.columns = KLCompletions.columns + (IMAGE_COLUMNS if processor is not None else ())
 
     def __call__(self, examples: list[dict]) -> dict:
-        batch = self.tokens([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
-        kl = self.tokens([{"input_ids": e["kl_input_ids"], "labels": e["kl_labels"]} for e in examples])
+        rows = [{k: e[k] for k in ("input_ids", "labels", *IMAGE_COLUMNS) if k in e} for e in examples]
+        kl_keys = ("input_ids", "labels", *SEQUENCE_INPUTS)
+        kl_rows = [{k: e[f"kl_{k}"] for k in kl_keys if f"kl_{k}" in e} for e in examples]
+        batch, kl = self.tokens(rows), self.tokens(kl_rows)
+        if self.processor is not None:  # the pixels once: the KL sequences show the same images
+            shown = image_inputs(rows, batch["input_ids"].shape[1], self.processor, self.max_pixels)
+            batch |= shown
+            kl |= image_inputs(kl_rows, kl["input_ids"].shape[1], self.processor, self.max_pixels)
+            kl |= {k: v for k, v in shown.items() if k not in SEQUENCE_INPUTS}
         batch |= {f"kl_{key}": value for key, value in kl.items()}
         batch["desirable"] = torch.tensor([e["desirable"] for e in examples], dtype=torch.bool)
         batch["row_index"] = torch.tensor([e["row_index"] for e in examples], dtype=torch.long)
@@ -207,7 +238,8 @@ class UnpairedCollator:
 
 # Unpaired rows for the one builder (build.build_datasets): numbered (`row_index`) for the
 # reference log-probs computed once before training, each split given its KL completions;
-# never packed (preference/config.DPOConfig refuses data.packing with dpo.loss=kto).
+# never packed (preference/config.DPOConfig refuses data.packing with dpo.loss=kto). A
+# vision-language model's (IMAGE_UNPAIRED) add their images and per-token inputs.
 UNPAIRED = DataKind(
     unpaired_columns,
     "unpaired-v3",
@@ -228,6 +260,13 @@ UNPAIRED = DataKind(
     index="row_index",
     view=KLCompletions,
 )
+IMAGE_UNPAIRED = dataclasses.replace(
+    UNPAIRED,
+    version="image-unpaired-v1",
+    empty=UNPAIRED.empty | {"images": []} | {k: [] for k in SEQUENCE_INPUTS},
+    stamp=images_stamp,
+)
+UNPAIRED = dataclasses.replace(UNPAIRED, images=IMAGE_UNPAIRED)
 
 
 def preference_data(cfg) -> DataKind:

@@ -16,18 +16,30 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from llmtrain.processor import load_processor
-from tests.support.runs import assert_same_weights, launch, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import (
+    DPO_RECIPE,
+    assert_same_weights,
+    launch,
+    recipe_args,
+    rewind,
+    run_recipe,
+    train_rows,
+)
 from tests.support.vision_models import build
 
 pytestmark = pytest.mark.slow
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}
+# Rows without an image among those with: a micro-batch of such rows alone runs no vision tower
+# unless processor.vision_in_every_forward makes it (ZeRO-3 and FSDP2 need every process to).
+TEXT_ONLY = (5, 6, 11, 14)
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> Path:
     """16 rows asking the colour of a square (images in a folder beside the data file, named
-    relative to it), some through the `images` column's placeholders, one row without an image."""
+    relative to it), some through the `images` column's placeholders, and rows without an
+    image among them (TEXT_ONLY, and one at the end)."""
     root = tmp_path_factory.mktemp("colours")
     (root / "img").mkdir()
     names = sorted(COLOURS)
@@ -44,6 +56,13 @@ def rows(tmp_path_factory) -> Path:
         }
         if not i % 4:
             row["images"] = [f"img/{i}.png"]
+        if i in TEXT_ONLY:
+            row = {
+                "messages": [
+                    {"role": "user", "content": "no picture: what colour?"},
+                    {"role": "assistant", "content": "none"},
+                ]
+            }
         lines.append(row)
     lines.append({"messages": [{"role": "user", "content": "no picture"}, {"role": "assistant", "content": "none"}]})
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -132,13 +151,15 @@ def test_sharded_runs_take_the_same_steps_and_export_the_same_model(
     models, rows, base_config, cache_env, one_process, tmp_path, topology
 ):
     """ZeRO-3 and FSDP2 (the vision tower's blocks wrapped as the language model's, frozen):
-    the steps of one process, and a final/ that loads to the same weights."""
+    the steps of one process, and a final/ that loads to the same weights. One row per
+    micro-batch, so that a process meets a row without an image while the other meets one
+    (processor.vision_in_every_forward keeps their layers in step)."""
     from transformers import AutoModelForImageTextToText
 
     if topology.startswith("ds_"):
         pytest.importorskip("deepspeed")
     out = tmp_path / topology
-    layout = ["train.micro_batch_size=2", "checkpoint.every_steps=2"]
+    layout = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "checkpoint.every_steps=2"]
     run = [r for r in RUN if not r.startswith("train.micro_batch_size")]
     launch(recipe_args(base_config, models["qwen2_5_vl"], rows, out, *run, *layout), cache_env, topology)
     want = [r["loss"] for r in train_rows(one_process)]
@@ -226,3 +247,45 @@ def test_plan_counts_the_images_and_their_tokens(models, rows, base_config, cach
         "images: 16 in the first 17 rows (16 rows hold any, at most 1 a row); image tokens per such row: mean 16"
         in (proc.stdout)
     )
+
+
+@pytest.fixture(scope="module")
+def pairs(rows) -> Path:
+    """Preference pairs about the same pictures (the right colour chosen, another rejected),
+    and as KTO rows, beside the chat rows; some without a picture."""
+    names = sorted(COLOURS)
+    lines = []
+    for i in range(12):
+        colour, other = names[i % 3], names[(i + 1) % 3]
+        shown = [{"type": "image", "image": f"img/{i}.png"}, {"type": "text", "text": "what colour?"}]
+        prompt = [{"role": "user", "content": shown}]
+        lines.append({"prompt": prompt if i not in TEXT_ONLY else "no picture", "chosen": colour, "rejected": other})
+    (rows.parent / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    unpaired = [
+        {"prompt": p["prompt"], "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
+        for i, p in enumerate(lines)
+    ]
+    (rows.parent / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unpaired))
+    return rows.parent / "pairs.jsonl"
+
+
+@pytest.mark.parametrize(("loss", "topology"), [("sigmoid", "ds_zero3"), ("kto", "fsdp2")])
+def test_preference_rows_with_images_take_the_same_steps_sharded_as_on_one_process(
+    models, pairs, base_config, cache_env, tmp_path, loss, topology
+):
+    """recipes/dpo.py on pairs (and KTO rows) whose prompts show pictures, some without: 2
+    processes under ZeRO-3 (FSDP2 for KTO) x 1 row take the steps of 1 process x 2 rows, and
+    final/ holds the processor."""
+    if topology.startswith("ds_"):
+        pytest.importorskip("deepspeed")
+    data = pairs if loss != "kto" else pairs.parent / "unpaired.jsonl"
+    run = ["train.max_steps=3", "log.every_steps=1", f"dpo.loss={loss}"]
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    args = recipe_args(base_config, models["qwen2_5_vl"], data, one, *run, "train.micro_batch_size=2")
+    proc = run_recipe(args, cache_env, recipe=DPO_RECIPE)
+    assert "12/12" in proc.stdout
+    args = recipe_args(base_config, models["qwen2_5_vl"], data, sharded, *run, "train.micro_batch_size=1")
+    launch(args, cache_env, topology, recipe=DPO_RECIPE)
+    want = [r["loss"] for r in train_rows(one)]
+    assert len(want) == 3 and [r["loss"] for r in train_rows(sharded)] == pytest.approx(want, rel=1e-5)
+    assert (sharded / "final" / "processor_config.json").is_file()

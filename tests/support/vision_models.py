@@ -20,6 +20,7 @@ image (<= 64 px) becomes SPECS[family]["image_tokens"] image tokens (4 to 36).""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -567,3 +568,29 @@ if __name__ == "__main__":
     root = sys.argv[1] if len(sys.argv) > 1 else "tiny-vlms"
     for family in sys.argv[2:] or FAMILIES:
         print(family, build(family, Path(root) / family))
+
+
+# --- what tests of these models share -----------------------------------------------------
+
+
+def png(path, size=(16, 16), colour=(255, 0, 0)) -> bytes:
+    """A PNG of one colour, written to `path` unless None; its bytes."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format="PNG")
+    if path is not None:
+        path.write_bytes(out.getvalue())
+    return out.getvalue()
+
+
+def loaded(path, **kw):
+    """(the ModelConfig, the tokenizer carrying its processor) of a built model, as a run loads them."""
+    from llmtrain.config import ModelConfig
+    from llmtrain.model import check_model, load_tokenizer
+    from llmtrain.processor import is_vision
+
+    cfg = ModelConfig(name_or_path=str(path), attn_implementation="sdpa", **kw)
+    mcfg = check_model(cfg, 256)
+    assert is_vision(mcfg)
+    return cfg, load_tokenizer(cfg, vision=True)
