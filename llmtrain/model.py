@@ -563,8 +563,10 @@ def add_lora(model, cfg: ModelConfig, report=None, zero3: bool = False):
     lora = cfg.lora
     exclude = SCORE_HEADS if cfg.head == "score" else ()
     modules, parameters, skipped = lora_targets(model, lora, exclude=exclude, zero3=zero3)
+    if lora.projector and not is_vision(model.config):
+        raise ModelError(f"model.lora.projector: '{cfg.name_or_path}' is a text model, with no projector; set it false")
     if is_vision(model.config) and cfg.freeze_vision and not isinstance(modules, str):
-        modules = language_only(model, _linear_modules(model), modules)
+        modules = language_only(model, _linear_modules(model), modules, lora.projector)
     if skipped and report is not None:
         why = (
             "under DeepSpeed ZeRO-3 peft's adapters on fused expert weights neither train as on one process nor "

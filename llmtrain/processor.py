@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import torch
+
 from .errors import ModelError
 
 # The processor's per-token outputs a model's forward reads beside input_ids.
@@ -29,6 +31,14 @@ MODEL_INPUTS = (
 def is_vision(mcfg) -> bool:
     """Whether a model config describes a vision-language model (one with a vision tower)."""
     return getattr(mcfg, "vision_config", None) is not None
+
+
+def placeholder_ids(mcfg) -> list[int]:
+    """The token ids a vision-language model's forward reads as places for image (or video)
+    features, which a sampled completion must never hold: the forward would find more
+    places than features and fail (rl/sampling.HFGenerator suppresses them)."""
+    keys = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return sorted({i for i in (getattr(mcfg, k, None) for k in keys) if isinstance(i, int) and i >= 0})
 
 
 def processor_of(tokenizer):
@@ -122,21 +132,44 @@ def unquantized(model) -> list[str]:
     tower and the projector (every part of the multimodal body but the language model, so
     that image features keep their precision) and the output layer, which transformers
     keeps whole on its own but not once a list is given."""
-    name, decoder = language_model(model)
-    prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
-    body = model.get_submodule(prefix[:-1]) if prefix else model
-    parts = [prefix + n for n, child in body.named_children() if child is not decoder]  # whole names: matched
+    parts = [n for n, _ in vision_parts(model)]  # whole names: matched
     head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)  # from the start
     return [*parts, *([head] if head else [])]
 
 
-def language_only(model, linear: dict, names: list[str]) -> list[str]:
+def vision_parts(model) -> list[tuple[str, object]]:
+    """(whole name, module) of every part of a vision-language model's multimodal body but
+    its language model: the vision tower and the projector."""
+    name, decoder = language_model(model)
+    prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
+    body = model.get_submodule(prefix[:-1]) if prefix else model
+    return [(prefix + n, child) for n, child in body.named_children() if child is not decoder]
+
+
+# The names transformers gives the projector of a vision-language model, the layers that
+# carry image features into the language model: LLaVA's and Gemma 3's, Idefics3's and
+# SmolVLM's, Qwen-VL's (inside its vision tower; Qwen3-VL's deepstack mergers feed deeper
+# layers of the language model).
+PROJECTORS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list")
+
+
+def language_only(model, linear: dict, names: list[str], projector: bool = False) -> list[str]:
     """LoRA's target modules (last names) as the whole names of the `linear` layers (by
     whole name) inside the language model that bear them: with the vision tower frozen, its
-    layers of the same names (q_proj, ...) must get no adapters either."""
+    layers of the same names (q_proj, ...) must get no adapters either. With `projector`
+    (model.lora.projector), also every linear layer of the projector (PROJECTORS)."""
     prefix, _ = language_model(model)
     wanted = set(names)
-    return [n for n in linear if n.startswith(prefix + ".") and n.rsplit(".", 1)[-1] in wanted]
+    chosen = [n for n in linear if n.startswith(prefix + ".") and n.rsplit(".", 1)[-1] in wanted]
+    if not projector:
+        return chosen
+    projecting = [n for n in linear if set(n.split(".")) & set(PROJECTORS)]
+    if not projecting:
+        raise ModelError(
+            f"model.lora.projector: {type(model).__name__} has no projector of linear layers for LoRA to adapt (none "
+            f"named {', '.join(PROJECTORS)}); set it false, or train the projector whole with model.freeze_vision=false"
+        )
+    return chosen + projecting
 
 
 def check_processor(processor, name: str) -> None:
@@ -166,8 +199,6 @@ def packed_positions(model, batch: dict):
     order). Padding keeps its text positions. transformers reads such a 4-row tensor as
     packed positions; computed here, sample by sample, because its own computation spans the
     whole row."""
-    import torch
-
     inner = model.model  # the Qwen*VLModel, which holds get_rope_index
     ids, types, docs, text = batch["input_ids"], batch["mm_token_type_ids"], batch["doc_ids"], batch["position_ids"]
     grids, used = batch.get("image_grid_thw"), 0
@@ -202,23 +233,26 @@ def vision_in_every_forward(model, processor) -> None:
     on mismatched collectives or hangs. With the vision tower trained (model.freeze_vision
     false), DDP likewise needs its weights in every process's graph. Peers meet the same
     need with a fake image in text-only batches; done here on the model, as hooks, so every
-    forward (training, evaluation, reference passes) has it without the batches changing."""
-    import torch
-    from PIL import Image
+    forward (training, evaluation, reference passes) has it without the batches changing.
 
-    blank = processor.image_processor(images=[[Image.new("RGB", (32, 32))]], return_tensors="pt")
-    blank = {k: v for k, v in blank.items() if k in MODEL_INPUTS}
-    state: dict = {"blank": False, "features": None}
+    The language model starting without the vision tower having run since it last started
+    is what marks a pass without images. transformers' generate encodes a prompt's images
+    before its first forward pass (`blank_features` does the same for prompts without, in
+    rl/sampling.HFGenerator), and a step that continues a generation (its cache filled)
+    reads no image on any process: neither runs the blank image."""
+    blank = blank_inputs(processor)
+    state: dict = {"seen": False, "features": None}
 
-    def before(module, args, kwargs):  # the whole model's forward starts
-        state["blank"], state["features"] = kwargs.get("pixel_values") is None, None
+    def seen(module, args):
+        state["seen"] = True
 
-    def decoding(module, args, kwargs):  # the language model starts: the images' features came just before
-        if state["blank"]:
-            state["blank"] = False
+    def decoding(module, args, kwargs):  # the language model starts
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        continuing = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
+        if not state["seen"] and not continuing:
             device = next(t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
-            inputs = {k: v.to(device) for k, v in blank.items()}
-            state["features"] = _every_tensor(model.get_image_features(**inputs))
+            state["features"] = _every_tensor(model.get_image_features(**{k: v.to(device) for k, v in blank.items()}))
+        state["seen"] = False
 
     def after(module, args, kwargs, output):
         features, state["features"] = state["features"], None
@@ -227,16 +261,32 @@ def vision_in_every_forward(model, processor) -> None:
             output.logits = output.logits + zero.to(output.logits.dtype)
         return output
 
-    model.register_forward_pre_hook(before, with_kwargs=True)
+    for _, part in vision_parts(model):
+        part.register_forward_pre_hook(seen)
     language_model(model)[1].register_forward_pre_hook(decoding, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True)
+
+
+def blank_inputs(processor) -> dict:
+    """The image processor's inputs for one blank 32x32 image (vision_in_every_forward)."""
+    from PIL import Image
+
+    blank = processor.image_processor(images=[[Image.new("RGB", (32, 32))]], return_tensors="pt")
+    return {k: v for k, v in blank.items() if k in MODEL_INPUTS}
+
+
+def blank_features(model, processor) -> None:
+    """Run the vision tower and projector on a blank image, as transformers' generate
+    encodes a prompt's images before generating: what a process whose prompts hold none
+    does before generate, beside processes whose prompts do (vision_in_every_forward)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model.get_image_features(**{k: v.to(device) for k, v in blank_inputs(processor).items()})
 
 
 def _every_tensor(value):
     """The sum of every floating-point tensor in a model output (nested in tuples, lists
     and dicts), as one scalar: all of it in the graph."""
-    import torch
-
     total, stack = None, [value]
     while stack:
         v = stack.pop()

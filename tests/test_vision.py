@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from llmtrain.config import Config, DataConfig
+from llmtrain.config import Config, DataConfig, ModelConfig
 from llmtrain.core.objective import TokenLoss, model_inputs
 from llmtrain.data.build import ROWS
 from llmtrain.data.rows import IGNORE, FileRow, RowError, message, row_problem
-from llmtrain.errors import DataError
+from llmtrain.errors import DataError, ModelError
 from llmtrain.model import load_model
 from llmtrain.processor import processor_of, vision_in_every_forward
 from llmtrain.vision import (
@@ -51,7 +51,7 @@ def test_image_parts_become_placeholders_and_their_names_are_kept_in_order():
 
 
 def test_an_image_for_a_text_model_or_another_recipe_is_one_line():
-    only = r"messages\[1\]: holds an image; only recipes/finetune.py and recipes/dpo.py train images"
+    only = r"messages\[1\]: holds an image; only recipes/finetune.py, recipes/dpo.py and recipes/grpo.py"
     with pytest.raises(RowError, match=only):
         message({"role": "user", "content": [{"type": "image", "image": "a.png"}]}, 1)
 
@@ -315,3 +315,43 @@ def test_every_forward_runs_the_vision_tower_where_a_batch_with_images_does(fami
     logits.sum().backward()
     reached = {n for n, p in tower.items() if p.grad is not None}
     assert reached >= used and not any(tower[n].grad.any() for n in reached)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "idefics3", "llava"])
+def test_lora_on_the_projector_adapts_it_beside_the_language_model_and_not_the_vision_tower(family, models, images):
+    """model.lora.projector: adapters on every linear layer of the projector (LLaVA's,
+    Idefics3's connector, Qwen-VL's mergers) and the language model's; a step trains both,
+    nothing else; without the option the projector has none."""
+    cfg, tokenizer = loaded(models[family])
+    cfg.lora.enabled = True
+
+    def adapted(model) -> set[str]:
+        return {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = adapted(load_model(cfg))
+    cfg.lora.projector = True
+    model = load_model(cfg)
+    with_projector = adapted(model)
+    extra = with_projector - plain
+    assert extra and plain < with_projector
+    projectors = {"multi_modal_projector", "connector", "merger", "deepstack_merger_list"}
+    assert all(set(n.split(".")) & projectors for n in extra)
+    inside = "text_model" if family == "idefics3" else "language_model"
+    assert all(inside in n for n in plain)
+    examples = [IMAGE_ROWS.process(colour_row(c, images), tokenizer, DataConfig()) for c in ("red", "green")]
+    collate = ImageCollator(tokenizer.pad_token_id, processor_of(tokenizer), DataConfig().max_image_pixels)
+    batch = collate([{k: e[k] for k in collate.columns} for e in examples])
+    TokenLoss.for_model(model, 0)(model, batch).total.backward()
+    grads = {n.split(".lora_")[0] for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+    assert extra & grads and grads <= with_projector
+
+
+def test_lora_on_a_projector_that_is_no_linear_layer_or_of_a_text_model_is_one_line(models, tiny_model):
+    cfg, _ = loaded(models["gemma3"])  # Gemma 3 projects with a weight of its own, no linear layer
+    cfg.lora.enabled = cfg.lora.projector = True
+    with pytest.raises(ModelError, match=r"^model.lora.projector: Gemma3ForConditionalGeneration has no projector"):
+        load_model(cfg)
+    text = ModelConfig(name_or_path=str(tiny_model), attn_implementation="sdpa")
+    text.lora.enabled = text.lora.projector = True
+    with pytest.raises(ModelError, match=r"^model.lora.projector: .* is a text model, with no projector"):
+        load_model(text)

@@ -56,6 +56,11 @@ class LoraConfig:
     target_modules: str | list[str] = "all-linear"
     """Modules to adapt: 'all-linear' (every linear layer but the output layer and MoE
     routers, plus fused expert weights when dropout is 0) or names such as [q_proj, v_proj]."""
+    projector: bool = False
+    """Vision-language models with model.freeze_vision: also adapt every linear layer of the
+    projector that carries image features into the language model (LLaVA's, Idefics3's,
+    Qwen-VL's merger), besides the language model's target_modules; the vision tower stays
+    without adapters."""
 
 
 @dataclass

@@ -30,7 +30,8 @@ kind's key also holds the pipeline's own "llmtrain-data-vN". History:
 - prompts (GRPO): v1 the first; v2 a prefilled last assistant message is continued. The key
   adds grpo.max_completion_length, which sets how long a prompt may be.
 - A vision-language model's kinds (their `images`): SFT rows "images-v1"; pairs
-  "image-pairs-v1"; unpaired (KTO) "image-unpaired-v1". Their keys also hold the processor's
+  "image-pairs-v1"; unpaired (KTO) "image-unpaired-v1"; GRPO prompts the prompts' version with
+  "-images-v1". Their keys also hold the processor's
   settings (prepare.py) and the stamp of the image files the rows name (vision.images_stamp).
 """
 

@@ -183,7 +183,10 @@ def message(m, i: int, field: str = "messages", images: list | None = None) -> d
 # messages use image, url or path; OpenAI's image_url parts hold {url: ...}).
 IMAGE_PARTS = ("image", "image_url")
 IMAGE_KEYS = ("image", "path", "url", "image_url")
-IMAGES_WHERE = "recipes/finetune.py and recipes/dpo.py train images, on a vision-language model (one with a processor)"
+IMAGES_WHERE = (
+    "recipes/finetune.py, recipes/dpo.py and recipes/grpo.py (prompts of one turn) take images, for a "
+    "vision-language model (one with a processor)"
+)
 
 
 def content_text(content, i: int, field: str = "messages", images: list | None = None) -> str | list[dict]:

@@ -71,7 +71,9 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
                     return label_logps(frozen, inputs, batch["labels"], frozen_head, frozen_chunk, g.temperature)
 
         synced = backend.topology.sharded and accelerator.num_processes > 1
-        generator = HFGenerator(tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced)
+        generator = HFGenerator(
+            tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced, cfg.data.max_image_pixels
+        )
         settings = RolloutSettings.from_config(cfg)
         return Rollouts(
             settings,

@@ -14,6 +14,7 @@ makes of them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from functools import partial
@@ -22,6 +23,7 @@ from ..config import DataConfig
 from ..data.kind import DataKind
 from ..data.packing import PackedDataset
 from ..data.rows import (
+    IGNORE,
     NothingToTrain,
     RowError,
     SystemPrompt,
@@ -31,14 +33,17 @@ from ..data.rows import (
     length_status,
     message,
     render_chat,
+    text_of,
 )
 from ..errors import DataError, RewardError, ToolError, warn
+from ..processor import SEQUENCE_INPUTS, processor_of
+from ..vision import images_stamp, kept_whole, no_inputs, read_images, with_images
 from .rewards import PASSED, load_rewards, usable_answer
 
 
-def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
+def prompt_messages(row: dict, tokenizer, cfg: DataConfig, images: list | None = None):
     """The row's prompt as the model is asked it: a message list, or a string without a
-    chat template."""
+    chat template. `images` as rows.message takes it (a vision-language model's prompts)."""
     check_line(row)
     prompt = row.get("prompt")
     if prompt is None:
@@ -53,18 +58,25 @@ def prompt_messages(row: dict, tokenizer, cfg: DataConfig):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise RowError("'prompt' must be a string or a non-empty list of {role, content} messages")
-    messages = [{k: v for k, v in message(m, i, "prompt").items() if k != "train"} for i, m in enumerate(prompt)]
+    messages = [message(m, i, "prompt", images) for i, m in enumerate(prompt)]
+    messages = [{k: v for k, v in m.items() if k != "train"} for m in messages]
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages.insert(0, SystemPrompt(role="system", content=cfg.system_prompt))
     return messages
 
 
 def prompt_ids(prompt, tokenizer, tools=None) -> list[int]:
-    """The prompt's token ids: a string as it is; messages through the chat template with
-    its generation prompt, or, when the last message is the assistant's (a prefilled start
-    of the answer), stopping inside it for the model to continue, as TRL does."""
+    """The prompt's token ids: a string as it is; messages through the chat template
+    (`prompt_text`)."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    return tokenizer(prompt_text(prompt, tokenizer, tools), add_special_tokens=False)["input_ids"]
+
+
+def prompt_text(prompt: list[dict], tokenizer, tools=None) -> str:
+    """The chat template's text of prompt messages, with its generation prompt, or, when
+    the last message is the assistant's (a prefilled start of the answer), stopping inside
+    it for the model to continue, as TRL does."""
     check_control_tokens(prompt, tools, tokenizer)
     if prompt[-1]["role"] == "assistant" and not prompt[-1]["content"].strip():
         prompt = prompt[:-1]  # an empty start of the answer: the answer starts afresh
@@ -75,7 +87,7 @@ def prompt_ids(prompt, tokenizer, tools=None) -> list[int]:
 
     text = render(prompt)
     check_rendered(prompt, tools, text, render)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text
 
 
 def as_rewards_see(prompt, text: str) -> tuple[object, object]:
@@ -100,7 +112,8 @@ def asked(prompt) -> str:
     assistant's."""
     if isinstance(prompt, str):
         return prompt
-    return next((m["content"] for m in reversed(prompt) if m["role"] != "assistant"), prompt[-1]["content"])
+    last = next((m for m in reversed(prompt) if m["role"] != "assistant"), prompt[-1])
+    return text_of(last["content"])  # a vision-language model's: the text of its parts
 
 
 def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length: int, tools_for=None) -> dict | str:
@@ -108,10 +121,17 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
     string as given, or the messages), columns (JSON: the row's other fields), length,
     n_trained, status}, or why the row is dropped (the prompt kind's make). `tools_for(row)`:
     the schemas of the tools a multi-turn run's episodes of the row may call (agent.Agent),
-    rendered into the prompt; the prompt is then always messages, as its episodes are."""
+    rendered into the prompt; the prompt is then always messages, as its episodes are. A
+    vision-language model's single-turn prompts may show images (as chat rows do): the
+    example then holds them as bytes, with the processor's per-token inputs
+    (vision.IMAGE_COLUMNS), and the prompt is cut from the left only where every image
+    token stays."""
     if tools_for is not None and not tokenizer.chat_template:
         raise RowError("grpo.tools and grpo.environment need a chat template, to render tools and their results")
-    prompt = prompt_messages(row, tokenizer, cfg)
+    vision = processor_of(tokenizer) is not None and tools_for is None
+    refs: list | None = [] if vision else None
+    prompt = prompt_messages(row, tokenizer, cfg, refs)
+    images, pictures = read_images(refs, row, cfg) if vision else ([], [])
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RowError("'tools' must be a list of tool definitions")
@@ -127,11 +147,18 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
     ids = prompt_ids(prompt, tokenizer, tools)
+    inputs, at = no_inputs(len(ids)), []
+    if pictures:  # the processor's tokens, each image's inserted
+        text = prompt_text(prompt, tokenizer, tools)
+        ids, _, inputs, at = with_images(processor_of(tokenizer), text, ids, [IGNORE] * len(ids), pictures)
     if not ids:
         return "empty prompt"
     budget = cfg.max_seq_len - max_completion_length
     status = length_status(len(ids), budget, cfg, f"{len(ids) + max_completion_length} tokens with the completion")
     if status == "truncated":
+        if not kept_whole(at, len(ids) - budget, budget):
+            return f"too long ({len(ids)} tokens, image tokens that a cut to leave the completion room would split)"
+        inputs = {k: v[len(ids) - budget :] for k, v in inputs.items()}
         ids = ids[len(ids) - budget :]  # the end of a prompt is what it asks
     elif status != "ok":
         return status
@@ -139,7 +166,7 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
     # The rewards see the prompt as the row gives it, a string or messages, as in TRL (the
     # messages in a multi-turn run, whose completions are messages).
     shown = row["prompt"] if isinstance(row["prompt"], str) and tools_for is None else prompt
-    return {
+    example = {
         "prompt_ids": ids,
         "prompt": json.dumps(shown),
         "columns": json.dumps(columns, default=str),
@@ -147,6 +174,7 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
         "n_trained": 0,
         "status": status,
     }
+    return example | {"images": images} | inputs if vision else example
 
 
 def prompt_source_columns(src, tokenizer, cfg: DataConfig) -> None:
@@ -184,7 +212,7 @@ def prompt_kind(max_completion_length: int, check_split=None, agent=None) -> Dat
         described = json.dumps(agent.described(), sort_keys=True)
         version += f"-tools-{hashlib.sha256(described.encode()).hexdigest()[:16]}"
         tools_for = agent.schemas
-    return DataKind(
+    kind = DataKind(
         prompt_source_columns,
         version,
         partial(prompt_example, max_completion_length=max_completion_length, tools_for=tools_for),
@@ -194,6 +222,12 @@ def prompt_kind(max_completion_length: int, check_split=None, agent=None) -> Dat
         batched=("prompts", "prompts"),
         check_split=check_split,
     )
+    if agent is not None:  # episodes of turns: text prompts only, for now
+        return kind
+    # A vision-language model's single-turn prompts, with their images.
+    empty = kind.empty | {"images": []} | {k: [] for k in SEQUENCE_INPUTS}
+    shown = dataclasses.replace(kind, version=f"{version}-images-v1", empty=empty, stamp=images_stamp)
+    return dataclasses.replace(kind, images=shown)
 
 
 def grpo_prompts(cfg, agent=None) -> DataKind:

@@ -35,6 +35,8 @@ from ..data.batches import Collator, EpochSampler
 from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift, stop_ids
 from ..errors import ConfigError, DataError, RewardError, ToolError
+from ..processor import SEQUENCE_INPUTS, processor_of
+from ..vision import IMAGE_COLUMNS, image_inputs
 from .advantages import nanstd
 from .agent import ENV_REWARD, Start
 from .correction import correction_weights, mismatch_metrics
@@ -61,6 +63,7 @@ class RolloutSettings:
     correction: str = "none"  # grpo.importance_correction: tis, mis or none (rl/correction.py)
     correction_level: str = "token"  # grpo.importance_level
     correction_cap: float = 3.0  # grpo.importance_cap
+    max_image_pixels: int = 40_000_000  # data.max_image_pixels: a vision-language model's images decoded again
 
     @classmethod
     def from_config(cls, cfg) -> RolloutSettings:
@@ -78,6 +81,7 @@ class RolloutSettings:
             correction=g.importance_correction,
             correction_level=g.importance_level,
             correction_cap=g.importance_cap,
+            max_image_pixels=cfg.data.max_image_pixels,
         )
 
     def per_round(self, world: int) -> int:
@@ -109,6 +113,7 @@ class Sample:
     sampled: list[int] | None = None
     sampler_logps: list[float] | None = None  # the sampler's, one per trained token (kept until the correction)
     correction: list[float] | None = None  # the sampler correction's weight per trained token
+    row: int = -1  # the prompt's row in the prompt set: a vision-language model's images are read there
 
     def trained(self) -> int:
         """How many of its completion tokens are trained: the sampled ones."""
@@ -160,6 +165,7 @@ class Rollouts:
         self.prompts = prompts.examples if isinstance(prompts, Mixture) else prompts
         self.sampler = EpochSampler(len(self.prompts), settings.seed, settings.shuffle, mix)
         self.columns = prompt_columns(self.prompts)  # every row's, for the reward functions
+        self.images = "images" in getattr(self.prompts, "column_names", ())  # a vision-language model's prompts
         self.agent = agent  # agent.Agent: completions are episodes of turns with tool calls; None: one turn
         self.eval_set, self.evaluates = eval_set, eval_set is not None
         self.eval_columns: set[str] | None = None
@@ -239,6 +245,7 @@ class Rollouts:
         first = r * self.per_round + rank * self.local  # this process's first prompt position
         mine = order[rank * self.local : (rank + 1) * self.local]
         examples = [self.prompts[i] for i in mine]
+        rows = [i for i in mine for _ in range(self.group)]  # each sample's prompt row, in `part` order
         started = time.perf_counter()
         samples, ended, episodes = [], [], []
         for m in range(0, self.local, self.micro):
@@ -251,10 +258,11 @@ class Rollouts:
                     positions.append((first + m + k, j))
             if self.agent is None:
                 prompts = [list(ex["prompt_ids"]) for ex in part]
-                out = self.generator.generate(self.model_for_generation(), prompts, seeds)
+                out = self.generator.generate(self.model_for_generation(), prompts, seeds, **self.shown_to(part))
                 logps = out.logps or [None] * len(prompts)
-                for (p, j), ids, c, q in zip(positions, prompts, out.ids, logps):
-                    samples.append(Sample(p, j, ids, c, sampler_logps=q))
+                at = rows[m * self.group : (m + self.micro) * self.group]
+                for (p, j), ids, c, q, i in zip(positions, prompts, out.ids, logps, at):
+                    samples.append(Sample(p, j, ids, c, sampler_logps=q, row=i))
                 ended += out.ended
                 continue
             played = self.play(part, seeds)
@@ -409,10 +417,8 @@ class Rollouts:
             examples = [eval_set[i] for i in part] or [eval_set[0]]  # a process with none still generates
             if self.agent is None:
                 prompts = [list(e["prompt_ids"]) for e in examples]
-                samples = [
-                    Sample(0, 0, p, c)
-                    for p, c in zip(prompts, self.generator.generate(self.model_for_generation(), prompts, None).ids)
-                ]
+                out = self.generator.generate(self.model_for_generation(), prompts, None, **self.shown_to(examples))
+                samples = [Sample(0, 0, p, c) for p, c in zip(prompts, out.ids)]
                 episodes = []
             else:
                 episodes = self.play(examples, None)
@@ -491,12 +497,26 @@ class Rollouts:
         wrapper (whose own forward, with mixed precision, it keeps)."""
         return self.accelerator.unwrap_model(self.model)
 
+    def shown_to(self, examples: list[dict]) -> dict:
+        """What the generator is given of prompt `examples`' images (a vision-language
+        model's: their IMAGE_COLUMNS), as keyword arguments; none for text prompts."""
+        if "images" not in (examples[0] if examples else {}):
+            return {}
+        return {"shown": [{k: e[k] for k in IMAGE_COLUMNS} for e in examples]}
+
     def collate(self, samples: list[Sample]) -> dict:
         rows = []
         for s in samples:
             labels = [IGNORE] * len(s.prompt_ids) + s.labels()
             rows.append({"input_ids": s.prompt_ids + s.completion_ids, "labels": shift(labels)})
+            if self.images and s.row >= 0:  # its prompt's images
+                prompt = self.prompts[s.row]
+                rows[-1] |= {"images": prompt["images"]}
+                rows[-1] |= {k: prompt[k] + [0] * len(s.completion_ids) for k in SEQUENCE_INPUTS}
         batch = self.collator(rows)
+        if any("images" in r for r in rows):
+            processor = processor_of(self.tokenizer)
+            batch |= image_inputs(rows, batch["input_ids"].shape[1], processor, self.settings.max_image_pixels)
         batch["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         for key in ("old_logps", "ref_logps", "correction"):
             if all(getattr(s, key) is not None for s in samples) and samples:
@@ -561,6 +581,7 @@ def pack_samples(samples: list[Sample], epoch: int, r: int) -> dict[str, torch.T
         "prompt_ids": cat(s.prompt_ids for s in samples),
         "completion_ids": cat(s.completion_ids for s in samples),
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "row": torch.tensor([s.row for s in samples]),
     }
     for key in ("old_logps", "ref_logps", "correction"):
         if samples and getattr(samples[0], key) is not None:
@@ -583,6 +604,7 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
     ref = torch.split(t["ref_logps"], trained) if "ref_logps" in t else None
     correction = torch.split(t["correction"], trained) if "correction" in t else None
     samples = []
+    rows = t["row"].tolist() if "row" in t else [-1] * len(prompt_len)  # a checkpoint of before images: none
     for i, (pos, j) in enumerate(zip(t["position"].tolist(), t["index"].tolist())):
         samples.append(
             Sample(
@@ -595,6 +617,7 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
                 ref[i].tolist() if ref is not None else None,
                 sampled[i].tolist() if sampled is not None else None,
                 correction=correction[i].tolist() if correction is not None else None,
+                row=rows[i],
             )
         )
     return epoch, r, samples

@@ -14,13 +14,17 @@ its own sampling uses one generator for the whole batch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ..config import DataConfig
 from ..data.rows import stop_ids
 from ..distributed.backend import root_unsharded
+from ..processor import SEQUENCE_INPUTS, blank_features, placeholder_ids, processor_of
+from ..vision import image_inputs
 
 MASK64 = (1 << 64) - 1
 
@@ -109,12 +113,19 @@ class Generator(Protocol):
     max_new_tokens: int
 
     def generate(
-        self, model, prompts: list[list[int]], seeds: list[int] | None, limits: list[int] | None = None
+        self,
+        model,
+        prompts: list[list[int]],
+        seeds: list[int] | None,
+        limits: list[int] | None = None,
+        shown: list[dict] | None = None,
     ) -> Completions:
         """A completion per prompt: sampled from `seeds` (one per prompt), or greedy for None;
         at most max_new_tokens each, or `limits[i]` for prompt i (a completion longer than its
         limit may be returned: the caller cuts it). Sampled completions come with the log-prob
-        of each token under the distribution it was drawn from (`Completions.logps`)."""
+        of each token under the distribution it was drawn from (`Completions.logps`). A
+        vision-language model's prompts come with `shown`: each prompt's images (as bytes)
+        and the processor's per-token inputs (vision.IMAGE_COLUMNS)."""
         ...
 
 
@@ -123,13 +134,28 @@ class HFGenerator:
     ZeRO-3 and FSDP2 each forward gathers the sharded weights, and every process keeps
     stepping until all have finished (synced_gpus), since those forwards are collectives."""
 
-    def __init__(self, tokenizer, max_new_tokens: int, temperature=1.0, top_k=0, top_p=1.0, synced=False):
+    def __init__(
+        self,
+        tokenizer,
+        max_new_tokens: int,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        synced=False,
+        max_image_pixels=DataConfig.max_image_pixels,
+    ):
         self.tokenizer, self.max_new_tokens, self.synced = tokenizer, max_new_tokens, synced
+        self.max_image_pixels = max_image_pixels  # data.max_image_pixels, for a vision-language model's prompts
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def generate(
-        self, model, prompts: list[list[int]], seeds: list[int] | None, limits: list[int] | None = None
+        self,
+        model,
+        prompts: list[list[int]],
+        seeds: list[int] | None,
+        limits: list[int] | None = None,
+        shown: list[dict] | None = None,
     ) -> Completions:
         from transformers import GenerationConfig
 
@@ -138,6 +164,10 @@ class HFGenerator:
         device = next(model.parameters()).device
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        images = {} if shown is None else self.images(model, prompts, shown, width, device)
+        processor = processor_of(self.tokenizer)
+        if self.synced and processor is not None and "pixel_values" not in images and encodes_ahead(model):
+            blank_features(model, processor)  # as the processes whose prompts hold images do: in step
         # Every setting given, so none comes from the model's generation_config (a default
         # temperature or repetition penalty would sample from another distribution than
         # the one the loss's log-probs describe).
@@ -150,6 +180,8 @@ class HFGenerator:
             no_repeat_ngram_size=0,
             eos_token_id=stops,
             pad_token_id=self.pad_id,
+            # A vision-language model's image placeholders are never sampled: they are not text.
+            suppress_tokens=placeholder_ids(model.config) or None,
         )
         sampling = None if seeds is None else SeededSampling(seeds, self.temperature, self.top_k, self.top_p)
         processors = [] if sampling is None else [sampling]
@@ -167,6 +199,7 @@ class HFGenerator:
                     generation_config=config,
                     logits_processor=LogitsProcessorList(processors),
                     synced_gpus=self.synced,
+                    **images,
                 )
         finally:
             model.train(was_training)
@@ -180,3 +213,23 @@ class HFGenerator:
             drawn = torch.stack(sampling.logps, 1).float().cpu().tolist() if sampling.logps else [[]] * len(prompts)
             logps = [row[: len(c)] for row, c in zip(drawn, completions)]
         return Completions(completions, ended, logps)
+
+    def images(self, model, prompts: list[list[int]], shown: list[dict], width: int, device) -> dict:
+        """The model's image inputs for prompts padded on the left to `width` (their
+        per-token inputs padded alike, with 0), their images in order: those its forward
+        names (generate refuses others, such as Gemma 3's num_crops, which its forward
+        takes among its **kwargs and ignores)."""
+
+        rows = [
+            {"input_ids": p, "images": s["images"]} | {k: [0] * (width - len(p)) + s[k] for k in SEQUENCE_INPUTS}
+            for p, s in zip(prompts, shown)
+        ]
+        inputs = image_inputs(rows, width, processor_of(self.tokenizer), self.max_image_pixels)
+        named = inspect.signature(model.forward).parameters
+        return {k: v.to(device) for k, v in inputs.items() if k in named}
+
+
+def encodes_ahead(model) -> bool:
+    """Whether transformers' generate encodes the prompts' images before its first forward
+    pass (a model whose forward takes them encoded, as mm_encoder_outputs)."""
+    return "mm_encoder_outputs" in inspect.signature(model.forward).parameters
