@@ -181,10 +181,12 @@ def _check_readable(path: Path) -> None:
 
 
 def meta_model(cfg: ModelConfig, mcfg, zero3: bool = False):
-    """The model as training will have it (dtype, LoRA adapters), built on the meta device
+    """The model as training will have it (dtype, a frozen vision tower, LoRA adapters), built on the meta device
     from its config: no weights, so its parameter counts and sizes cost nothing to read
     (`llmtrain plan`, and the free-space check before anything loads)."""
     model = _meta(cfg, mcfg, load_dtype(cfg, mcfg))
+    if is_vision(mcfg) and cfg.freeze_vision:  # as load_model: the vision tower trains nothing
+        freeze_vision(model)
     if not cfg.lora.enabled:
         return model
     # peft builds each adapter's layers on the CPU before moving them to the meta device,

@@ -47,7 +47,7 @@ from .observe.console import survive_closed_streams
 from .observe.quiet import quiet_bars_off_terminal
 from .processor import is_vision, processor_of
 from .train import check_lengths
-from .vision import rows_kind
+from .vision import decode, rows_kind
 
 STREAM_SAMPLE = 1000  # rows read from the start of a stream (data.streaming) for the figures
 
@@ -360,6 +360,9 @@ def plan(argv: list[str]) -> None:
         tokens_per_seq = cfg.data.max_seq_len * kind.width if cfg.data.packing else mean_len
     items = kind.batched[cfg.data.packing]
     memory = memory_estimate(cfg, method, launch, *counts)
+    if processor_of(tokenizer) is not None:  # a vision-language model: its vision tower's too
+        images = images_per_micro_batch(cfg, method, ds, mean_len)
+        memory["vision tower activations"] = vision_memory(cfg, launch, mcfg, processor_of(tokenizer), ds, images)
 
     print("== resolved config ==")
     print(to_yaml(cfg).rstrip())
@@ -434,6 +437,47 @@ def image_line(rows, mcfg, width: int) -> str:
         f"a row); image tokens per such row: mean {sum(shown) / len(shown):.0f}, at most {max(shown)} "
         f"({max(shown) / width:.0%} of data.max_seq_len)"
     )
+
+
+def images_per_micro_batch(cfg, method, rows, mean_len: float) -> float:
+    """The images one micro-batch shows, on average: its sequences (an answer of a pair
+    shows its pair's images), the rows each sequence holds (packed: as many as fit), the
+    images of a row (the first rows')."""
+    sample = [rows[i] for i in range(min(len(rows), 1000))]
+    per_row = sum(len(r.get("images") or []) for r in sample) / max(1, len(sample))
+    rows_per_sequence = cfg.data.max_seq_len / max(1.0, mean_len) if cfg.data.packing else 1.0
+    return cfg.train.micro_batch_size * method.plan.sequences(cfg) * rows_per_sequence * per_row
+
+
+def vision_memory(cfg, launch: Launch, mcfg, processor, rows, images: float) -> float:
+    """Rough bytes of the vision tower's activations for a micro-batch showing `images`
+    images: the patches the image processor makes of the rows' first image, times the
+    tower's width and the ~34 bytes per value of a layer the language model's estimate uses;
+    every layer's when the tower trains (model.freeze_vision false), one layer's at a time
+    when it is frozen (nothing is kept for a backward pass)."""
+    first = next((r["images"][0] for r in (rows[i] for i in range(min(len(rows), 1000))) if r.get("images")), None)
+    if first is None or not images:
+        return 0.0
+    vc = mcfg.vision_config
+    pixels = processor.image_processor(images=[[decode(first, cfg.data.max_image_pixels)]], return_tensors="pt")
+    patches = image_patches(pixels["pixel_values"], getattr(vc, "patch_size", 14))
+    hidden = getattr(vc, "hidden_size", None) or getattr(vc, "embed_dim", 0)
+    layers = getattr(vc, "num_hidden_layers", None) or getattr(vc, "depth", 1)
+    width = load_dtype(cfg.model, mcfg).itemsize
+    scale = (2 if launch.mixed_precision in ("bf16", "fp16") else width) / 2
+    per_layer = images * patches * hidden * 34 * scale
+    return per_layer * (1 if cfg.model.freeze_vision else layers)
+
+
+def image_patches(pixel_values, patch: int) -> int:
+    """The patches a vision tower sees of one image, from its image processor's pixel
+    values: rows of flattened patches (Qwen-VL's), or pictures (crops) of patch x patch
+    squares, [crops, 3, H, W] or [1, crops, 3, H, W]."""
+    shape = tuple(pixel_values.shape)
+    if len(shape) == 2:
+        return shape[0]
+    crops = shape[-4] if len(shape) >= 4 else 1
+    return crops * (shape[-2] // patch) * (shape[-1] // patch)
 
 
 def recipe_named(config: Path | None, overrides: list[str]) -> str:

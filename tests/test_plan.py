@@ -4,8 +4,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from llmtrain.config import load_config
+from llmtrain.config import Config, load_config
 from llmtrain.demo import make_rows, write_jsonl
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, demo_config
@@ -492,3 +493,52 @@ def test_a_multi_cpu_config_without_mpirun_is_one_process_in_the_plan(monkeypatc
     mpirun = [(answers[at][0], "yes"), ("Please enter the path to the hostfile", "hosts")]
     config = accelerate_config.answer(monkeypatch, [*answers[:at], *mpirun, *answers[at + 1 :]])
     assert process_warning(launch_of(monkeypatch, tmp_path, config, False)) is None
+
+
+def test_the_vision_towers_activations_count_its_patches_and_its_layers_when_it_trains():
+    """plan.vision_memory: the patches of an image as each image processor lays them out
+    (flattened rows, crops of squares), times the images, the tower's width and 34 bytes a
+    value (float32: twice 16-bit's), for one layer when the tower is frozen, for all when it
+    trains."""
+    import io
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from llmtrain.plan import image_patches, vision_memory
+
+    assert image_patches(torch.zeros(64, 1176), 14) == 64  # Qwen-VL: a row per patch
+    assert image_patches(torch.zeros(1, 3, 336, 336), 14) == 576  # LLaVA: one picture
+    assert image_patches(torch.zeros(1, 5, 3, 364, 364), 14) == 5 * 676  # Idefics3: crops
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    pixels = {"pixel_values": torch.zeros(1, 3, 28, 28)}  # one 28x28 picture: 4 patches of 14
+    processor = SimpleNamespace(image_processor=lambda images, return_tensors: pixels)
+    mcfg = SimpleNamespace(vision_config=SimpleNamespace(patch_size=14, hidden_size=32, num_hidden_layers=3))
+    cfg = Config()
+    cfg.model.dtype = "float32"
+    launch = SimpleNamespace(mixed_precision="no")
+    rows = [{"images": [png.getvalue()]}]
+    frozen = vision_memory(cfg, launch, mcfg, processor, rows, images=6)
+    assert frozen == 6 * 4 * 32 * 34 * 2  # 6 images of 4 patches, one layer, float32
+    cfg.model.freeze_vision = False
+    assert vision_memory(cfg, launch, mcfg, processor, rows, images=6) == 3 * frozen
+    assert vision_memory(cfg, launch, mcfg, processor, [{"images": []}], images=6) == 0.0
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_vision_models_trainable_count_is_the_loaded_models(freeze, tmp_path):
+    """count_params on the meta model freezes the vision tower as loading does
+    (model.freeze_vision), so gradients and optimizer state are counted for what trains."""
+    from llmtrain.model import load_model
+    from llmtrain.plan import count_params
+    from tests.support.vision_models import build, loaded
+
+    model_cfg, _ = loaded(build("llava", tmp_path / "llava"), freeze_vision=freeze)
+    cfg = Config()
+    cfg.model = model_cfg
+    total, trainable, *_ = count_params(cfg)
+    model = load_model(model_cfg)
+    assert total == sum(p.numel() for p in model.parameters())
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert (trainable < total) == freeze

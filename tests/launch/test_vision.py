@@ -250,6 +250,7 @@ def test_plan_counts_the_images_and_their_tokens(models, rows, base_config, cach
         "images: 12 in the first 17 rows (12 rows hold any, at most 1 a row); image tokens per such row: mean 16"
         in (proc.stdout)
     )
+    assert "  vision tower activations: " in proc.stdout
 
 
 @pytest.fixture(scope="module")
