@@ -77,10 +77,13 @@ def describe_pattern(mcfg) -> str:
     return ", ".join(f"{names.get(t, t)} on {n} layer{'s' * (n > 1)}" for t, n in counts.items())
 
 
-def packed_mask(config, position_ids: torch.Tensor, dtype: torch.dtype):
+def packed_mask(config, position_ids: torch.Tensor, dtype: torch.dtype, blocks: torch.Tensor | None = None):
     """The attention mask of a packed batch for a model with this config (see the module's
     docstring): one mask, None (the backend needs none, or no row holds two samples), or
-    {layer type: mask} for a model with several layer types."""
+    {layer type: mask} for a model with several layer types. `blocks`: for a model whose
+    tokens of one image attend to each other both ways (Gemma 3), each position's image
+    block (-1 for text; processor.image_blocks), which transformers' builders add to the
+    causal pattern within each sample."""
     from transformers.masking_utils import (
         create_causal_mask,
         create_chunked_causal_mask,
@@ -94,7 +97,10 @@ def packed_mask(config, position_ids: torch.Tensor, dtype: torch.dtype):
     }
     B, L = position_ids.shape
     embeds = torch.empty(B, L, 0, dtype=dtype, device=position_ids.device)  # the builders read its shape and dtype
-    masks = {t: builders[t](config, embeds, None, None, position_ids) for t in dict.fromkeys(layer_types(config))}
+    extra = {} if blocks is None else {"block_sequence_ids": blocks}
+    types = dict.fromkeys(layer_types(config))
+    text = text_config(config)  # a vision-language model's text layers, whose window the builders read
+    masks = {t: builders[t](text, embeds, None, None, position_ids, **extra) for t in types}
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 

@@ -316,7 +316,7 @@ def plan(argv: list[str]) -> None:
     if method.check is not None:
         method.check(cfg, tokenizer)
     t, world = cfg.train, launch.num_processes
-    kind = rows_kind(method.kind(cfg), tokenizer, cfg)
+    kind = rows_kind(method.kind(cfg), tokenizer, cfg, mcfg)
     data_lines: list[str] = []
     if cfg.data.streaming:  # a sample from the start of the stream, as one process reads it unshuffled
         stream = StreamedRows(

@@ -190,6 +190,16 @@ def check_processor(processor, name: str) -> None:
         )
 
 
+def image_blocks(token_type_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's image block, numbered along the row, or -1 for text: the runs of
+    token_type_ids 1 (an image's tokens, which a Gemma 3 model lets attend to each other both
+    ways). What transformers' Gemma 3 computes from them inside its forward, which a packed
+    batch's prepared mask (attention.packed_mask) skips: written here for that mask."""
+    image = token_type_ids == 1
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+    return torch.where(image, starts.cumsum(1) - 1, -1)
+
+
 def packed_positions(model, batch: dict):
     """The (4, batch, length) position ids of a packed batch for a model that positions image
     tokens in three dimensions (Qwen-VL's, which read mm_token_type_ids): row 0 the text

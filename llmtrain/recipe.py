@@ -66,7 +66,7 @@ def run(name: str, argv: list[str] | None = None) -> None:
     check_vocab(cfg.model, mcfg, tokenizer)
     if method.check is not None:
         method.check(cfg, tokenizer)
-    kind = rows_kind(method.kind(cfg), tokenizer, cfg)
+    kind = rows_kind(method.kind(cfg), tokenizer, cfg, mcfg)
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return

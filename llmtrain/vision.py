@@ -51,6 +51,7 @@ import io
 import re
 from pathlib import Path
 
+from .attention import text_config
 from .config import DataConfig
 from .data.answers import answer_ids, empty_answer
 from .data.batches import Collator
@@ -387,16 +388,30 @@ def _image_names(row) -> list[str]:
     return [n for n in names if isinstance(n, str)]
 
 
-def unpackable(processor) -> str | None:
-    """Why rows of this processor's model cannot be packed exactly, or None: a model whose
-    forward reads token_type_ids attends among its image tokens in a way the packed causal
-    mask does not keep (mm_token_type_ids, Qwen-VL's positions, are packed: model_inputs)."""
+def unpackable(processor, mcfg=None) -> str | None:
+    """Why rows of this processor's model cannot be packed exactly, or None. A model whose
+    forward reads token_type_ids lets an image's tokens attend to each other both ways
+    (Gemma 3): packed, where they mark an image's tokens alone (objective.model_inputs adds
+    those blocks to the packed mask), and an image's tokens fit in the sliding window of
+    the model's config `mcfg`, if it has one (transformers joins the window and the blocks
+    otherwise than the model's own mask does beyond it). mm_token_type_ids, Qwen-VL's
+    positions, are packed too (model_inputs)."""
     from PIL import Image
 
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
     out = processor(text=[text], images=[[Image.new("RGB", (32, 32))]], add_special_tokens=False)
-    if "token_type_ids" in out:
-        return "the model attends both ways among an image's tokens (token_type_ids, as Gemma 3)"
+    if "token_type_ids" not in out:
+        return None
+    image_id = getattr(processor.tokenizer, "image_token_id", None)
+    marked = [t == 1 for t in out["token_type_ids"][0]]
+    if marked != [t == image_id for t in out["input_ids"][0]]:
+        return "the model reads token_type_ids that mark more than an image's tokens"
+    window = getattr(text_config(mcfg), "sliding_window", None) if mcfg is not None else None
+    if window and sum(marked) > window:
+        return (
+            f"the model attends both ways among an image's {sum(marked)} tokens, more than its sliding window of "
+            f"{window}"
+        )
     return None
 
 
@@ -405,15 +420,16 @@ def unpackable(processor) -> str | None:
 IMAGE_ROWS = DataKind(check_source, "images-v1", image_example, empty_example(), PackedImageRows, stamp=images_stamp)
 
 
-def rows_kind(kind: DataKind, tokenizer, cfg) -> DataKind:
+def rows_kind(kind: DataKind, tokenizer, cfg, mcfg=None) -> DataKind:
     """The kind of a method's examples for this model: for a vision-language model, the
     kind's own with images (SFT rows, build.ROWS: IMAGE_ROWS; others their `images`), or
     the text kind where it has none (an image in its rows is a malformed row). Packing a
-    model that `unpackable` names, and streaming rows with images, are refused in one line."""
+    model that `unpackable` names (`mcfg`: its config), and streaming rows with images, are
+    refused in one line."""
     images = IMAGE_ROWS if kind is ROWS else kind.images
     if processor_of(tokenizer) is None or images is None:
         return kind
-    if cfg.data.packing and (why := unpackable(processor_of(tokenizer))):
+    if cfg.data.packing and (why := unpackable(processor_of(tokenizer), mcfg)):
         raise DataError(f"data.packing: {why}, which packed rows cannot keep exact yet; set data.packing=false")
     if cfg.data.streaming:
         raise DataError("data.streaming: rows with images are not streamed yet; set data.streaming=false")

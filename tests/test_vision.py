@@ -15,7 +15,7 @@ from llmtrain.core.objective import TokenLoss, model_inputs
 from llmtrain.data.build import ROWS
 from llmtrain.data.rows import IGNORE, FileRow, RowError, message, row_problem
 from llmtrain.errors import DataError, ModelError
-from llmtrain.model import load_model
+from llmtrain.model import check_model, load_model
 from llmtrain.processor import processor_of, vision_in_every_forward
 from llmtrain.vision import (
     IMAGE_ROWS,
@@ -183,7 +183,7 @@ def test_a_batch_trains_the_language_model_and_leaves_the_vision_tower_frozen(fa
     assert frozen and all(any(v in n for v in vision) for n in frozen), frozen
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "llava", "llava_next"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "smolvlm", "llava", "llava_next"])
 def test_packed_rows_give_each_row_the_logits_it_has_alone(family, models, images):
     """Rows with images (and one without) packed into one sequence: each row's logits are
     those of the row run alone, its own image features on its own image tokens."""
@@ -209,15 +209,21 @@ def test_packed_rows_give_each_row_the_logits_it_has_alone(family, models, image
             start += n
 
 
-@pytest.mark.parametrize("family", ["gemma3"])
-def test_a_model_whose_image_tokens_packing_cannot_keep_is_refused_in_one_line(family, models):
-    _, tokenizer = loaded(models[family])
-    cfg = Config()
-    cfg.data.packing = True
-    with pytest.raises(DataError, match=r"^data.packing: the model .* which packed rows cannot keep exact yet"):
-        rows_kind(ROWS, tokenizer, cfg)
-    cfg.data.packing = False
-    assert rows_kind(ROWS, tokenizer, cfg) is IMAGE_ROWS
+def test_gemma3_packs_unless_an_images_tokens_outrun_its_sliding_window(models):
+    """Gemma 3's image tokens attend to each other both ways: packed (the blocks join the
+    packed mask; logits: test_packed_rows_give_each_row_the_logits_it_has_alone), but not
+    where an image's tokens outnumber the sliding window, refused in one line."""
+    import copy
+
+    cfg, tokenizer = loaded(models["gemma3"])
+    mcfg = check_model(cfg, 256)
+    run = Config()
+    run.data.packing = True
+    assert rows_kind(ROWS, tokenizer, run, mcfg) is IMAGE_ROWS
+    narrow = copy.deepcopy(mcfg)
+    narrow.text_config.sliding_window = 3  # an image is 4 tokens here
+    with pytest.raises(DataError, match=r"^data.packing: the model attends both ways among an image's 4 tokens, more"):
+        rows_kind(ROWS, tokenizer, run, narrow)
 
 
 def test_an_over_long_row_is_cut_after_its_images_or_follows_data_overlong(models, images):

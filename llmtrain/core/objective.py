@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention import packed_mask, padding_needs_mask, transformers_model
 from ..data.rows import IGNORE
 from ..model import chunkable_head
-from ..processor import MODEL_INPUTS, packed_positions
+from ..processor import MODEL_INPUTS, image_blocks, packed_positions
 from .router import RouterBalance
 
 
@@ -165,7 +165,8 @@ def model_inputs(model, batch: dict) -> dict:
     kwargs["position_ids"] = batch["position_ids"]
     if "mm_token_type_ids" in batch:  # Qwen-VL: image tokens positioned in three dimensions
         kwargs["position_ids"] = packed_positions(transformers_model(model), batch)
-    kwargs["attention_mask"] = packed_mask(transformers_model(model).config, batch["position_ids"], dtype)
+    blocks = image_blocks(batch["token_type_ids"]) if "token_type_ids" in batch else None  # Gemma 3's images
+    kwargs["attention_mask"] = packed_mask(transformers_model(model).config, batch["position_ids"], dtype, blocks)
     return kwargs
 
 
