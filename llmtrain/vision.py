@@ -37,15 +37,16 @@ passes on.
 
 Packing (`PackedImageRows`) joins rows as text rows are joined, with their images in order:
 a model puts each image's features at its tokens in order, so each row's features stay on
-its tokens, and the packed mask keeps rows apart. A model whose forward reads per-token
-inputs beside the ids to attend is refused in one line (`unpackable`): Gemma 3 attends both
-ways among an image's tokens, which the packed causal mask does not. Qwen-VL, which positions
-image tokens in three dimensions, gets each sample's own positions
-(processor.packed_positions, from objective.model_inputs).
+its tokens, and the packed mask keeps rows apart. Gemma 3, whose image tokens attend to each
+other both ways, gets those blocks in the packed mask (processor.image_blocks); Qwen-VL,
+which positions image tokens in three dimensions, gets each sample's own positions
+(processor.packed_positions); both from objective.model_inputs. A model whose per-token
+inputs the packed batch cannot keep exact is refused in one line (`unpackable`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import io
 import re
@@ -288,6 +289,10 @@ def empty_example() -> dict:
 # --- batches --------------------------------------------------------------------------
 
 
+# The columns of an example that hold its images and the processor's per-token inputs.
+IMAGE_COLUMNS = ("images", *SEQUENCE_INPUTS)
+
+
 class PackedImageRows(PackedDataset):
     """Image rows packed as text rows are (packing.PackedDataset), each sequence with its
     rows' images in order: a model puts an image's features at its tokens in order, so the
@@ -300,10 +305,6 @@ class PackedImageRows(PackedDataset):
         return out | joined_images(docs)
 
 
-# The columns of an example that hold its images and the processor's per-token inputs.
-IMAGE_COLUMNS = ("images", *SEQUENCE_INPUTS)
-
-
 def joined_images(docs: list[dict]) -> dict:
     """The IMAGE_COLUMNS of packed documents `docs` (in order) as one packed sequence's."""
     out = {"images": [image for d in docs for image in d["images"]]}
@@ -314,7 +315,7 @@ class ImageCollator(Collator):
     """batches.Collator's padded batch of a vision-language model's examples, with what
     the model reads of their images (`image_inputs`)."""
 
-    columns = ("input_ids", "labels", "images", *SEQUENCE_INPUTS)
+    columns = ("input_ids", "labels", *IMAGE_COLUMNS)
 
     def __init__(self, pad_id: int, processor, max_pixels: int, pack_width: int = 0):
         super().__init__(pad_id, pack_width)
@@ -413,6 +414,16 @@ def unpackable(processor, mcfg=None) -> str | None:
             f"{window}"
         )
     return None
+
+
+def image_kind(kind: DataKind, version: str, sequences: tuple[str, ...] = ("",)) -> DataKind:
+    """`kind` with its image variant (DataKind.images), which rows_kind picks for a
+    vision-language model: the same examples (its `make` adds their image columns when the
+    tokenizer carries a processor) under `version`, a dropped row's columns with the images
+    and each sequence's per-token inputs (`sequences`: their prefixes, a pair's "chosen_"
+    and "rejected_"), the cache key stamped with the image files the rows name."""
+    empty = kind.empty | {"images": []} | {f"{s}{k}": [] for s in sequences for k in SEQUENCE_INPUTS}
+    return dataclasses.replace(kind, images=dataclasses.replace(kind, version=version, empty=empty, stamp=images_stamp))
 
 
 # SFT rows of a vision-language model (`rows_kind`): a kind of their own, with their images'

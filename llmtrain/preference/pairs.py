@@ -33,7 +33,7 @@ from ..data.packing import PackedDataset, join_rows
 from ..data.rows import IGNORE, RowError, check_line, length_status, number, shift
 from ..errors import DataError, shown
 from ..processor import SEQUENCE_INPUTS, processor_of
-from ..vision import answer_tokens, image_inputs, images_stamp, joined_images, kept_whole, read_images
+from ..vision import answer_tokens, image_inputs, image_kind, joined_images, kept_whole, read_images
 
 
 def pair_messages(row: dict, images: list | None = None) -> tuple[list[dict] | str, list[dict] | str, list[dict] | str]:
@@ -258,19 +258,6 @@ EMPTY = {
 # sequences of twice data.max_seq_len, so every pair fits, and each pair is numbered
 # (`pair_index`) for the reference log-probs computed once before training. A
 # vision-language model's pairs (IMAGE_PAIRS) add their images and per-token inputs.
-IMAGE_PAIRS = DataKind(
-    pair_columns,
-    "image-pairs-v1",
-    pair_example,
-    EMPTY | {"images": []} | {f"{side}_{k}": [] for side in ("chosen", "rejected") for k in SEQUENCE_INPUTS},
-    PackedPairs,
-    2,
-    "pairs",
-    pair_hints=True,
-    batched=("pairs", "packed sequences of whole pairs"),
-    index="pair_index",
-    stamp=images_stamp,
-)
 PAIRS = DataKind(
     pair_columns,
     "pairs-v4",
@@ -282,5 +269,6 @@ PAIRS = DataKind(
     pair_hints=True,
     batched=("pairs", "packed sequences of whole pairs"),
     index="pair_index",
-    images=IMAGE_PAIRS,
 )
+PAIRS = image_kind(PAIRS, "image-pairs-v1", ("chosen_", "rejected_"))
+IMAGE_PAIRS = PAIRS.images

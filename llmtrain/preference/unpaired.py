@@ -25,7 +25,6 @@ sequences that answer their own prompt): `notes` counts them.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import torch
@@ -37,7 +36,7 @@ from ..data.kind import DataKind
 from ..data.rows import IGNORE, RowError, check_line, flag, length_status, shift
 from ..errors import DataError, shown
 from ..processor import SEQUENCE_INPUTS, processor_of
-from ..vision import IMAGE_COLUMNS, answer_tokens, image_inputs, images_stamp, kept_whole, read_images
+from ..vision import IMAGE_COLUMNS, answer_tokens, image_inputs, image_kind, kept_whole, read_images
 from .pairs import PAIRS
 
 COLUMNS = ("prompt", "completion", "label")
@@ -260,13 +259,8 @@ UNPAIRED = DataKind(
     index="row_index",
     view=KLCompletions,
 )
-IMAGE_UNPAIRED = dataclasses.replace(
-    UNPAIRED,
-    version="image-unpaired-v1",
-    empty=UNPAIRED.empty | {"images": []} | {k: [] for k in SEQUENCE_INPUTS},
-    stamp=images_stamp,
-)
-UNPAIRED = dataclasses.replace(UNPAIRED, images=IMAGE_UNPAIRED)
+UNPAIRED = image_kind(UNPAIRED, "image-unpaired-v1")
+IMAGE_UNPAIRED = UNPAIRED.images
 
 
 def preference_data(cfg) -> DataKind:

@@ -14,7 +14,6 @@ makes of them.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from functools import partial
@@ -36,8 +35,8 @@ from ..data.rows import (
     text_of,
 )
 from ..errors import DataError, RewardError, ToolError, warn
-from ..processor import SEQUENCE_INPUTS, processor_of
-from ..vision import images_stamp, kept_whole, no_inputs, read_images, with_images
+from ..processor import processor_of
+from ..vision import image_kind, kept_whole, no_inputs, read_images, with_images
 from .rewards import PASSED, load_rewards, usable_answer
 
 
@@ -146,11 +145,13 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
             raise RowError(str(e)) from None
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-    ids = prompt_ids(prompt, tokenizer, tools)
-    inputs, at = no_inputs(len(ids)), []
-    if pictures:  # the processor's tokens, each image's inserted
+    if pictures:  # the processor's tokens, each image's inserted into the rendered text's
         text = prompt_text(prompt, tokenizer, tools)
-        ids, _, inputs, at = with_images(processor_of(tokenizer), text, ids, [IGNORE] * len(ids), pictures)
+        plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, _, inputs, at = with_images(processor_of(tokenizer), text, plain, [IGNORE] * len(plain), pictures)
+    else:
+        ids = prompt_ids(prompt, tokenizer, tools)
+        inputs, at = no_inputs(len(ids)), []
     if not ids:
         return "empty prompt"
     budget = cfg.max_seq_len - max_completion_length
@@ -224,10 +225,7 @@ def prompt_kind(max_completion_length: int, check_split=None, agent=None) -> Dat
     )
     if agent is not None:  # episodes of turns: text prompts only, for now
         return kind
-    # A vision-language model's single-turn prompts, with their images.
-    empty = kind.empty | {"images": []} | {k: [] for k in SEQUENCE_INPUTS}
-    shown = dataclasses.replace(kind, version=f"{version}-images-v1", empty=empty, stamp=images_stamp)
-    return dataclasses.replace(kind, images=shown)
+    return image_kind(kind, f"{version}-images-v1")  # a vision-language model's single-turn prompts
 
 
 def grpo_prompts(cfg, agent=None) -> DataKind:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import gather_object, send_to_device
 
+from ..config import DataConfig
 from ..data.batches import Collator, EpochSampler
 from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift, stop_ids
@@ -63,7 +64,7 @@ class RolloutSettings:
     correction: str = "none"  # grpo.importance_correction: tis, mis or none (rl/correction.py)
     correction_level: str = "token"  # grpo.importance_level
     correction_cap: float = 3.0  # grpo.importance_cap
-    max_image_pixels: int = 40_000_000  # data.max_image_pixels: a vision-language model's images decoded again
+    max_image_pixels: int = DataConfig.max_image_pixels  # data.max_image_pixels: images decoded again
 
     @classmethod
     def from_config(cls, cfg) -> RolloutSettings:
@@ -245,23 +246,22 @@ class Rollouts:
         first = r * self.per_round + rank * self.local  # this process's first prompt position
         mine = order[rank * self.local : (rank + 1) * self.local]
         examples = [self.prompts[i] for i in mine]
-        rows = [i for i in mine for _ in range(self.group)]  # each sample's prompt row, in `part` order
         started = time.perf_counter()
         samples, ended, episodes = [], [], []
         for m in range(0, self.local, self.micro):
             self.beat(f"generating completions for prompts {first + m} to {first + m + self.micro - 1}")
-            part, seeds, positions = [], [], []
+            part, seeds, positions, rows = [], [], [], []
             for k, ex in enumerate(examples[m : m + self.micro]):
                 for j in range(self.group):
                     part.append(ex)
                     seeds.append(sample_seed(self.settings.seed, epoch, first + m + k, j))
                     positions.append((first + m + k, j))
+                    rows.append(mine[m + k])  # its prompt's row in the prompt set
             if self.agent is None:
                 prompts = [list(ex["prompt_ids"]) for ex in part]
                 out = self.generator.generate(self.model_for_generation(), prompts, seeds, **self.shown_to(part))
                 logps = out.logps or [None] * len(prompts)
-                at = rows[m * self.group : (m + self.micro) * self.group]
-                for (p, j), ids, c, q, i in zip(positions, prompts, out.ids, logps, at):
+                for (p, j), ids, c, q, i in zip(positions, prompts, out.ids, logps, rows):
                     samples.append(Sample(p, j, ids, c, sampler_logps=q, row=i))
                 ended += out.ended
                 continue
