@@ -26,7 +26,7 @@ from llmtrain.vision import (
     row_images,
     rows_kind,
 )
-from tests.support.vision_models import FAMILIES, build, loaded, png
+from tests.support.vision_models import FAMILIES, build_all, loaded, pictures, png
 
 
 def test_image_parts_become_placeholders_and_their_names_are_kept_in_order():
@@ -108,21 +108,14 @@ def test_labels_follow_the_text_onto_the_processors_tokens_and_image_tokens_neve
         carry_labels(plain, labels, [1, 4, 8, 9, 6, 7, 9, 2])
 
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vlms")
-    return {family: build(family, root / family) for family in FAMILIES}
+    return build_all(tmp_path_factory.mktemp("vlms"), FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    for name, colour in COLOURS.items():
-        png(root / f"{name}.png", size=(40, 32), colour=colour)
-    return root
+    return pictures(tmp_path_factory.mktemp("images"))
 
 
 def colour_row(colour: str, root, system: bool = False) -> FileRow:

@@ -27,11 +27,10 @@ from tests.support.runs import (
     run_recipe,
     train_rows,
 )
-from tests.support.vision_models import build
+from tests.support.vision_models import COLOURS, build_all
 
 pytestmark = pytest.mark.slow
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}
 # Rows without an image among those with: a micro-batch of such rows alone runs no vision tower
 # unless processor.vision_in_every_forward makes it (ZeRO-3 and FSDP2 need every process to).
 TEXT_ONLY = (5, 6, 11, 14)
@@ -73,8 +72,7 @@ def rows(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vlms")
-    return {family: build(family, root / family) for family in ("qwen2_5_vl", "gemma3", "llava", "idefics3")}
+    return build_all(tmp_path_factory.mktemp("vlms"), ("qwen2_5_vl", "gemma3", "llava", "idefics3"))
 
 
 RUN = ["train.max_steps=4", "train.micro_batch_size=4", "data.max_seq_len=160", "log.every_steps=1"]

@@ -19,7 +19,7 @@ from llmtrain.preference.reward_model import REWARD_PAIRS
 from llmtrain.preference.unpaired import IMAGE_UNPAIRED, UNPAIRED, KLCompletions, UnpairedCollator
 from llmtrain.processor import processor_of
 from llmtrain.vision import rows_kind
-from tests.support.vision_models import build, loaded, png
+from tests.support.vision_models import build_all, loaded, pictures, png
 
 FAMILIES = ("qwen2_5_vl", "gemma3", "idefics3", "llava")
 PIXELS = DataConfig().max_image_pixels
@@ -27,16 +27,12 @@ PIXELS = DataConfig().max_image_pixels
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vlms")
-    return {family: build(family, root / family) for family in FAMILIES}
+    return build_all(tmp_path_factory.mktemp("vlms"), FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    for name, colour in {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}.items():
-        png(root / f"{name}.png", size=(40, 32), colour=colour)
-    return root
+    return pictures(tmp_path_factory.mktemp("images"))
 
 
 def in_file(row: dict, root) -> FileRow:

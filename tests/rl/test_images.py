@@ -13,23 +13,19 @@ from llmtrain.processor import processor_of
 from llmtrain.rl.prompts import prompt_kind
 from llmtrain.rl.sampling import HFGenerator
 from llmtrain.vision import IMAGE_COLUMNS, rows_kind
-from tests.support.vision_models import build, loaded, png
+from tests.support.vision_models import build_all, loaded, pictures
 
 FAMILIES = ("qwen2_5_vl", "gemma3", "idefics3", "llava")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vlms")
-    return {family: build(family, root / family) for family in FAMILIES}
+    return build_all(tmp_path_factory.mktemp("vlms"), FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    for name, colour in {"red": (220, 30, 30), "green": (30, 200, 60)}.items():
-        png(root / f"{name}.png", size=(40, 32), colour=colour)
-    return root
+    return pictures(tmp_path_factory.mktemp("images"))
 
 
 def prompt_row(image: str | None, root, text: str = "what colour?") -> FileRow:

@@ -594,3 +594,14 @@ def loaded(path, **kw):
     mcfg = check_model(cfg, 256)
     assert is_vision(mcfg)
     return cfg, load_tokenizer(cfg, vision=True)
+
+
+# The colours of the tests' pictures, by name.
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230)}
+
+
+def pictures(root: Path) -> Path:
+    """root, holding a 40x32 picture of each of COLOURS, named <colour>.png."""
+    for name, colour in COLOURS.items():
+        png(root / f"{name}.png", size=(40, 32), colour=colour)
+    return root
