@@ -7,7 +7,9 @@ and its environment's methods), so the model sees them as it was trained to
 (prompts.prompt_example, through `schemas`). An episode (`start`) gets an instance of its
 row's environment, whose reset(**row) text is added to the prompt's last user message, as
 TRL does: the prompt is then rendered again with it, cut from the left or refused by
-data.overlong like any prompt too long for data.max_seq_len.
+data.overlong like any prompt too long for data.max_seq_len. A vision-language model's
+prompt keeps its images (`Start.shown`): rendered again, it has them inserted again by the
+processor, and is cut from the left only where every image token stays.
 
 What is checked at start (`Agent.load`), each in one line: every tool and environment loads
 and has a schema; no two tools share a name; the tokenizer's template renders tools, tool
@@ -22,9 +24,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..config import DataConfig
+from ..data.rows import IGNORE
 from ..errors import ToolError
+from ..processor import processor_of
+from ..vision import IMAGE_COLUMNS, decode, kept_whole, no_inputs, with_images
 from .environments import COLUMN, Environment, Episode, load_environments, pick
-from .prompts import prompt_ids
+from .prompts import prompt_ids, prompt_text
 from .tools import Tool, ToolBox, load_tools
 from .turns import check_parser, tool_suffix_ids
 
@@ -38,6 +44,7 @@ class AgentSettings:
     max_chars: int  # grpo.max_tool_output_chars
     prompt_budget: int  # data.max_seq_len - grpo.max_completion_length: a prompt's tokens at most
     truncate: bool  # data.overlong == "truncate": a prompt too long is cut from the left
+    max_image_pixels: int = DataConfig.max_image_pixels  # a prompt's images decoded again to render it again
 
     @classmethod
     def from_config(cls, cfg) -> AgentSettings:
@@ -48,6 +55,7 @@ class AgentSettings:
             g.max_tool_output_chars,
             cfg.data.max_seq_len - g.max_completion_length,
             cfg.data.overlong == "truncate",
+            cfg.data.max_image_pixels,
         )
 
 
@@ -58,6 +66,9 @@ class Start:
     prompt_ids: list[int]
     box: ToolBox
     environment: Episode | None = None
+    # A vision-language model's prompt: its images (bytes) and the processor's per-token
+    # inputs of prompt_ids (vision.IMAGE_COLUMNS); None for a text prompt.
+    shown: dict | None = None
 
 
 @dataclass
@@ -130,34 +141,55 @@ class Agent:
         """An episode of the prepared prompt `example` (prompts.prompt_example)."""
         columns = json.loads(example["columns"])
         s = self.settings
+        shown = {k: list(example[k]) for k in IMAGE_COLUMNS} if "images" in example else None
         if not self.kinds:
-            return Start(list(example["prompt_ids"]), ToolBox(self.tools, s.timeout_s, s.max_chars, hung=self.hung))
+            box = ToolBox(self.tools, s.timeout_s, s.max_chars, hung=self.hung)
+            return Start(list(example["prompt_ids"]), box, shown=shown)
         kind = pick(self.kinds, columns)
         env = Episode(kind, columns, s.timeout_s, s.max_chars, also=tuple(self.tools), hung=self.hung)
         ids = list(example["prompt_ids"])
         if env.observation:
-            ids = self.observed_prompt(json.loads(example["prompt"]), env, kind, tokenizer, columns)
-        return Start(ids, env.tools, env)
+            ids, shown = self.observed_prompt(json.loads(example["prompt"]), env, kind, tokenizer, columns, shown)
+        return Start(ids, env.tools, env, shown)
 
-    def observed_prompt(self, messages, env: Episode, kind: Environment, tokenizer, columns: dict) -> list[int]:
-        """The prompt with reset()'s text added to its last user message, rendered again."""
+    def observed_prompt(
+        self, messages, env: Episode, kind: Environment, tokenizer, columns: dict, shown: dict | None
+    ) -> tuple[list[int], dict | None]:
+        """The prompt with reset()'s text added to its last user message, rendered again (a
+        vision-language model's with its images `shown`, whose per-token inputs it returns
+        anew)."""
         messages = [dict(m) for m in messages]
         last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
         if last is None:
             messages.append({"role": "user", "content": env.observation})
+        elif isinstance(messages[last]["content"], list):  # content parts (a message with images)
+            messages[last]["content"] = [*messages[last]["content"], {"type": "text", "text": env.observation}]
         else:
             messages[last]["content"] = f"{messages[last]['content']}{env.observation}"
-        ids = prompt_ids(messages, tokenizer, self.schemas(columns))
+        tools = self.schemas(columns)
+        at: list[int] = []
+        if shown and shown["images"]:
+            text = prompt_text(messages, tokenizer, tools)
+            plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+            pictures = [decode(b, self.settings.max_image_pixels) for b in shown["images"]]
+            ids, _, inputs, at = with_images(processor_of(tokenizer), text, plain, [IGNORE] * len(plain), pictures)
+            shown = {"images": shown["images"]} | inputs
+        else:
+            ids = prompt_ids(messages, tokenizer, tools)
+            shown = shown and {"images": []} | no_inputs(len(ids))
         budget = self.settings.prompt_budget
         if len(ids) > budget:
-            if not self.settings.truncate:
+            if not self.settings.truncate or not kept_whole(at, len(ids) - budget, budget):
+                why = "cutting it would split an image's tokens; " if self.settings.truncate else ""
                 raise ToolError(
                     f"{env.key}: {kind.spec}.reset's text makes a prompt {len(ids)} tokens, above the {budget} that "
-                    "data.max_seq_len leaves beside grpo.max_completion_length; return less text, raise "
-                    "data.max_seq_len, or set data.overlong=truncate"
+                    f"data.max_seq_len leaves beside grpo.max_completion_length; {why}return less text, raise "
+                    "data.max_seq_len" + ("" if why else ", or set data.overlong=truncate")
                 )
-            ids = ids[len(ids) - budget :]  # the end of a prompt is what it asks
-        return ids
+            cut = len(ids) - budget  # the end of a prompt is what it asks
+            ids = ids[cut:]
+            shown = shown and {k: v if k == "images" else v[cut:] for k, v in shown.items()}
+        return ids, shown
 
 
 def environment_kinds(specs: list[str]) -> dict[str | None, Environment]:

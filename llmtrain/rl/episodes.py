@@ -16,6 +16,8 @@ Invariants:
 - A turn's draw is seeded by (the completion's seed, the turn) alone (`turn_seed`; turn 0 by
   the completion's seed itself, as a single-turn completion is), so an episode never depends on
   the batch it shared, the process it ran on, or how many turns the others took.
+- A vision-language model's prompt shows its images (`shown[i]`, vision.IMAGE_COLUMNS) in every
+  turn: its per-token inputs are the prompt's, then text (0) for the completion so far.
 - `keep_going(any of mine still going)` tells whether any process still generates (an
   all-reduce under ZeRO-3 and FSDP2, whose generate is a collective): a process whose episodes
   have all ended keeps calling the generator, on a stand-in, until none has, so none hangs.
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..processor import SEQUENCE_INPUTS
 from .sampling import sample_seed
 from .tools import ToolBox
 from .turns import parse_turn, tool_suffix_ids
@@ -65,9 +68,10 @@ def play(
     stops: list[int],
     template: str | None = None,
     keep_going: Callable[[bool], bool] = lambda mine: mine,
+    shown: list[dict] | None = None,
 ) -> list[Trajectory]:
     """The episodes of `prompts` (see the module docstring); `boxes[i]` holds prompt i's tools,
-    `seeds` None for greedy turns."""
+    `seeds` None for greedy turns, `shown[i]` prompt i's images (None: text prompts)."""
     episodes = [Trajectory() for _ in prompts]
     for turn in range(max_turns):
         going = [i for i, e in enumerate(episodes) if not e.done]
@@ -80,7 +84,9 @@ def play(
         turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in going]
         # Each episode's turn may take what its budget has left (one more token, so that
         # reaching the budget without a stop token shows as a cut turn).
-        drawn = generator.generate(model, contexts, turn_seeds, [max_tokens - len(episodes[i].ids) for i in going])
+        limits = [max_tokens - len(episodes[i].ids) for i in going]
+        images = {} if shown is None else {"shown": [grown(shown[i], len(episodes[i].ids)) for i in going]}
+        drawn = generator.generate(model, contexts, turn_seeds, limits, **images)
         for k, i in enumerate(going):
             episode, box = episodes[i], boxes[i]
             last = turn == max_turns - 1
@@ -97,6 +103,12 @@ def play(
             episode.ids += suffix
             episode.sampled += [0] * len(suffix)
     return episodes
+
+
+def grown(shown: dict, n: int) -> dict:
+    """A prompt's images and per-token inputs (vision.IMAGE_COLUMNS), the inputs extended over
+    `n` completion tokens (text: 0)."""
+    return {k: v + [0] * n if k in SEQUENCE_INPUTS else v for k, v in shown.items()}
 
 
 def take(

@@ -121,13 +121,13 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
     n_trained, status}, or why the row is dropped (the prompt kind's make). `tools_for(row)`:
     the schemas of the tools a multi-turn run's episodes of the row may call (agent.Agent),
     rendered into the prompt; the prompt is then always messages, as its episodes are. A
-    vision-language model's single-turn prompts may show images (as chat rows do): the
-    example then holds them as bytes, with the processor's per-token inputs
+    vision-language model's prompts may show images (as chat rows do): the example then
+    holds them as bytes, with the processor's per-token inputs
     (vision.IMAGE_COLUMNS), and the prompt is cut from the left only where every image
     token stays."""
     if tools_for is not None and not tokenizer.chat_template:
         raise RowError("grpo.tools and grpo.environment need a chat template, to render tools and their results")
-    vision = processor_of(tokenizer) is not None and tools_for is None
+    vision = processor_of(tokenizer) is not None
     refs: list | None = [] if vision else None
     prompt = prompt_messages(row, tokenizer, cfg, refs)
     images, pictures = read_images(refs, row, cfg) if vision else ([], [])
@@ -223,9 +223,7 @@ def prompt_kind(max_completion_length: int, check_split=None, agent=None) -> Dat
         batched=("prompts", "prompts"),
         check_split=check_split,
     )
-    if agent is not None:  # episodes of turns: text prompts only, for now
-        return kind
-    return image_kind(kind, f"{version}-images-v1")  # a vision-language model's single-turn prompts
+    return image_kind(kind, f"{version}-images-v1")  # a vision-language model's prompts
 
 
 def grpo_prompts(cfg, agent=None) -> DataKind:

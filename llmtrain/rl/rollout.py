@@ -115,6 +115,9 @@ class Sample:
     sampler_logps: list[float] | None = None  # the sampler's, one per trained token (kept until the correction)
     correction: list[float] | None = None  # the sampler correction's weight per trained token
     row: int = -1  # the prompt's row in the prompt set: a vision-language model's images are read there
+    # An episode's prompt (rendered again with its environment's text) with images: the
+    # processor's per-token inputs of prompt_ids (processor.SEQUENCE_INPUTS); None: its row's.
+    inputs: dict[str, list[int]] | None = None
 
     def trained(self) -> int:
         """How many of its completion tokens are trained: the sampled ones."""
@@ -266,8 +269,10 @@ class Rollouts:
                 ended += out.ended
                 continue
             played = self.play(part, seeds)
-            for (p, j), (start, t) in zip(positions, played):
-                samples.append(Sample(p, j, start.prompt_ids, t.ids, sampled=t.sampled, sampler_logps=t.logps))
+            for (p, j), (start, t), i in zip(positions, played, rows):
+                inputs = {k: start.shown[k] for k in SEQUENCE_INPUTS} if start.shown else None
+                drawn = dict(sampled=t.sampled, sampler_logps=t.logps, row=i, inputs=inputs)
+                samples.append(Sample(p, j, start.prompt_ids, t.ids, **drawn))
                 ended.append(not t.truncated)
             episodes += played
         generation_s = time.perf_counter() - started
@@ -312,6 +317,7 @@ class Rollouts:
             self.generator.max_new_tokens,
             self.stops,
             keep_going=self.keep_going,
+            shown=[st.shown for st in starts] if self.images else None,
         )
         return list(zip(starts, trajectories))
 
@@ -512,7 +518,8 @@ class Rollouts:
             if self.images and s.row >= 0:  # its prompt's images
                 prompt = self.prompts[s.row]
                 rows[-1] |= {"images": prompt["images"]}
-                rows[-1] |= {k: prompt[k] + [0] * len(s.completion_ids) for k in SEQUENCE_INPUTS}
+                inputs = s.inputs or {k: prompt[k] for k in SEQUENCE_INPUTS}
+                rows[-1] |= {k: inputs[k] + [0] * len(s.completion_ids) for k in SEQUENCE_INPUTS}
         batch = self.collator(rows)
         if any("images" in r for r in rows):
             processor = processor_of(self.tokenizer)
@@ -586,6 +593,8 @@ def pack_samples(samples: list[Sample], epoch: int, r: int) -> dict[str, torch.T
     for key in ("old_logps", "ref_logps", "correction"):
         if samples and getattr(samples[0], key) is not None:
             out[key] = torch.tensor([x for s in samples for x in getattr(s, key)], dtype=torch.float32)
+    if samples and samples[0].inputs is not None:  # episodes' prompts with images: their per-token inputs
+        out |= {f"inputs.{k}": cat(s.inputs[k] for s in samples) for k in SEQUENCE_INPUTS}
     if any(s.sampled is not None for s in samples):  # a multi-turn run's: which tokens were sampled
         out["sampled"] = torch.tensor(
             [m for s in samples for m in (s.sampled or [1] * len(s.completion_ids))], dtype=torch.int8
@@ -605,6 +614,7 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
     correction = torch.split(t["correction"], trained) if "correction" in t else None
     samples = []
     rows = t["row"].tolist() if "row" in t else [-1] * len(prompt_len)  # a checkpoint of before images: none
+    inputs = {k: torch.split(t[f"inputs.{k}"], prompt_len) for k in SEQUENCE_INPUTS if f"inputs.{k}" in t}
     for i, (pos, j) in enumerate(zip(t["position"].tolist(), t["index"].tolist())):
         samples.append(
             Sample(
@@ -618,6 +628,7 @@ def unpack_samples(t: dict[str, torch.Tensor]) -> tuple[int, int, list[Sample]]:
                 sampled[i].tolist() if sampled is not None else None,
                 correction=correction[i].tolist() if correction is not None else None,
                 row=rows[i],
+                inputs={k: v[i].tolist() for k, v in inputs.items()} or None,
             )
         )
     return epoch, r, samples

@@ -16,6 +16,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from llmtrain.processor import load_processor
+from tests.rl.test_environments import GAMES
+from tests.rl.test_images import QWEN_VL_TOOLS
 from tests.support.runs import (
     DPO_RECIPE,
     ROOT,
@@ -293,17 +295,20 @@ def test_preference_rows_with_images_take_the_same_steps_sharded_as_on_one_proce
     assert (sharded / "final" / "processor_config.json").is_file()
 
 
+@pytest.mark.parametrize("turns", ["one", "episodes"])
 @pytest.mark.parametrize("topology", ["ds_zero3"])
 def test_grpo_prompts_with_images_take_the_same_rounds_sharded_as_on_one_process(
-    models, pairs, base_config, cache_env, tmp_path, topology
+    models, pairs, base_config, cache_env, tmp_path, topology, turns
 ):
     """recipes/grpo.py on prompts that show pictures, and some that do not: the completions
     (sampled from the prompt with its image), rewards and update of one process, also on
     two under ZeRO-3, whose processes generate together; a KL term to the starting weights
-    and two steps per round put every log-prob pass in play."""
+    and two steps per round put every log-prob pass in play. As episodes, the prompts
+    render an environment's tools, and its reset text joins each prompt rendered again with
+    its image (tests/rl/test_images.py plays later turns)."""
     pytest.importorskip("deepspeed")
     prompts = [
-        {"prompt": json.loads(line)["prompt"], "answer": json.loads(line)["chosen"]}
+        {"prompt": json.loads(line)["prompt"], "answer": json.loads(line)["chosen"], "secret": 3}
         for line in pairs.read_text().splitlines()
     ]
     data = pairs.parent / "prompts.jsonl"
@@ -322,6 +327,14 @@ def test_grpo_prompts_with_images_take_the_same_rounds_sharded_as_on_one_process
         "grpo.beta=0.1",
         f"grpo.rewards=[{rewards}:even]",
     ]
+    if turns == "episodes":
+        (tmp_path / "games.py").write_text(GAMES)
+        (tmp_path / "tools.jinja").write_text(QWEN_VL_TOOLS)
+        run += [
+            f"grpo.environment=[{tmp_path / 'games.py'}:GuessingGame]",
+            f"data.chat_template={tmp_path / 'tools.jinja'}",
+        ]
+        run += ["grpo.max_turns=2", "grpo.max_completion_length=40"]
     one, sharded = tmp_path / "one", tmp_path / "sharded"
     recipe = ROOT / "recipes" / "grpo.py"
     model = models["qwen2_5_vl"]
