@@ -8,6 +8,7 @@ beside llmtrain.model, which uses it."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 
 import torch
@@ -309,3 +310,9 @@ def _every_tensor(value):
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
     return total if total is not None else torch.zeros(())
+
+
+def encodes_ahead(model) -> bool:
+    """Whether transformers' generate encodes the prompts' images before its first forward
+    pass (a model whose forward takes them encoded, as mm_encoder_outputs)."""
+    return "mm_encoder_outputs" in inspect.signature(model.forward).parameters

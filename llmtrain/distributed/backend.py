@@ -16,6 +16,7 @@ import math
 from contextlib import contextmanager, nullcontext
 
 from ..model import is_quantized
+from ..processor import encodes_ahead
 from .topology import Topology
 
 
@@ -166,12 +167,14 @@ def root_unsharded(model):
     gathered, for calls that do not pass through its forward. FSDP2 does both in the root's
     forward: it decides there which module is the root, and all-gathers the weights held by
     no sharded block (embeddings, output layer, final norm). peft's generate calls the inner
-    model's generate, whose forwards start below the root (the PeftModel), so without this
-    the first generation fails ("FSDP requires a single root module") or mixes sharded and
-    whole tensors. Elsewhere, nothing to do."""
+    model's generate, whose forwards start below the root (the PeftModel), and a
+    vision-language model's generate encodes the images before its first forward
+    (processor.encodes_ahead), so without this the first generation fails ("FSDP requires a
+    single root module") or mixes sharded and whole tensors (the vision tower's patch
+    embedding). Elsewhere, nothing to do."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(model, FSDPModule) or not hasattr(model, "peft_config"):
+    if not isinstance(model, FSDPModule) or not (hasattr(model, "peft_config") or encodes_ahead(model)):
         yield
         return
     model._get_fsdp_state()._lazy_init()  # no public call; a no-op once a forward has run

@@ -23,7 +23,7 @@ import torch
 from ..config import DataConfig
 from ..data.rows import stop_ids
 from ..distributed.backend import root_unsharded
-from ..processor import SEQUENCE_INPUTS, blank_features, placeholder_ids, processor_of
+from ..processor import SEQUENCE_INPUTS, blank_features, encodes_ahead, placeholder_ids, processor_of
 from ..vision import image_inputs
 
 MASK64 = (1 << 64) - 1
@@ -166,8 +166,7 @@ class HFGenerator:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         images = {} if shown is None else self.images(model, prompts, shown, width, device)
         processor = processor_of(self.tokenizer)
-        if self.synced and processor is not None and "pixel_values" not in images and encodes_ahead(model):
-            blank_features(model, processor)  # as the processes whose prompts hold images do: in step
+        blank = self.synced and processor is not None and "pixel_values" not in images and encodes_ahead(model)
         # Every setting given, so none comes from the model's generation_config (a default
         # temperature or repetition penalty would sample from another distribution than
         # the one the loss's log-probs describe).
@@ -193,6 +192,8 @@ class HFGenerator:
         model.eval()
         try:
             with torch.no_grad(), root_unsharded(model):
+                if blank:  # as the processes whose prompts hold images do: in step
+                    blank_features(model, processor)
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -227,9 +228,3 @@ class HFGenerator:
         inputs = image_inputs(rows, width, processor_of(self.tokenizer), self.max_image_pixels)
         named = inspect.signature(model.forward).parameters
         return {k: v.to(device) for k, v in inputs.items() if k in named}
-
-
-def encodes_ahead(model) -> bool:
-    """Whether transformers' generate encodes the prompts' images before its first forward
-    pass (a model whose forward takes them encoded, as mm_encoder_outputs)."""
-    return "mm_encoder_outputs" in inspect.signature(model.forward).parameters

@@ -295,17 +295,17 @@ def test_preference_rows_with_images_take_the_same_steps_sharded_as_on_one_proce
     assert (sharded / "final" / "processor_config.json").is_file()
 
 
-@pytest.mark.parametrize("turns", ["one", "episodes"])
-@pytest.mark.parametrize("topology", ["ds_zero3"])
+@pytest.mark.parametrize(("topology", "turns"), [("ds_zero3", "one"), ("fsdp2", "episodes")])
 def test_grpo_prompts_with_images_take_the_same_rounds_sharded_as_on_one_process(
     models, pairs, base_config, cache_env, tmp_path, topology, turns
 ):
     """recipes/grpo.py on prompts that show pictures, and some that do not: the completions
     (sampled from the prompt with its image), rewards and update of one process, also on
     two under ZeRO-3, whose processes generate together; a KL term to the starting weights
-    and two steps per round put every log-prob pass in play. As episodes, the prompts
-    render an environment's tools, and its reset text joins each prompt rendered again with
-    its image (tests/rl/test_images.py plays later turns)."""
+    and two steps per round put every log-prob pass in play. As episodes (here under FSDP2,
+    whose generate call encodes the images outside the model's forward), the prompts render
+    an environment's tools, and its reset text joins each prompt rendered again with its
+    image (tests/rl/test_images.py plays later turns)."""
     pytest.importorskip("deepspeed")
     prompts = [
         {"prompt": json.loads(line)["prompt"], "answer": json.loads(line)["chosen"], "secret": 3}
