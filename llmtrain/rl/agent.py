@@ -167,7 +167,7 @@ class Agent:
         else:
             messages[last]["content"] = f"{messages[last]['content']}{env.observation}"
         tools = self.schemas(columns)
-        at: list[int] = []
+        at: list[int] = []  # the image tokens' positions
         if shown and shown["images"]:
             text = prompt_text(messages, tokenizer, tools)
             plain = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -176,19 +176,26 @@ class Agent:
             shown = {"images": shown["images"]} | inputs
         else:
             ids = prompt_ids(messages, tokenizer, tools)
-            shown = shown and {"images": []} | no_inputs(len(ids))
+            if shown is not None:  # a vision-language model's prompt without images
+                shown = {"images": []} | no_inputs(len(ids))
         budget = self.settings.prompt_budget
-        if len(ids) > budget:
-            if not self.settings.truncate or not kept_whole(at, len(ids) - budget, budget):
-                why = "cutting it would split an image's tokens; " if self.settings.truncate else ""
-                raise ToolError(
-                    f"{env.key}: {kind.spec}.reset's text makes a prompt {len(ids)} tokens, above the {budget} that "
-                    f"data.max_seq_len leaves beside grpo.max_completion_length; {why}return less text, raise "
-                    "data.max_seq_len" + ("" if why else ", or set data.overlong=truncate")
-                )
-            cut = len(ids) - budget  # the end of a prompt is what it asks
-            ids = ids[cut:]
-            shown = shown and {k: v if k == "images" else v[cut:] for k, v in shown.items()}
+        if len(ids) <= budget:
+            return ids, shown
+        cut = len(ids) - budget  # the end of a prompt is what it asks
+        if not self.settings.truncate:
+            fix = "return less text, raise data.max_seq_len, or set data.overlong=truncate"
+        elif not kept_whole(at, cut, budget):
+            fix = "cutting it would split an image's tokens; return less text, or raise data.max_seq_len"
+        else:
+            fix = None
+        if fix:
+            raise ToolError(
+                f"{env.key}: {kind.spec}.reset's text makes a prompt {len(ids)} tokens, above the {budget} that "
+                f"data.max_seq_len leaves beside grpo.max_completion_length; {fix}"
+            )
+        if shown is not None:
+            shown = {k: v if k == "images" else v[cut:] for k, v in shown.items()}
+        ids = ids[cut:]
         return ids, shown
 
 
