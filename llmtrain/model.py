@@ -396,7 +396,9 @@ def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer, role: str 
     weights load: its vocabulary must hold
     every id of the policy's tokenizer (a smaller one ends in an index error mid-pass),
     and, where the reference directory has a tokenizer, that tokenizer must map tokens
-    to the same ids (a larger vocabulary is accepted only as padding of the same one)."""
+    to the same ids (a larger vocabulary is accepted only as padding of the same one). A
+    vision-language policy's reference is of its family (the same model_type): it reads
+    the rows' images through the same image tokens."""
     from transformers import AutoConfig, AutoTokenizer
 
     if not name:
@@ -409,6 +411,12 @@ def check_reference(name: str, key: str, cfg: ModelConfig, tokenizer, role: str 
     except Exception as e:
         raise ModelError(f"{key}: could not load a model config from '{name}' ({describe(e)})") from None
     policy = AutoConfig.from_pretrained(cfg.name_or_path, **hub_kwargs(cfg))
+    if is_vision(policy) and rcfg.model_type != policy.model_type:
+        raise ModelError(
+            f"{key}: '{name}' is a {rcfg.model_type} model, but the policy is a vision-language model "
+            f"({policy.model_type}) whose rows may show images; the {role} must be a {policy.model_type} model too, "
+            "which reads them through the same image tokens"
+        )
     ref_vocab = getattr(text_config(rcfg), "vocab_size", None)
     if past := ids_past(tokenizer, ref_vocab):
         raise ModelError(

@@ -51,7 +51,7 @@ def test_image_parts_become_placeholders_and_their_names_are_kept_in_order():
 
 
 def test_an_image_for_a_text_model_or_another_recipe_is_one_line():
-    only = r"messages\[1\]: holds an image; only recipes/finetune.py, recipes/dpo.py and recipes/grpo.py"
+    only = r"messages\[1\]: holds an image; only recipes/finetune.py, recipes/dpo.py, recipes/grpo.py and offline"
     with pytest.raises(RowError, match=only):
         message({"role": "user", "content": [{"type": "image", "image": "a.png"}]}, 1)
 
@@ -354,3 +354,22 @@ def test_lora_on_a_projector_that_is_no_linear_layer_or_of_a_text_model_is_one_l
     text.lora.enabled = text.lora.projector = True
     with pytest.raises(ModelError, match=r"^model.lora.projector: .* is a text model, with no projector"):
         load_model(text)
+
+
+def test_a_reference_or_teacher_of_another_family_is_refused_in_one_line(models, tiny_model):
+    """A vision-language policy's reference (DPO, GRPO) or teacher (distillation) reads the
+    rows' images as the policy does: a text model, or another family's, is refused before
+    any weights load; one of the family passes. Its SFT rows collate with their images."""
+    from llmtrain.core.finetune import rows_collator
+    from llmtrain.model import check_reference
+    from llmtrain.vision import ImageCollator
+
+    cfg, tokenizer = loaded(models["qwen2_5_vl"])
+    with pytest.raises(
+        ModelError, match=r"^distill.teacher: '.*' is a llama model, but the policy is a vision-language"
+    ):
+        check_reference(str(tiny_model), "distill.teacher", cfg, tokenizer, role="teacher")
+    with pytest.raises(ModelError, match=r"^dpo.reference: '.*' is a gemma3 model, .* must be a qwen2_5_vl model too"):
+        check_reference(str(models["gemma3"]), "dpo.reference", cfg, tokenizer)
+    check_reference(str(models["qwen2_5_vl"]), "dpo.reference", cfg, tokenizer)
+    assert isinstance(rows_collator(Config(), tokenizer), ImageCollator)

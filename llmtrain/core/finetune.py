@@ -18,12 +18,17 @@ def finetune_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> P
     if cfg.model.dropout == "none":
         disable_dropout(model)
     objective = TokenLoss.for_model(model, cfg.train.loss_chunk_logits, cfg.model.router_aux_loss)
-    if processor_of(tokenizer) is not None:  # a vision-language model's rows carry images
-        width = IMAGE_ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0
-        collator = ImageCollator(pad_id(tokenizer), processor_of(tokenizer), cfg.data.max_image_pixels, width)
-    else:
-        collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
+    collator = rows_collator(cfg, tokenizer)
     return Parts(objective, loader_source(cfg, accelerator, objective, train_set, eval_set, collator))
+
+
+def rows_collator(cfg, tokenizer) -> Collator:
+    """The collator of SFT rows (build.ROWS) for this model: a vision-language model's carry
+    their images (vision.IMAGE_ROWS)."""
+    if processor_of(tokenizer) is not None:
+        width = IMAGE_ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0
+        return ImageCollator(pad_id(tokenizer), processor_of(tokenizer), cfg.data.max_image_pixels, width)
+    return Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
 
 
 def describe_rows(cfg, first: dict, tokenizer) -> list[str]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..core.finetune import rows_collator
 from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigures, preview_row
 from ..core.objective import chunk_positions
 from ..core.source import loader_source
-from ..data.batches import Collator
 from ..data.build import ROWS
 from ..distributed.topology import Topology
 from ..errors import warn
@@ -71,10 +71,8 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
         chunk_tokens=chunk_positions(head, logits),
         teacher_head=chunkable_head(teacher) if head is not None else None,
     )
-    if not cfg.on_policy():
-        collator = Collator(pad_id(tokenizer), ROWS.width * cfg.data.max_seq_len if cfg.data.packing else 0)
-    else:
-        collator = DistillCollator(pad_id(tokenizer))
+    # Offline: SFT rows as recipes/finetune.py collates them (a vision-language model's with images).
+    collator = DistillCollator(pad_id(tokenizer)) if cfg.on_policy() else rows_collator(cfg, tokenizer)
     rows = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
 
     def source(prepared, backend, beat):

@@ -344,3 +344,28 @@ def test_grpo_prompts_with_images_take_the_same_rounds_sharded_as_on_one_process
     same = ["reward", "reward_even", "completion_len", "completion_len_max"]
     assert_same_rounds(sharded, one, topology, same, weights=False)
     assert (sharded / "final" / "processor_config.json").is_file()
+
+
+def test_offline_distillation_shows_both_models_the_images(models, rows, base_config, cache_env, tmp_path):
+    """recipes/distill.py on rows with images, from a teacher that is the student with
+    another vision tower: their logits differ only if both see the pictures, so a step's
+    divergence is above zero only if the batches carry them (text-only rows would give 0)."""
+    from transformers import AutoModelForImageTextToText
+
+    from llmtrain.processor import save_processor, vision_parts
+
+    student = models["llava"]
+    teacher = AutoModelForImageTextToText.from_pretrained(student)
+    torch.manual_seed(1)
+    for _, part in vision_parts(teacher):
+        for p in part.parameters():
+            p.data.normal_(0, 0.2)
+    teacher.save_pretrained(tmp_path / "teacher")
+    save_processor(load_processor(str(student)), tmp_path / "teacher")
+    out = tmp_path / "run"
+    args = recipe_args(base_config, student, rows, out, *RUN, f"distill.teacher={tmp_path / 'teacher'}")
+    run_recipe(
+        [*args, "distill.on_policy_fraction=0", "train.max_steps=2"], cache_env, recipe=ROOT / "recipes" / "distill.py"
+    )
+    losses = [r["loss"] for r in train_rows(out)]
+    assert len(losses) == 2 and all(loss > 1e-4 for loss in losses), losses
