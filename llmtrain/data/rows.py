@@ -184,8 +184,8 @@ def message(m, i: int, field: str = "messages", images: list | None = None) -> d
 IMAGE_PARTS = ("image", "image_url")
 IMAGE_KEYS = ("image", "path", "url", "image_url")
 IMAGES_WHERE = (
-    "recipes/finetune.py, recipes/dpo.py, recipes/grpo.py and offline recipes/distill.py "
-    "(distill.on_policy_fraction=0) take images, for a vision-language model (one with a processor)"
+    "recipes/finetune.py, recipes/dpo.py, recipes/grpo.py and recipes/distill.py take images, for a "
+    "vision-language model (one with a processor)"
 )
 
 

@@ -22,13 +22,16 @@ from ..model import (
     pad_id,
     saved_weights_bytes,
 )
+from ..processor import processor_of
 from ..rl.sampling import HFGenerator
+from ..vision import IMAGE_ROWS
 from .config import DistillConfig
 from .loss import DistillLoss
 from .onpolicy import INDEX, DistillCollator, OnPolicyBatches, whole_steps
 
-# SFT rows numbered (the index seeds each on-policy answer): a run with on-policy steps.
-INDEXED_ROWS = dataclasses.replace(ROWS, index=INDEX)
+# SFT rows numbered (the index seeds each on-policy answer): a run with on-policy steps; a
+# vision-language model's with their images.
+INDEXED_ROWS = dataclasses.replace(ROWS, index=INDEX, images=dataclasses.replace(IMAGE_ROWS, index=INDEX))
 
 
 def distill_rows(cfg):
@@ -72,7 +75,10 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
         teacher_head=chunkable_head(teacher) if head is not None else None,
     )
     # Offline: SFT rows as recipes/finetune.py collates them (a vision-language model's with images).
-    collator = DistillCollator(pad_id(tokenizer)) if cfg.on_policy() else rows_collator(cfg, tokenizer)
+    if cfg.on_policy():
+        collator = DistillCollator(pad_id(tokenizer), processor_of(tokenizer), cfg.data.max_image_pixels)
+    else:
+        collator = rows_collator(cfg, tokenizer)
     rows = loader_source(cfg, accelerator, objective, train_set, eval_set, collator)
 
     def source(prepared, backend, beat):
@@ -87,7 +93,13 @@ def distill_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Pa
             )
         if not cfg.on_policy():
             return rows(prepared, backend, beat)
-        generator = HFGenerator(tokenizer, d.max_completion_length, d.temperature, synced=sharded)
+        generator = HFGenerator(
+            tokenizer,
+            d.max_completion_length,
+            d.temperature,
+            synced=sharded,
+            max_image_pixels=cfg.data.max_image_pixels,
+        )
         loaded = rows(prepared, backend, beat)
         t = cfg.train
         return OnPolicyBatches(

@@ -31,22 +31,46 @@ from accelerate.utils import send_to_device
 from ..data.batches import Collator
 from ..data.rows import IGNORE, shift
 from ..errors import DataError
+from ..processor import SEQUENCE_INPUTS
 from ..rl.sampling import sample_seed
+from ..vision import IMAGE_COLUMNS, image_inputs
 
 INDEX = "index"  # the column numbering the training rows (the data kind's index)
 
 
 class DistillCollator(Collator):
     """Pads examples as SFT's collator does and keeps each row's index (and whether it is on
-    the student's own answer, `on_policy`)."""
+    the student's own answer, `on_policy`). A vision-language model's (with its `processor`)
+    also carry what the model reads of their images, and the images themselves with their
+    per-token inputs (`shown`, vision.IMAGE_COLUMNS), which the student's answers are
+    sampled with."""
 
     columns = ("input_ids", "labels", INDEX)
+
+    def __init__(self, pad_id: int, processor=None, max_pixels: int = 0):
+        super().__init__(pad_id)
+        self.processor, self.max_pixels = processor, max_pixels
+        if processor is not None:
+            self.columns = (*DistillCollator.columns, *IMAGE_COLUMNS)
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = super().__call__(examples)
         batch[INDEX] = torch.tensor([e.get(INDEX, -1) for e in examples], dtype=torch.long)
         batch["on_policy"] = torch.tensor([float(e.get("on_policy", 0.0)) for e in examples])
+        if self.processor is not None:
+            batch |= image_inputs(examples, batch["input_ids"].shape[1], self.processor, self.max_pixels)
+            batch["shown"] = [{k: e[k] for k in IMAGE_COLUMNS if k in e} for e in examples]
         return batch
+
+
+def shown(batch: dict, r: int) -> dict:
+    """Row `r`'s images and per-token inputs (vision.IMAGE_COLUMNS) where the batch has them."""
+    return dict(batch["shown"][r]) if "shown" in batch else {}
+
+
+def cut_to(row: dict, n: int) -> dict:
+    """A row's images with its per-token inputs cut to its first `n` tokens (its prompt)."""
+    return {k: v[:n] if k in SEQUENCE_INPUTS else v for k, v in row.items() if k in IMAGE_COLUMNS}
 
 
 def on_policy_step(seed: int, epoch: int, step: int, fraction: float) -> bool:
@@ -116,7 +140,7 @@ class OnPolicyBatches:
         for r in range(batch["input_ids"].shape[0]):
             n = int(batch["attention_mask"][r].sum())
             ids, labels = batch["input_ids"][r, :n].tolist(), batch["labels"][r, :n].tolist()
-            rows.append({"input_ids": ids, "labels": labels, INDEX: int(batch[INDEX][r])})
+            rows.append({"input_ids": ids, "labels": labels, INDEX: int(batch[INDEX][r])} | shown(batch, r))
         lengths = {r: prompt_length(row["input_ids"], row["labels"]) for r, row in enumerate(rows) if row[INDEX] >= 0}
         chosen = [r for r, n in lengths.items() if n is not None]
         prompts = [rows[r]["input_ids"][: lengths[r]] for r in chosen]
@@ -126,11 +150,15 @@ class OnPolicyBatches:
             if getattr(self.generator, "synced", False):  # the other processes generate: a collective
                 self.generator.generate(self.model, [batch["input_ids"][0, :1].tolist()], [0], [1])
             return batch
-        out = self.generator.generate(self.model, prompts, seeds, limits)
-        for r, prompt, answer, limit in zip(chosen, prompts, out.ids, limits):
+        # A vision-language model's prompts are answered with their images in view.
+        cut = [cut_to(rows[r], len(p)) for r, p in zip(chosen, prompts)]
+        images = {"shown": cut} if "shown" in batch else {}
+        out = self.generator.generate(self.model, prompts, seeds, limits, **images)
+        for r, prompt, answer, limit, before in zip(chosen, prompts, out.ids, limits, cut):
             answer = answer[:limit]
             labels = shift([IGNORE] * len(prompt) + answer)
             rows[r] |= {"input_ids": prompt + answer, "labels": labels, "on_policy": 1.0}
+            rows[r] |= {k: v + [0] * len(answer) if k in SEQUENCE_INPUTS else v for k, v in before.items()}
         return send_to_device(self.collator(rows), batch["input_ids"].device)
 
     def empty_batch(self) -> dict:

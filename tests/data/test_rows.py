@@ -104,9 +104,8 @@ def test_text_content_parts_are_joined_and_other_parts_refused(tokenizer):
     image = {"type": "image_url", "image_url": {"url": "x.png"}}
     bad = {"messages": [{"role": "user", "content": [parts[0], image]}, {"role": "assistant", "content": "4"}]}
     assert row(tokenizer, bad, "auto")["status"] == (
-        "error: messages[0]: holds an image; only recipes/finetune.py, recipes/dpo.py, recipes/grpo.py and offline "
-        "recipes/distill.py (distill.on_policy_fraction=0) take images, for a vision-language model (one with a "
-        "processor)"
+        "error: messages[0]: holds an image; only recipes/finetune.py, recipes/dpo.py, recipes/grpo.py and "
+        "recipes/distill.py take images, for a vision-language model (one with a processor)"
     )
     audio = {"type": "input_audio", "input_audio": {"data": "..."}}
     bad = {"messages": [{"role": "user", "content": [parts[0], audio]}, {"role": "assistant", "content": "4"}]}

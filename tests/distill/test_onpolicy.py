@@ -124,3 +124,46 @@ def test_only_whole_steps_are_trained():
     assert source.steps_per_epoch == 6 and len(list(source.epoch(0))) == 12
     with pytest.raises(DataError, match=r"^data.train: fewer rows than one step's global batch"):
         OnPolicyBatches(Rows(micro), Echo(), None, collator, 7, 0.5, 64, accum=2, steps=0)
+
+
+class Shown(Echo):
+    """Echo that also records the images and per-token inputs each prompt is answered with."""
+
+    def generate(self, model, prompts, seeds, limits=None, shown=None):
+        self.shown = shown
+        return super().generate(model, prompts, seeds, limits)
+
+
+def test_a_vision_language_models_rows_are_answered_and_trained_with_their_images(tmp_path):
+    """Each prompt is answered with its row's images and its per-token inputs cut to the
+    prompt; the answered batch carries the images for both models' forwards, with the
+    per-token inputs marking the image tokens where they are."""
+    from llmtrain.config import DataConfig
+    from llmtrain.data.rows import FileRow
+    from llmtrain.distill.method import INDEXED_ROWS
+    from llmtrain.processor import processor_of
+    from tests.support.vision_models import build, loaded, pictures
+
+    _, tok = loaded(build("qwen2_5_vl", tmp_path / "qwen2_5_vl"))
+    (tmp_path / "images").mkdir()
+    images = pictures(tmp_path / "images")
+    rows = []
+    for i, colour in enumerate(["red", "green"]):
+        part = [{"type": "image", "image": f"{colour}.png"}] if i == 0 else []  # the second row: text alone
+        row = FileRow({"messages": [{"role": "user", "content": [*part, {"type": "text", "text": "colour?"}]}]})
+        row["messages"].append({"role": "assistant", "content": colour})
+        row.root = images
+        rows.append(INDEXED_ROWS.images.process(row, tok, DataConfig()) | {"index": i})
+    collator = DistillCollator(tok.pad_token_id, processor_of(tok), DataConfig().max_image_pixels)
+    gen = Shown()
+    source = OnPolicyBatches(Rows([collator(rows)]), gen, None, collator, 7, 1.0, 256, accum=1, steps=1)
+    batch = next(source.epoch(0))
+    assert [s["images"] for s in gen.shown] == [[(images / "red.png").read_bytes()], []]
+    prompts = [prompt_length(r["input_ids"], r["labels"]) for r in rows]
+    assert [len(s["mm_token_type_ids"]) for s in gen.shown] == prompts
+    image = batch["input_ids"] == tok.image_token_id
+    assert image[0].any() and not image[1].any() and "pixel_values" in batch
+    assert torch.equal(batch["mm_token_type_ids"].bool(), image)
+    for r, n in enumerate(prompts):
+        trained = batch["labels"][r][batch["labels"][r] != IGNORE].tolist()
+        assert trained == batch["input_ids"][r, n : n + 3].tolist() and len(trained) == 3  # the answer alone

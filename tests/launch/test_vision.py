@@ -346,26 +346,44 @@ def test_grpo_prompts_with_images_take_the_same_rounds_sharded_as_on_one_process
     assert (sharded / "final" / "processor_config.json").is_file()
 
 
-def test_offline_distillation_shows_both_models_the_images(models, rows, base_config, cache_env, tmp_path):
-    """recipes/distill.py on rows with images, from a teacher that is the student with
-    another vision tower: their logits differ only if both see the pictures, so a step's
-    divergence is above zero only if the batches carry them (text-only rows would give 0)."""
+def teacher_with_another_tower(student: Path, out: Path) -> Path:
+    """`student` saved to `out` with its vision tower and projector drawn at random."""
     from transformers import AutoModelForImageTextToText
 
     from llmtrain.processor import save_processor, vision_parts
 
-    student = models["llava"]
     teacher = AutoModelForImageTextToText.from_pretrained(student)
     torch.manual_seed(1)
     for _, part in vision_parts(teacher):
         for p in part.parameters():
             p.data.normal_(0, 0.2)
-    teacher.save_pretrained(tmp_path / "teacher")
-    save_processor(load_processor(str(student)), tmp_path / "teacher")
+    teacher.save_pretrained(out)
+    save_processor(load_processor(str(student)), out)
+    return out
+
+
+def test_offline_distillation_shows_both_models_the_images(models, rows, base_config, cache_env, tmp_path):
+    """recipes/distill.py on rows with images, from a teacher that is the student with
+    another vision tower: their logits differ only if both see the pictures, so a step's
+    divergence is above zero only if the batches carry them (text-only rows would give 0)."""
+    student, teacher = models["llava"], teacher_with_another_tower(models["llava"], tmp_path / "teacher")
     out = tmp_path / "run"
-    args = recipe_args(base_config, student, rows, out, *RUN, f"distill.teacher={tmp_path / 'teacher'}")
+    args = recipe_args(base_config, student, rows, out, *RUN, f"distill.teacher={teacher}")
     run_recipe(
         [*args, "distill.on_policy_fraction=0", "train.max_steps=2"], cache_env, recipe=ROOT / "recipes" / "distill.py"
     )
+    losses = [r["loss"] for r in train_rows(out)]
+    assert len(losses) == 2 and all(loss > 1e-4 for loss in losses), losses
+
+
+def test_on_policy_distillation_samples_and_scores_with_the_images(models, rows, base_config, cache_env, tmp_path):
+    """The student answers each row with its picture in view, and both models score the
+    answer with it: a teacher that differs from the student only in its vision tower gives
+    a divergence above zero, which text-only batches would make 0."""
+    student, teacher = models["llava"], teacher_with_another_tower(models["llava"], tmp_path / "teacher")
+    out = tmp_path / "run"
+    args = recipe_args(base_config, student, rows, out, *RUN, f"distill.teacher={teacher}")
+    extra = ["distill.on_policy_fraction=1", "distill.max_completion_length=4", "train.max_steps=2"]
+    run_recipe([*args, *extra], cache_env, recipe=ROOT / "recipes" / "distill.py")
     losses = [r["loss"] for r in train_rows(out)]
     assert len(losses) == 2 and all(loss > 1e-4 for loss in losses), losses
