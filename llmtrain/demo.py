@@ -758,13 +758,14 @@ def score_shapes(model_dir: str | Path, eval_file: str | Path) -> tuple[float, d
         texts = [
             processor.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts
         ]
-        images = [[Image.open(Path(eval_file).parent / p[0]["content"][0]["image"]).convert("RGB")] for p in prompts]
+        shown = [next(c["image"] for c in p[0]["content"] if c["type"] == "image") for p in prompts]
+        images = [[Image.open(Path(eval_file).parent / name).convert("RGB")] for name in shown]
         inputs = processor(text=texts, images=images, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
         said = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         for r, got in zip(part, said):
-            question = r["messages"][0]["content"][1]["text"]
+            question = next(c["text"] for c in r["messages"][0]["content"] if c["type"] == "text")
             kind = next(k for k, q in SHAPE_QUESTIONS.items() if q == question)
             kinds.setdefault(kind, []).append(got.strip() == r["messages"][1]["content"])
     right = [ok for v in kinds.values() for ok in v]
