@@ -293,6 +293,12 @@ def empty_example() -> dict:
 IMAGE_COLUMNS = ("images", *SEQUENCE_INPUTS)
 
 
+def extended(shown: dict, n: int) -> dict:
+    """A prompt's IMAGE_COLUMNS with its per-token inputs extended over `n` tokens of text
+    after it (a completion: 0)."""
+    return {k: v + [0] * n if k in SEQUENCE_INPUTS else v for k, v in shown.items()}
+
+
 class PackedImageRows(PackedDataset):
     """Image rows packed as text rows are (packing.PackedDataset), each sequence with its
     rows' images in order: a model puts an image's features at its tokens in order, so the

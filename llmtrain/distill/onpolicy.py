@@ -33,7 +33,7 @@ from ..data.rows import IGNORE, shift
 from ..errors import DataError
 from ..processor import SEQUENCE_INPUTS
 from ..rl.sampling import sample_seed
-from ..vision import IMAGE_COLUMNS, image_inputs
+from ..vision import IMAGE_COLUMNS, extended, image_inputs
 
 INDEX = "index"  # the column numbering the training rows (the data kind's index)
 
@@ -158,7 +158,7 @@ class OnPolicyBatches:
             answer = answer[:limit]
             labels = shift([IGNORE] * len(prompt) + answer)
             rows[r] |= {"input_ids": prompt + answer, "labels": labels, "on_policy": 1.0}
-            rows[r] |= {k: v + [0] * len(answer) if k in SEQUENCE_INPUTS else v for k, v in before.items()}
+            rows[r] |= extended(before, len(answer))
         return send_to_device(self.collator(rows), batch["input_ids"].device)
 
     def empty_batch(self) -> dict:

@@ -25,12 +25,10 @@ import json
 from dataclasses import dataclass, field
 
 from ..config import DataConfig
-from ..data.rows import IGNORE
 from ..errors import ToolError
-from ..processor import processor_of
-from ..vision import IMAGE_COLUMNS, decode, kept_whole, no_inputs, with_images
+from ..vision import IMAGE_COLUMNS, decode, kept_whole
 from .environments import COLUMN, Environment, Episode, load_environments, pick
-from .prompts import prompt_ids, prompt_text
+from .prompts import prompt_tokens
 from .tools import Tool, ToolBox, load_tools
 from .turns import check_parser, tool_suffix_ids
 
@@ -166,18 +164,10 @@ class Agent:
             messages[last]["content"] = [*messages[last]["content"], {"type": "text", "text": env.observation}]
         else:
             messages[last]["content"] = f"{messages[last]['content']}{env.observation}"
-        tools = self.schemas(columns)
-        at: list[int] = []  # the image tokens' positions
-        if shown and shown["images"]:
-            text = prompt_text(messages, tokenizer, tools)
-            plain = tokenizer(text, add_special_tokens=False)["input_ids"]
-            pictures = [decode(b, self.settings.max_image_pixels) for b in shown["images"]]
-            ids, _, inputs, at = with_images(processor_of(tokenizer), text, plain, [IGNORE] * len(plain), pictures)
+        pictures = [decode(b, self.settings.max_image_pixels) for b in shown["images"]] if shown else []
+        ids, inputs, at = prompt_tokens(messages, tokenizer, self.schemas(columns), pictures)
+        if shown is not None:  # a vision-language model's prompt: its per-token inputs anew
             shown = {"images": shown["images"]} | inputs
-        else:
-            ids = prompt_ids(messages, tokenizer, tools)
-            if shown is not None:  # a vision-language model's prompt without images
-                shown = {"images": []} | no_inputs(len(ids))
         budget = self.settings.prompt_budget
         if len(ids) <= budget:
             return ids, shown

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..processor import SEQUENCE_INPUTS
+from ..vision import extended
 from .sampling import sample_seed
 from .tools import ToolBox
 from .turns import parse_turn, tool_suffix_ids
@@ -85,7 +85,7 @@ def play(
         # Each episode's turn may take what its budget has left (one more token, so that
         # reaching the budget without a stop token shows as a cut turn).
         limits = [max_tokens - len(episodes[i].ids) for i in going]
-        images = {} if shown is None else {"shown": [grown(shown[i], len(episodes[i].ids)) for i in going]}
+        images = {} if shown is None else {"shown": [extended(shown[i], len(episodes[i].ids)) for i in going]}
         drawn = generator.generate(model, contexts, turn_seeds, limits, **images)
         for k, i in enumerate(going):
             episode, box = episodes[i], boxes[i]
@@ -103,12 +103,6 @@ def play(
             episode.ids += suffix
             episode.sampled += [0] * len(suffix)
     return episodes
-
-
-def grown(shown: dict, n: int) -> dict:
-    """A prompt's images and per-token inputs (vision.IMAGE_COLUMNS), the inputs extended over
-    `n` completion tokens (text: 0)."""
-    return {k: v + [0] * n if k in SEQUENCE_INPUTS else v for k, v in shown.items()}
 
 
 def take(

@@ -72,6 +72,19 @@ def prompt_ids(prompt, tokenizer, tools=None) -> list[int]:
     return tokenizer(prompt_text(prompt, tokenizer, tools), add_special_tokens=False)["input_ids"]
 
 
+def prompt_tokens(prompt, tokenizer, tools, pictures: list) -> tuple[list[int], dict, list[int]]:
+    """(ids, the processor's per-token inputs, the image tokens' positions) of a prompt
+    (`prompt_ids`), with the tokens of its images `pictures` (decoded) inserted by the
+    processor where the chat template put their placeholders."""
+    if not pictures:
+        ids = prompt_ids(prompt, tokenizer, tools)
+        return ids, no_inputs(len(ids)), []
+    text = prompt_text(prompt, tokenizer, tools)
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids, _, inputs, at = with_images(processor_of(tokenizer), text, plain, [IGNORE] * len(plain), pictures)
+    return ids, inputs, at
+
+
 def prompt_text(prompt: list[dict], tokenizer, tools=None) -> str:
     """The chat template's text of prompt messages, with its generation prompt, or, when
     the last message is the assistant's (a prefilled start of the answer), stopping inside
@@ -145,13 +158,7 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, max_completion_length:
             raise RowError(str(e)) from None
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-    if pictures:  # the processor's tokens, each image's inserted into the rendered text's
-        text = prompt_text(prompt, tokenizer, tools)
-        plain = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, _, inputs, at = with_images(processor_of(tokenizer), text, plain, [IGNORE] * len(plain), pictures)
-    else:
-        ids = prompt_ids(prompt, tokenizer, tools)
-        inputs, at = no_inputs(len(ids)), []
+    ids, inputs, at = prompt_tokens(prompt, tokenizer, tools, pictures)
     if not ids:
         return "empty prompt"
     budget = cfg.max_seq_len - max_completion_length

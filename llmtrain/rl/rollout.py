@@ -37,7 +37,7 @@ from ..data.mixture import Mixture
 from ..data.rows import IGNORE, shift, stop_ids
 from ..errors import ConfigError, DataError, RewardError, ToolError
 from ..processor import SEQUENCE_INPUTS, processor_of
-from ..vision import IMAGE_COLUMNS, image_inputs
+from ..vision import IMAGE_COLUMNS, extended, image_inputs
 from .advantages import nanstd
 from .agent import ENV_REWARD, Start
 from .correction import correction_weights, mismatch_metrics
@@ -517,9 +517,8 @@ class Rollouts:
             rows.append({"input_ids": s.prompt_ids + s.completion_ids, "labels": shift(labels)})
             if self.images and s.row >= 0:  # its prompt's images
                 prompt = self.prompts[s.row]
-                rows[-1] |= {"images": prompt["images"]}
                 inputs = s.inputs or {k: prompt[k] for k in SEQUENCE_INPUTS}
-                rows[-1] |= {k: inputs[k] + [0] * len(s.completion_ids) for k in SEQUENCE_INPUTS}
+                rows[-1] |= extended({"images": prompt["images"]} | inputs, len(s.completion_ids))
         batch = self.collator(rows)
         if any("images" in r for r in rows):
             processor = processor_of(self.tokenizer)
