@@ -345,7 +345,8 @@ def plan(argv: list[str]) -> None:
         ds, stats = kind.prepare("data.train", cfg.data.names(), tokenizer, cfg.data)
         ds, mix, _, data_lines = split_and_mix(cfg, ds, stats, tokenizer, kind.prepare, kind.unit)
         lengths = ds["length"]
-        pack = packer(kind.packed, kind.width * cfg.data.max_seq_len, "", "", lambda line: None)
+        width = kind.width * cfg.data.max_seq_len
+        pack = packer(kind.packed, width, "", "", lambda line: None, not cfg.data.shuffle)
         examples = training_set(ds, mix, pack if cfg.data.packing else None)
         sampler = EpochSampler(len(examples), t.seed, mix=getattr(examples, "mix", None))
         steps_per_epoch = method.plan.steps_per_epoch(cfg, len(sampler), world)

@@ -183,7 +183,8 @@ class DataConfig:
     set the order rows are read in (each reads shards of its own), so a resume keeps it."""
     shuffle: bool = True
     """Shuffle the training rows (or packed sequences) every epoch, seeded by train.seed;
-    false keeps the order of the files (a curriculum)."""
+    false keeps the order of the files (a curriculum), packed too: rows then fill each
+    sequence in their order, less tightly than the length-sorted packing."""
 
     def sources(self) -> list[DataSource]:
         """data.train's entries, each a DataSource (a plain path or hub name takes fraction 1)."""

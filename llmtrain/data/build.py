@@ -34,8 +34,8 @@ def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
     """Returns (training set, evaluation set or None)."""
     data = cfg.data
 
-    def pack(key: str):
-        return packer(kind.packed, kind.width * data.max_seq_len, key, kind.unit, accelerator.print)
+    def pack(key: str, ordered: bool = False):
+        return packer(kind.packed, kind.width * data.max_seq_len, key, kind.unit, accelerator.print, ordered)
 
     with main_first(accelerator):
         if data.streaming:
@@ -67,7 +67,8 @@ def build_datasets(cfg, accelerator, tokenizer, kind: DataKind = ROWS):
             if kind.view is not None:
                 rows = kind.view(rows, data.max_seq_len)
                 eval_set = kind.view(eval_set, data.max_seq_len) if eval_set is not None else None
-            train_set = training_set(rows, mix, pack("data.train") if data.packing else None, kind.unit)
+            packs = pack("data.train", ordered=not data.shuffle) if data.packing else None
+            train_set = training_set(rows, mix, packs, kind.unit)
         if eval_set is not None and data.packing:
             eval_set = pack("data.eval")(eval_set, None)
     return train_set, eval_set

@@ -146,12 +146,13 @@ def training_set(rows, mix: Mix, pack=None, what: str = "rows"):
     return Mixture(examples, mix)
 
 
-def packer(make, width: int, key: str, what: str, say):
-    """(rows, sizes) -> make(rows, width, sizes), a packed set (packing.PackedDataset or
-    pairs.PackedPairs), saying through `say` how full its sequences are."""
+def packer(make, width: int, key: str, what: str, say, ordered: bool = False):
+    """(rows, sizes) -> make(rows, width, sizes, ordered), a packed set (packing.PackedDataset
+    or pairs.PackedPairs; `ordered`: in the rows' order), saying through `say` how full its
+    sequences are."""
 
     def pack(rows, sizes):
-        packed = make(rows, width, sizes)
+        packed = make(rows, width, sizes, ordered)
         say(
             f"{key}: packed {len(rows)} {what} into {len(packed)} sequences of {width} tokens "
             f"({packed.efficiency():.1%} filled)" + (", each source on its own" if sizes else "")

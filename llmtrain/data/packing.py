@@ -35,16 +35,39 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack_sources(lengths: list[int], capacity: int, sizes: list[int] | None) -> tuple[list[list[int]], list[int]]:
-    """`pack_lengths` over all rows, or with `sizes` (rows of each source, in order) over
-    each source's rows alone, so a packed sequence holds one source's rows (mixture.Mix
-    takes sources by their sequences). Returns (bins, sequences per source)."""
+def pack_in_order(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows grouped in their order (next fit): each row joins the sequence before it while
+    it fits, else starts the next one. Fills less than `pack_lengths`, which groups rows by
+    length from anywhere in the set, but the sequences read the rows in the files' order
+    (data.shuffle=false: a curriculum)."""
+    bins: list[list[int]] = []
+    room = 0
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise ValueError(f"row {i} has {n} tokens, more than the pack capacity {capacity}")
+        if bins and n <= room:
+            bins[-1].append(i)
+            room -= n
+        else:
+            bins.append([i])
+            room = capacity - n
+    return bins
+
+
+def pack_sources(
+    lengths: list[int], capacity: int, sizes: list[int] | None, ordered: bool = False
+) -> tuple[list[list[int]], list[int]]:
+    """`pack_lengths` (`pack_in_order` if `ordered`) over all rows, or with `sizes` (rows of
+    each source, in order) over each source's rows alone, so a packed sequence holds one
+    source's rows (mixture.Mix takes sources by their sequences). Returns (bins, sequences
+    per source)."""
+    pack = pack_in_order if ordered else pack_lengths
     if sizes is None:
-        bins = pack_lengths(lengths, capacity)
+        bins = pack(lengths, capacity)
         return bins, [len(bins)]
     bins, counts, start = [], [], 0
     for n in sizes:
-        part = pack_lengths(lengths[start : start + n], capacity)
+        part = pack(lengths[start : start + n], capacity)
         bins += [[start + i for i in b] for b in part]
         counts.append(len(part))
         start += n
@@ -53,12 +76,13 @@ def pack_sources(lengths: list[int], capacity: int, sizes: list[int] | None) -> 
 
 class PackedDataset(torch.utils.data.Dataset):
     """A view of a tokenized data set (input_ids, labels, length) as packed sequences,
-    packed source by source when given `sizes` (see `pack_sources`)."""
+    packed source by source when given `sizes` and in the rows' order if `ordered` (see
+    `pack_sources`)."""
 
-    def __init__(self, rows, capacity: int, sizes: list[int] | None = None):
+    def __init__(self, rows, capacity: int, sizes: list[int] | None = None, ordered: bool = False):
         self.rows = rows
         self.capacity = capacity
-        self.bins, self.sizes = pack_sources(rows["length"], capacity, sizes)
+        self.bins, self.sizes = pack_sources(rows["length"], capacity, sizes, ordered)
 
     def __len__(self) -> int:
         return len(self.bins)

@@ -5,7 +5,7 @@ from llmtrain.attention import packed_mask
 from llmtrain.config import DataConfig
 from llmtrain.core.objective import TokenLoss, model_inputs
 from llmtrain.data.batches import Collator
-from llmtrain.data.packing import PackedDataset, pack_lengths
+from llmtrain.data.packing import PackedDataset, pack_in_order, pack_lengths
 from llmtrain.data.rows import process_row
 from llmtrain.demo import make_rows
 from tests.support.data import packed_samples, rows_dataset
@@ -174,3 +174,45 @@ def test_flex_attention_trains_like_the_dense_mask_on_a_gpu(tiny_model, tokenize
     for name, g in g_dense.items():
         cos = torch.nn.functional.cosine_similarity(g_flex[name].flatten().float(), g.flatten().float(), dim=0)
         assert cos > 0.99, name
+
+
+def test_packing_in_order_keeps_each_row_in_place():
+    lengths = [100, 20, 140, 10, 120, 120, 8, 256]
+    bins = pack_in_order(lengths, 256)
+    assert bins == [[0, 1], [2, 3], [4, 5, 6], [7]]  # each row joins the sequence before it while it fits
+    assert [i for b in bins for i in b] == list(range(len(lengths)))
+    assert [i for b in pack_lengths(lengths, 256) for i in b] != list(range(len(lengths)))  # unlike best fit
+    with pytest.raises(ValueError, match="more than the pack capacity"):
+        pack_in_order([10, 300], 256)
+
+
+def test_unshuffled_packed_training_reads_the_files_in_order(tmp_path, tokenizer, monkeypatch):
+    """data.shuffle=false is a curriculum: packed, the sequences still read data.train's
+    files in order, row after row (best-fit packing would group rows by length)."""
+    from accelerate import Accelerator
+
+    from llmtrain.config import load_config
+    from llmtrain.data.build import build_datasets
+    from llmtrain.demo import write_jsonl
+
+    monkeypatch.setenv("LLMTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_jsonl([{"text": f"a{i} " + "x" * (7 * i % 40)} for i in range(30)], a)
+    write_jsonl([{"text": f"b{i} " + "y" * (11 * i % 40)} for i in range(30)], b)
+    expected = [f"a{i}" for i in range(30)] + [f"b{i}" for i in range(30)]
+
+    def read(*overrides):
+        cfg = load_config(None, ["model.name_or_path=m", "output_dir=o", f"data.train=[{a}, {b}]", *overrides])
+        train_set, _ = build_datasets(cfg, Accelerator(cpu=True), tokenizer)
+        words = []
+        for j in range(len(train_set)):
+            seq = train_set[j]
+            for d in sorted(set(seq["doc_ids"]) - {-1}):
+                ids = [t for t, k in zip(seq["input_ids"], seq["doc_ids"]) if k == d]
+                words.append(tokenizer.decode(ids, skip_special_tokens=True).split()[0])
+        return words
+
+    common = ["data.packing=true", "data.max_seq_len=64"]
+    assert read(*common, "data.shuffle=false") == expected
+    assert sorted(read(*common)) == sorted(expected) and read(*common) != expected  # the default groups by length
