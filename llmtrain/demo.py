@@ -48,8 +48,9 @@ from .rl.turns import check_parser
 # The cache directory's version: a change to what the demo builds (its rows, its model, the SFT
 # run that trains tiny-llama-sft, or llmtrain's training numbers) needs a new one, or a cache
 # built before keeps serving the old assets and the docs' figures no longer hold for it. v4: a
-# cache from 2026-11-26 held an SFT model that scored 59.3%; builds since score 48.0%.
-DEMO_VERSION = "v4"
+# cache from 2026-11-26 held an SFT model that scored 59.3%; builds since score 48.0%. v5: the
+# images demo's dots sit in the patch grid, and its rows begin with a counting file.
+DEMO_VERSION = "v5"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -633,7 +634,10 @@ VISION_TEMPLATE = (
 
 def draw_shape(rng: random.Random):
     """(a 32x32 picture, {question kind: answer}): a square, circle or triangle of one of
-    four colours at a random place and size on white, with one to four black dots beside it."""
+    four colours at a random place and size on white, with one to four black dots beside it.
+    Each dot is 2x2 pixels inside a cell of its own of the vision tower's 4x4 patch grid, on
+    white, apart from the shape: one patch sees one whole dot. (Dots anywhere, cut across
+    patches, are not learnt to be counted by this tiny tower in minutes: 24% held out.)"""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
@@ -648,31 +652,38 @@ def draw_shape(rng: random.Random):
         draw.ellipse(box, fill=SHADES[shade])
     else:
         draw.polygon([(x, y + size), (x + size, y + size), (x + size // 2, y)], fill=SHADES[shade])
-    placed = 0
-    while placed < dots:  # 2x2 dots on white, apart from the shape and each other
-        dx, dy = rng.randint(0, IMAGE_SIZE - 2), rng.randint(0, IMAGE_SIZE - 2)
-        area = [
-            image.getpixel((dx + i, dy + j))
-            for i in (-1, 0, 1, 2)
-            for j in (-1, 0, 1, 2)
-            if 0 <= dx + i < IMAGE_SIZE and 0 <= dy + j < IMAGE_SIZE
-        ]
-        if all(p == (255, 255, 255) for p in area):
-            draw.rectangle((dx, dy, dx + 1, dy + 1), fill=(0, 0, 0))
-            placed += 1
+    cells = [
+        (i * IMAGE_PATCH, j * IMAGE_PATCH)
+        for i in range(IMAGE_SIZE // IMAGE_PATCH)
+        for j in range(IMAGE_SIZE // IMAGE_PATCH)
+    ]
+    rng.shuffle(cells)
+    white = (255, 255, 255)
+    free = [  # cells whose pixels, and their neighbours' facing ones, are all white
+        (cx, cy)
+        for cx, cy in cells
+        if all(
+            image.getpixel((a, b)) == white
+            for a in range(max(cx - 1, 0), min(cx + IMAGE_PATCH + 1, IMAGE_SIZE))
+            for b in range(max(cy - 1, 0), min(cy + IMAGE_PATCH + 1, IMAGE_SIZE))
+        )
+    ]
+    for cx, cy in free[:dots]:  # a 32x32 picture with a shape of at most 20x20 leaves 20 free cells
+        draw.rectangle((cx + 1, cy + 1, cx + 2, cy + 2), fill=(0, 0, 0))
     return image, {"colour": shade, "shape": shape, "dots": str(dots)}
 
 
-def shape_rows(folder: Path, n: int, seed: int, prefix: str) -> list[dict]:
+def shape_rows(folder: Path, n: int, seed: int, prefix: str, kinds: tuple[str, ...] = ()) -> list[dict]:
     """`n` chat rows, each a picture drawn into folder/img/ (named relative to the data file
-    beside it) with one of the three questions about it, and its answer."""
+    beside it) with one of the questions `kinds` (all three if none) about it, and its answer."""
+    kinds = kinds or tuple(sorted(SHAPE_QUESTIONS))
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         image, answers = draw_shape(rng)
         name = f"img/{prefix}-{i}.png"
         image.save(folder / name)
-        kind = rng.choice(sorted(SHAPE_QUESTIONS))
+        kind = rng.choice(kinds)
         content = [{"type": "image", "image": name}, {"type": "text", "text": SHAPE_QUESTIONS[kind]}]
         rows.append(
             {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answers[kind]}]}
@@ -680,12 +691,14 @@ def shape_rows(folder: Path, n: int, seed: int, prefix: str) -> list[dict]:
     return rows
 
 
-@builds("shapes/train.jsonl", "shapes/eval.jsonl")
-def build_shapes(root: Path, train_rows: int = 3000, eval_rows: int = 300) -> None:
+@builds("shapes/count.jsonl", "shapes/train.jsonl", "shapes/eval.jsonl")
+def build_shapes(root: Path, count_rows: int = 6000, train_rows: int = 6000, eval_rows: int = 300) -> None:
     """shapes/ under root: the images demo's pictures (img/) and its chat rows about them,
-    train.jsonl and eval.jsonl, built in a temporary folder renamed into place whole."""
+    count.jsonl (how many dots, only), train.jsonl and eval.jsonl (all three questions),
+    built in a temporary folder renamed into place whole."""
     tmp = Path(tempfile.mkdtemp(prefix="shapes.tmp-", dir=root))
     (tmp / "img").mkdir()
+    write_jsonl(shape_rows(tmp, count_rows, 10, "count", ("dots",)), tmp / "count.jsonl")
     write_jsonl(shape_rows(tmp, train_rows, 11, "train"), tmp / "train.jsonl")
     write_jsonl(shape_rows(tmp, eval_rows, 12, "eval"), tmp / "eval.jsonl")
     into_place(tmp, root / "shapes")

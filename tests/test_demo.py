@@ -115,7 +115,7 @@ time.sleep(float(os.environ["FAKE_SLEEP"]))
 def fake_build(tmp_path, monkeypatch):
     """A demo cache whose base assets are built (stand-ins), and an SFT build that runs the
     fake recipe above (sys.executable swapped for it): (cache root, the log of its runs)."""
-    root = tmp_path / "cache" / "demo-v4"
+    root = tmp_path / "cache" / "demo-v5"
     (root / "tiny-llama").mkdir(parents=True)
     for name in ("tiny-llama/config.json", "train.jsonl", "eval.jsonl"):
         (root / name).write_text("{}\n")
@@ -170,10 +170,10 @@ def test_a_builder_killed_mid_build_is_waited_for_then_taken_over(fake_build, ca
     (SIGKILL: the kernel frees its lock), it takes the lock, removes what the dead one left
     half built, and builds."""
     root, log = fake_build
-    scraps = [root.parent / "demo-v4.tmp-abc123", root / "tiny-llama-sft-run" / "final", root / "x.tmp-1"]
+    scraps = [root.parent / "demo-v5.tmp-abc123", root / "tiny-llama-sft-run" / "final", root / "x.tmp-1"]
     for path in scraps:
         path.mkdir(parents=True)
-    lock = root.parent / "demo-v4.lock"
+    lock = root.parent / "demo-v5.lock"
     holder = subprocess.Popen([PYTHON, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
@@ -370,7 +370,12 @@ def test_the_images_demo_draws_answerable_pictures_for_a_model_that_reads_them(t
         pixels = [tuple(p) for p in np.asarray(image).reshape(-1, 3).tolist()]
         assert demo.SHADES[answers["colour"]] in pixels and answers["shape"] in demo.SHAPES
         assert pixels.count((0, 0, 0)) == 4 * int(answers["dots"])
-    demo.build_shapes(tmp_path, train_rows=4, eval_rows=2)
+        black = np.argwhere((np.asarray(image) == 0).all(-1))
+        cells = {(int(y) // demo.IMAGE_PATCH, int(x) // demo.IMAGE_PATCH) for y, x in black}
+        assert len(cells) == int(answers["dots"])  # each dot whole inside a patch of its own
+    demo.build_shapes(tmp_path, count_rows=3, train_rows=4, eval_rows=2)
+    counting = [json.loads(line) for line in (tmp_path / "shapes" / "count.jsonl").read_text().splitlines()]
+    assert len(counting) == 3 and {r["messages"][0]["content"][1]["text"] for r in counting} == {"How many dots?"}
     demo.build_vision_model(tmp_path)
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "tiny-vlm")), vision=True)
     rows = (tmp_path / "shapes" / "train.jsonl").read_text().splitlines()

@@ -421,9 +421,9 @@ def test_plan_of_a_demo_whose_model_is_not_trained_yet_trains_nothing(cache_env,
     assert (
         "== demo assets a run builds first ==\n  demo:tiny-llama-sft is not built yet: the run builds it" in proc.stdout
     )
-    assert f"name_or_path: {cache / 'demo-v4' / 'tiny-llama'}\n" in proc.stdout
+    assert f"name_or_path: {cache / 'demo-v5' / 'tiny-llama'}\n" in proc.stdout
     assert "steps per epoch:" in proc.stdout
-    built = sorted(p.name for p in (cache / "demo-v4").iterdir())
+    built = sorted(p.name for p in (cache / "demo-v5").iterdir())
     assert built == ["eval.jsonl", "rl-words-eval.jsonl", "rl-words-train.jsonl", "tiny-llama", "train.jsonl"]
 
 

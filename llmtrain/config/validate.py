@@ -103,6 +103,7 @@ DEMO_NAMES = {
     "demo:tiny-llama-teacher": "tiny-llama-teacher",
     "demo:tiny-llama-small": "tiny-llama-small",
     "demo:tiny-vlm": "tiny-vlm",
+    "demo:shapes-count": "shapes/count.jsonl",
     "demo:shapes-train": "shapes/train.jsonl",
     "demo:shapes-eval": "shapes/eval.jsonl",
 }
