@@ -904,6 +904,16 @@ def uses_demo(cfg) -> bool:
     return any(name in DEMO_NAMES for _, name in named(cfg))
 
 
+def demo_name(path: str) -> str | None:
+    """The demo: name of a built demo asset's path (a model card names it so), else None."""
+    root = cache_dir()
+    try:
+        target = Path(path).resolve()
+        return next((n for n, f in DEMO_NAMES.items() if (root / f).resolve() == target), None)
+    except (OSError, ValueError):
+        return None
+
+
 def resolve_demo_names(cfg, train: bool = True) -> list[str]:
     """Replace demo:* names in cfg (wherever it names a model or data set) with paths to the
     built assets, building them if needed. With train=False (`llmtrain plan`) the SFT model

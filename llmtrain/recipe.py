@@ -24,8 +24,8 @@ from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
 from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
-from .observe.metrics import describe_run, plot_losses
-from .output import checkpoint, rundir
+from .observe.metrics import METRICS_FILE, describe_run, plot_losses, read_metrics
+from .output import card, checkpoint, rundir
 from .output.export import model_for_sampling, sample, save_final
 from .processor import is_vision, processor_of, vision_in_every_forward
 from .train import keep_writing, setup, train
@@ -99,11 +99,31 @@ def run(name: str, argv: list[str] | None = None) -> None:
                 config = to_yaml(cfg)
                 state = training.state.state_dict() | {"settings": settings}  # what a rerun compares
                 rundir.keep_finished(cfg, accelerator)  # an earlier final/ trained otherwise is kept
+                facts = None
+                if accelerator.is_main_process:  # the model card's (final/README.md)
+                    facts = card.gather(
+                        cfg,
+                        method,
+                        training.state,
+                        training.objective.unit,
+                        accelerator,
+                        accelerator.unwrap_model(training.model),
+                        read_metrics(Path(cfg.output_dir) / METRICS_FILE),
+                        demo.demo_name,
+                    )
                 final = keep_writing(
                     training,
                     "final/",
                     lambda: save_final(
-                        accelerator, training.model, tokenizer, cfg.output_dir, config, cfg.export, state, cfg.model
+                        accelerator,
+                        training.model,
+                        tokenizer,
+                        cfg.output_dir,
+                        config,
+                        cfg.export,
+                        state,
+                        cfg.model,
+                        facts,
                     ),
                 )
                 stop.agree(accelerator, "; final/ is saved")  # a signal to one process stops all alike

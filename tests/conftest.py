@@ -4,6 +4,7 @@ base config, a finished run the tests read, and a planted link's target. Helpers
 import (launching runs, reading them, shared rows) are in tests/support/."""
 
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,10 @@ def cache_env(tmp_path_factory):
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        # DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) are compiled on first use into
+        # torch's extensions folder, by default one per user: a build by another virtualenv (a
+        # fresh clone) has other include paths, so each would rebuild them (1 to 2 minutes) in turn.
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions"),
     )
     FORKS.env = dict(env)
     yield env

@@ -47,4 +47,5 @@ FINETUNE = Method(
     describe=describe_rows,
     demo="demo.yaml",
     template="llama_full.yaml",
+    tags=lambda cfg: ["sft"],
 )

@@ -86,6 +86,9 @@ class Method:
     # them): cfg -> {key: value}, recorded beside the shared ones (checkpoint.position_settings).
     position: Callable = no_position
     plan: PlanFigures = field(default_factory=PlanFigures)
+    # What a model it trained is tagged with on the Hub (its model card, output/card.py),
+    # after "llmtrain": cfg -> tags, e.g. the objective ("sft", "dpo", "kto").
+    tags: Callable = lambda cfg: []
 
     @property
     def section(self) -> str | None:

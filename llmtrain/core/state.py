@@ -51,6 +51,12 @@ class TrainState:
     """Non-finite values the trainable weights started with (a model may carry some, say
     in an embedding row no data uses). An update that adds any stops the run, so no
     checkpoint ever holds more; a resume checks the weights it loads against it."""
+    trained: int = 0
+    """The objective's units (trained tokens for SFT: `Objective.unit`) of every step taken,
+    over all processes."""
+    seconds: float = 0.0
+    """Seconds spent in steps (skipped ones too), from drawing their batches to the update;
+    evaluations and checkpoints not included. With `trained`, what the model card reports."""
     identity: dict = field(default_factory=dict)
     """What the run is (`rundir.identity`: its recipe, its training files' content and the
     other files it reads), set by the recipe before training and saved with the state (as
@@ -65,8 +71,10 @@ class TrainState:
         train.max_consecutive_skips. An fp16 overflow is the loss scaler's own business:
         the loss and gradients passed our checks, so it ends a run of skips, and the
         window is retried under the same step number."""
+        self.seconds += result.seconds
         if result.skip is None:
             self.step += 1
+            self.trained += result.count
             self.spikes.accept(result.loss)
         if result.skip in (Skip.NONFINITE, Skip.SPIKE):
             self.skips_in_a_row += 1
@@ -84,6 +92,8 @@ class TrainState:
             "skips_in_a_row": self.skips_in_a_row,
             "recent_losses": self.spikes.recent,
             "nonfinite_weights": self.nonfinite_weights,
+            "trained": self.trained,
+            "seconds": self.seconds,
             **({"run": self.identity} if self.identity else {}),
         }
 
@@ -92,4 +102,5 @@ class TrainState:
         self.step, self.epoch, self.batches_in_epoch = (saved[k] for k in self.POSITION)
         self.skips_in_a_row = saved.get("skips_in_a_row", 0)
         self.nonfinite_weights = saved.get("nonfinite_weights", 0)
+        self.trained, self.seconds = saved.get("trained", 0), saved.get("seconds", 0.0)
         self.spikes = SpikeGuard(self.spikes.factor, self.spikes.window, saved.get("recent_losses"))

@@ -173,5 +173,6 @@ DISTILL = Method(
     demo="distill_demo.yaml",
     template="distill.yaml",
     check=check_distill,
+    tags=lambda cfg: ["distillation"],
     plan=PlanFigures(steps_per_epoch=steps_per_epoch, memory=memory),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -13,11 +14,12 @@ from ..data.rows import end_of_turn_ids, stop_ids
 from ..distributed.topology import Topology
 from ..model import auto_class, head_kwargs, hub_kwargs, is_quantized, whole_models
 from ..processor import processor_of, save_processor
+from . import card
 from .checkpoint import STATE_FILE, WriteFailed, complete_checkpoints, publish, write_failed
 
 
 def save_final(
-    accelerator, model, tokenizer, output_dir: str, config_yaml: str, export, state: dict, base=None
+    accelerator, model, tokenizer, output_dir: str, config_yaml: str, export, state: dict, base=None, facts=None
 ) -> Path:
     """final/: safetensors weights (shards of at most export.max_shard_size with an index
     when bigger), config and tokenizer (with its chat template), the run's config
@@ -26,7 +28,8 @@ def save_final(
 
     LoRA runs write the adapter to final/, or with export.merge_lora the merged model to
     final/ and the adapter to final/adapter/; `base` (the run's ModelConfig) says how the
-    base weights were loaded, for a merge that must load them again. Written beside and
+    base weights were loaded, for a merge that must load them again. With `facts` (the
+    main process's card.CardFacts) the model card, README.md, and its loss curve. Written beside and
     renamed into place; a failed write (a full disk) is one WriteFailed on every
     process."""
     final, tmp = Path(output_dir) / "final", Path(output_dir) / ".tmp-final"
@@ -41,6 +44,8 @@ def save_final(
         try:
             unwrapped = accelerator.unwrap_model(model)
             error = _write(accelerator, unwrapped, tokenizer, tmp, config_yaml, export, state, base)
+            if error is None and facts is not None:
+                card.write(tmp, facts, output_dir, local_paths(output_dir, base))
         except Exception as e:
             if not write_failed(e):
                 raise
@@ -60,6 +65,15 @@ def save_final(
     return final
 
 
+def local_paths(output_dir: str, base) -> list[str]:
+    """Folders a public file (the model card) must not name: the run's, its base model's
+    (when local), the home directory and the working directory."""
+    found = [str(Path(output_dir).resolve()), str(Path.home()), os.getcwd()]
+    if base is not None and Path(base.name_or_path).expanduser().exists():
+        found.append(str(Path(base.name_or_path).expanduser().resolve().parent))
+    return [p for p in found if p not in ("/", "")]
+
+
 def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, state: dict, base) -> str | None:
     """Everything final/ holds, into `tmp`; the main process writes. Returns what failed
     when writing a weight shard failed. Past the gathers, nothing here is a collective, so
@@ -77,6 +91,9 @@ def _write(accelerator, model, tokenizer, tmp: Path, config_yaml: str, export, s
                 config.base_model_name_or_path = str(local.resolve())
         if main:
             model.save_pretrained(tmp / "adapter" if merge else tmp, state_dict=adapter)
+            # peft writes a model card of its own, naming the base by its local path: final/
+            # has llmtrain's (card.write); the adapter's folder needs none.
+            (tmp / "adapter" / "README.md").unlink(missing_ok=True)
         if main and merge:
             # A sharded, half-precision (DeepSpeed's) or quantized training copy cannot be
             # merged in place: the base weights are loaded again, whole and in their own

@@ -151,6 +151,7 @@ DPO = Method(
     template="dpo_lora.yaml",
     check=check_dpo,
     plan=TWO_SEQUENCES,
+    tags=lambda cfg: ["dpo"] + ([cfg.dpo.loss] if cfg.dpo.loss != "sigmoid" else []),
 )
 
 REWARD = Method(
@@ -165,4 +166,5 @@ REWARD = Method(
     demo="reward_demo.yaml",
     template="reward.yaml",
     plan=TWO_SEQUENCES,
+    tags=lambda cfg: ["reward-model"],
 )

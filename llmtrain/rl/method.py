@@ -177,6 +177,7 @@ GRPO = Method(
     template="grpo.yaml",
     check=check_grpo,
     position=position,
+    tags=lambda cfg: ["grpo"] + (["tool-use"] if cfg.grpo.tools or cfg.grpo.environment else []),
     plan=PlanFigures(
         sequences=lambda cfg: cfg.grpo.num_generations,  # a prompt brings a group of completions
         # A prompt's whole group, at most max_completion_length tokens each.

@@ -115,6 +115,7 @@ def test_a_non_finite_step_changes_nothing_and_counts_as_a_skip(model, tokenizer
     state = TrainState(step=3)
     state.record(result)
     assert (state.step, state.skips_in_a_row) == (3, 1)
+    assert state.trained == 0 and state.seconds == result.seconds > 0  # its time spent, nothing trained
 
 
 def test_a_spiking_loss_is_skipped_and_an_ordinary_one_joins_the_window(model, tokenizer, accelerator):
@@ -131,6 +132,10 @@ def test_a_spiking_loss_is_skipped_and_an_ordinary_one_joins_the_window(model, t
     assert result.skip is None and math.isfinite(result.loss)
     calm.record(result)
     assert (calm.step, calm.skips_in_a_row, calm.spikes.recent) == (1, 0, [9.0, result.loss])
+    assert calm.trained == result.count > 0
+    again = TrainState()
+    again.load_state_dict(calm.state_dict())  # a resume carries the totals on
+    assert (again.trained, again.seconds) == (calm.trained, calm.seconds)
 
 
 class EvenLabels(TokenLoss):

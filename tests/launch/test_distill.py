@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from tests.support.runs import (
     assert_same_weights,
+    check_card,
     kill_run,
     launch,
     recipe_args,
@@ -209,3 +210,4 @@ def test_a_lora_student_learns_from_its_own_answers_and_exports_its_adapter(args
     assert rows[-1]["reverse_kl"] != rows[0]["reverse_kl"]  # the adapters moved the student
     final = out / "final"
     assert (final / "adapter_config.json").is_file() or (final / "adapter" / "adapter_config.json").is_file()
+    check_card(final, ["distillation", "lora"], "AutoPeftModelForCausalLM")

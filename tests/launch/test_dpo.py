@@ -13,6 +13,7 @@ from llmtrain.demo import make_pairs, write_jsonl
 from tests.support.runs import (
     DPO_RECIPE,
     assert_same_weights,
+    check_card,
     kill_run,
     launch,
     metrics,
@@ -110,6 +111,7 @@ def test_lora_uses_the_model_with_adapters_off_as_reference(args, cache_env, tmp
     assert train_rows(one)[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
     assert_same_steps(two, one, "lora", weights=False)
     assert (two / "final" / "adapter_config.json").exists()
+    assert check_card(two / "final", ["dpo", "lora"], "AutoPeftModelForCausalLM")["library_name"] == "peft"
 
 
 def test_orpo_trains_alike_on_one_process_and_two_and_resumes_exactly(args, cache_env, tmp_path):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from llmtrain.demo import make_prompts, write_jsonl
 from tests.support.runs import (
     assert_same_rounds,
+    check_card,
     kill_run,
     launch,
     launch_command,
@@ -112,6 +113,7 @@ def test_lora_measures_its_kl_against_the_adapters_off(args, cache_env, tmp_path
     assert (out / "final" / "adapter" / "adapter_config.json").is_file() or (
         out / "final" / "adapter_config.json"
     ).is_file()
+    check_card(out / "final", ["grpo", "lora"], "AutoModelForCausalLM")  # merged
 
 
 @pytest.mark.parametrize(

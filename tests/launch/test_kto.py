@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_pairs, unpaired_rows, write_jsonl
-from tests.support.runs import DPO_RECIPE, launch, metrics, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import DPO_RECIPE, check_card, launch, metrics, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -124,6 +124,7 @@ def test_kto_with_lora_takes_the_reference_with_adapters_off_alike_on_one_proces
         for key in FIGURES:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
     assert (two / "final" / "adapter_config.json").exists()
+    check_card(two / "final", ["dpo", "kto", "lora"], "AutoPeftModelForCausalLM")
 
 
 def test_kto_under_zero3_trains_like_one_process(row_files, base_config, tiny_model, cache_env, tmp_path):

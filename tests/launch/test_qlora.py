@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.runs import launch, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import check_card, launch, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")
@@ -47,6 +47,7 @@ def test_qlora_trains_resumes_exactly_and_exports(base_config, tiny_model, chat_
     for key, value in load_file(out / "final" / "adapter" / "adapter_model.safetensors").items():
         torch.testing.assert_close(value, adapter[key], rtol=0, atol=0, msg=key)
 
+    check_card(out / "final", ["sft", "qlora"], "AutoModelForCausalLM")  # merged
     merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert merged.dtype == base.dtype == torch.float32  # the base's own dtype, not 4-bit

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.demo import make_pairs, write_jsonl
-from tests.support.runs import REWARD_RECIPE, metrics, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import REWARD_RECIPE, check_card, metrics, recipe_args, rewind, run_recipe, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +103,7 @@ def test_pairs_train_alike_on_one_process_and_two_resume_exactly_and_final_score
         torch.testing.assert_close(value, w1[key], rtol=0, atol=0)
 
     chosen, rejected = plain_scores(one / "final", pair_files[1])
+    check_card(one / "final", ["reward-model"], "AutoModelForSequenceClassification")
     last = [r for r in metrics(one) if "eval_loss" in r][-1]
     assert last["eval_accuracy"] == pytest.approx(sum(c > r for c, r in zip(chosen, rejected)) / len(chosen))
     assert last["eval_rewards_chosen"] == pytest.approx(sum(chosen) / len(chosen), rel=1e-4, abs=1e-5)

@@ -23,6 +23,7 @@ from tests.support.runs import (
     ROOT,
     assert_same_rounds,
     assert_same_weights,
+    check_card,
     launch,
     recipe_args,
     rewind,
@@ -116,6 +117,9 @@ def test_each_family_trains_with_its_vision_tower_frozen_and_exports_what_transf
     assert vision and not changed & vision and changed  # the language model trained, the rest as it was
     assert (out / "final" / "processor_config.json").is_file() and (out / "final" / "chat_template.jinja").is_file()
     ask(out / "final", rows.parent / "img" / "1.png")
+    assert check_card(out / "final", ["sft", "vision-language"], "AutoModelForImageTextToText")["pipeline_tag"] == (
+        "image-text-to-text"
+    )
 
 
 @pytest.mark.parametrize(("family", "packing"), [("qwen2_5_vl", True), ("idefics3", True)])

@@ -304,3 +304,22 @@ def snapshot(out: Path) -> dict:
         for p in sorted(out.rglob("*"))
         if p.is_file() and p.name != ".llmtrain.lock"
     }
+
+
+def check_card(final: Path, tags: list[str], loads: str) -> dict:
+    """final/README.md, the model card: the Hub's front matter with `tags` among its tags, the
+    class it `loads` with, the loss curve beside it, and no absolute path anywhere in it.
+    Returns the front matter."""
+    import re
+
+    import yaml
+
+    text = (final / "README.md").read_text()
+    assert text.startswith("---\n"), text[:200]
+    meta = yaml.safe_load(text.split("---\n")[1])
+    assert set(tags) <= set(meta["tags"]) and meta["tags"][0] == "llmtrain", meta
+    assert f"{loads}.from_pretrained(path)" in text, text
+    assert not re.search(r"(^|[\s`'\"(=:])/[\w.-]+/", text, re.M), text  # no absolute path
+    assert "![loss curve](loss.png)" not in text or (final / "loss.png").is_file()
+    assert not (final / "adapter" / "README.md").exists()  # peft's card names the base by its path
+    return meta
