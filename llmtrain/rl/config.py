@@ -89,6 +89,19 @@ class GRPOSection:
     reference: Annotated[str, ASSET] = ""
     """With grpo.beta > 0 on a full fine-tune: the hub name or directory of another
     reference model; empty for the starting weights."""
+    eval_samples: Annotated[int, AT_LEAST_1] = 1
+    """Completions per evaluation prompt (data.eval). 1: one greedy completion, as the
+    baseline's and every evaluation's reward. More: that many sampled at
+    grpo.eval_temperature, seeded per (train.seed, prompt, sample) so every evaluation and
+    every process count draws the same ones; the reward is their mean, and pass@k is
+    reported for k = 1, the powers of 2 below, and this many."""
+    eval_temperature: Annotated[float, POSITIVE] = 1.0
+    """Sampling temperature of the evaluation's completions when grpo.eval_samples > 1
+    (grpo.top_p and grpo.top_k apply as in training)."""
+    eval_pass_threshold: float = 1.0
+    """A completion passes a reward function when it scores at least this (1: a verifier's
+    full score); pass@k is reported per function and for completions that pass every
+    function that scored them."""
     log_completions: int = 2
     """Completions printed (with prompt and reward) every log.every_steps steps; 0 for
     none."""

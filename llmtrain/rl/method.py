@@ -4,6 +4,8 @@ policy-gradient objective."""
 
 from __future__ import annotations
 
+import copy
+
 from ..core.logps import label_logps
 from ..core.method import Method, Parts, PlanFigures
 from ..core.objective import chunk_positions, model_inputs
@@ -74,6 +76,8 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
         generator = HFGenerator(
             tokenizer, g.max_completion_length, g.temperature, g.top_k, g.top_p, synced, cfg.data.max_image_pixels
         )
+        evaluating = copy.copy(generator)  # grpo.eval_samples > 1 samples at a temperature of its own
+        evaluating.temperature = g.eval_temperature
         settings = RolloutSettings.from_config(cfg)
         return Rollouts(
             settings,
@@ -88,6 +92,7 @@ def grpo_parts(cfg, accelerator, model, tokenizer, train_set, eval_set) -> Parts
             beat,
             eval_set,
             agent,
+            evaluating,
         )
 
     return Parts(objective, source)

@@ -42,9 +42,14 @@ from .advantages import nanstd
 from .agent import ENV_REWARD, Start
 from .correction import correction_weights, mismatch_metrics
 from .episodes import Trajectory, play
+from .passk import pass_at_k, reported_ks
 from .prompts import as_rewards_see, as_rewards_see_all, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
+
+# The pass number the evaluation's sampling seeds are drawn for (sampling.sample_seed): no
+# training pass has it, so an evaluation never repeats a training round's draws.
+EVAL_PASS = -1
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class RolloutSettings:
     correction_level: str = "token"  # grpo.importance_level
     correction_cap: float = 3.0  # grpo.importance_cap
     max_image_pixels: int = DataConfig.max_image_pixels  # data.max_image_pixels: images decoded again
+    eval_samples: int = 1  # grpo.eval_samples: completions per evaluation prompt (1: greedy)
+    eval_pass_threshold: float = 1.0  # grpo.eval_pass_threshold: the score that passes a function
 
     @classmethod
     def from_config(cls, cfg) -> RolloutSettings:
@@ -83,6 +90,8 @@ class RolloutSettings:
             correction_level=g.importance_level,
             correction_cap=g.importance_cap,
             max_image_pixels=cfg.data.max_image_pixels,
+            eval_samples=g.eval_samples,
+            eval_pass_threshold=g.eval_pass_threshold,
         )
 
     def per_round(self, world: int) -> int:
@@ -151,6 +160,7 @@ class Rollouts:
         beat,
         eval_set=None,
         agent=None,
+        eval_generator=None,
     ):
         self.settings, self.accelerator, self.model, self.tokenizer = settings, accelerator, model, tokenizer
         self.objective, self.generator, self.rewards, self.reference, self.beat = (
@@ -172,6 +182,7 @@ class Rollouts:
         self.images = "images" in getattr(self.prompts, "column_names", ())  # a vision-language model's prompts
         self.agent = agent  # agent.Agent: completions are episodes of turns with tool calls; None: one turn
         self.eval_set, self.evaluates = eval_set, eval_set is not None
+        self.eval_generator = eval_generator or generator  # grpo.eval_temperature's, for sampled evaluations
         self.eval_columns: set[str] | None = None
         names = [r.name for r in rewards] + ([ENV_REWARD] if agent is not None and agent.env_reward else [])
         self.labels = reward_labels(names)  # each reward's name in the metrics
@@ -301,20 +312,22 @@ class Rollouts:
             s.sampler_logps = None
         return samples
 
-    def play(self, examples: list[dict], seeds: list[int] | None) -> list[tuple[Start, Trajectory]]:
+    def play(self, examples: list[dict], seeds: list[int] | None, generator=None) -> list[tuple[Start, Trajectory]]:
         """The episodes of `examples` (one each; greedy turns for seeds None), each with its
-        start (agent.Start: its prompt, tools, environment)."""
+        start (agent.Start: its prompt, tools, environment), played by `generator` (the
+        training one by default)."""
+        generator = generator or self.generator
         starts = [self.agent.start(ex, self.tokenizer) for ex in examples]
         model = self.model_for_generation()
         trajectories = play(
-            self.generator,
+            generator,
             model,
             self.tokenizer,
             [st.prompt_ids for st in starts],
             seeds,
             [st.box for st in starts],
             self.agent.settings.max_turns,
-            self.generator.max_new_tokens,
+            generator.max_new_tokens,
             self.stops,
             keep_going=self.keep_going,
             shown=[st.shown for st in starts] if self.images else None,
@@ -405,11 +418,13 @@ class Rollouts:
     # --- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """The held-out reward at `step`: one greedy completion per evaluation prompt, scored
-        by every reward function (which see the training state, as in training). Each process
-        takes every world-th prompt, all in the same number of generate calls (sharded
-        models generate together)."""
-        eval_set = self.eval_set
+        """The held-out reward at `step`: grpo.eval_samples completions per evaluation prompt
+        (one greedy, or sampled with seeds of their own: the same at every evaluation and on
+        any process count), scored by every reward function (which see the training state,
+        as in training); their mean reward, each function's, and pass@k (passk.py). Each
+        process takes every world-th prompt, all in the same number of generate calls
+        (sharded models generate together)."""
+        eval_set, each = self.eval_set, self.settings.eval_samples
         n, rank = len(eval_set), self.accelerator.process_index
         if self.eval_columns is None:  # read once: the evaluation prompts stay the same
             self.eval_columns = prompt_columns(eval_set)
@@ -421,17 +436,23 @@ class Rollouts:
             self.beat(f"evaluating: generating for evaluation prompts, batch {c + 1} of {calls}")
             part = mine[c * self.micro : (c + 1) * self.micro]
             examples = [eval_set[i] for i in part] or [eval_set[0]]  # a process with none still generates
+            repeated = [e for e in examples for _ in range(each)]
+            seeds = None  # greedy
+            if each > 1:
+                seeds = [sample_seed(self.settings.seed, EVAL_PASS, i, j) for i in (part or [0]) for j in range(each)]
             if self.agent is None:
-                prompts = [list(e["prompt_ids"]) for e in examples]
-                out = self.generator.generate(self.model_for_generation(), prompts, None, **self.shown_to(examples))
+                prompts = [list(e["prompt_ids"]) for e in repeated]
+                out = self.eval_generator.generate(
+                    self.model_for_generation(), prompts, seeds, **self.shown_to(repeated)
+                )
                 samples = [Sample(0, 0, p, c) for p, c in zip(prompts, out.ids)]
                 episodes = []
             else:
-                episodes = self.play(examples, None)
+                episodes = self.play(repeated, seeds, self.eval_generator)
                 samples = [Sample(0, 0, st.prompt_ids, t.ids, sampled=t.sampled) for st, t in episodes]
             if not part:
                 continue
-            rewards, failure = self.score(examples, 1, samples, self.texts(samples, episodes), episodes, step, names)
+            rewards, failure = self.score(examples, each, samples, self.texts(samples, episodes), episodes, step, names)
             if failure:
                 raise RewardError(f"{failure} (on the evaluation prompts)")
             table.append(rewards)
@@ -439,13 +460,36 @@ class Rollouts:
         sums = torch.stack([local.nan_to_num(0).sum(0), (~local.isnan()).sum(0).float()])
         total = (local * self.weights).nansum(1)
         weighted = torch.tensor([[float(total.sum()), float(len(total))]])
-        both = torch.cat([sums.reshape(1, -1), weighted], 1).to(self.accelerator.device)
+        ks = reported_ks(each)
+        passes = self.pass_sums(local, each, ks)
+        both = torch.cat([sums.reshape(1, -1), weighted, passes.reshape(1, -1)], 1).to(self.accelerator.device)
         summed = self.accelerator.reduce(both, reduction="sum").cpu()[0]
         k = len(self.labels)
-        out = {"eval_reward": float(summed[-2] / summed[-1])}
+        out = {"eval_reward": float(summed[2 * k] / summed[2 * k + 1])}
         for i, name in enumerate(self.labels):
             if summed[k + i] > 0:
                 out[f"eval_reward_{name}"] = float(summed[i] / summed[k + i])
+        estimates = summed[2 * k + 2 :].reshape(len(ks), k + 1) / n
+        for j, size in enumerate(ks):
+            out[f"eval_pass@{size}"] = float(estimates[j, k])
+            for i, name in enumerate(self.labels):
+                out[f"eval_pass@{size}_{name}"] = float(estimates[j, i])
+        return out
+
+    def pass_sums(self, rewards: torch.Tensor, each: int, ks: list[int]) -> torch.Tensor:
+        """[len(ks), functions + 1]: pass@k summed over this process's prompts, whose `each`
+        completions are consecutive rows of `rewards` (completions x functions), per reward
+        function and, last, for completions that pass every function that scored them (one
+        at least). A completion passes a function when it scores grpo.eval_pass_threshold or
+        more; an unscored one (None) does not."""
+        scored = ~rewards.isnan()
+        passed = scored & (rewards.nan_to_num(-math.inf) >= self.settings.eval_pass_threshold)
+        every = (passed | ~scored).all(1) & scored.any(1)
+        counts = torch.cat([passed, every[:, None]], 1).reshape(-1, each, rewards.shape[1] + 1).sum(1)
+        out = torch.zeros(len(ks), rewards.shape[1] + 1, dtype=torch.float64)
+        for j, size in enumerate(ks):
+            for row in counts.tolist():
+                out[j] += torch.tensor([pass_at_k(each, int(c), size) for c in row], dtype=torch.float64)
         return out
 
     def log_probs(self, samples: list[Sample]) -> None:

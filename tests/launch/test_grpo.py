@@ -82,10 +82,18 @@ def assert_same_steps(got: Path, want: Path, name: str, weights: bool = True) ->
 RUN = ["train.max_steps=4", "grpo.num_iterations=2", "grpo.beta=0.05", "train.lr=1e-3", "log.every_steps=1"]
 
 
+# The held-out evaluation, sampled: three completions per prompt at a temperature of its own,
+# before the first step and after the last (the runs compared with one_process that leave it
+# out train alike: evaluating changes no training number).
+def sampled_eval(files) -> list[str]:
+    return [f"data.eval={files[0]}", "grpo.eval_samples=3", "grpo.eval_temperature=0.7"]
+
+
 @pytest.fixture(scope="module")
-def one_process(args, cache_env, tmp_path_factory):
+def one_process(args, cache_env, files, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-one") / "run"
-    proc = grpo(args(out, *RUN, "train.micro_batch_size=4", "checkpoint.every_steps=1"), cache_env)
+    run = [*RUN, "train.micro_batch_size=4", "checkpoint.every_steps=1", *sampled_eval(files)]
+    proc = grpo(args(out, *run), cache_env)
     assert "completion> " in proc.stdout and "global batch 4 prompts" in proc.stdout
     return out
 
@@ -122,11 +130,20 @@ def test_lora_measures_its_kl_against_the_adapters_off(args, cache_env, tmp_path
     ids=["1proc_1x4", "2proc_2x1", "2proc_1x2"],
 )
 def test_every_layout_generates_scores_and_updates_the_same(
-    args, cache_env, one_process, tmp_path, nproc, micro, accum
+    args, cache_env, files, one_process, tmp_path, nproc, micro, accum
 ):
     out = tmp_path / "run"
-    grpo(args(out, *RUN, f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"), cache_env, nproc=nproc)
+    layout = [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"]
+    grpo(args(out, *RUN, *layout, *sampled_eval(files)), cache_env, nproc=nproc)
     assert_same_steps(out, one_process, f"{nproc} x {micro} x {accum}")
+    # The sampled evaluation draws the same completions on any layout: the same mean reward
+    # and pass@k, up to the order the processes' sums are added in.
+    evals, want = [[r for r in metrics(run) if "eval_reward" in r] for run in (out, one_process)]
+    assert [r["step"] for r in evals] == [r["step"] for r in want] == [0, 4]
+    for a, b in zip(evals, want):
+        assert set(a) == set(b) and {"eval_pass@1", "eval_pass@2", "eval_pass@3_even"} <= set(a), sorted(a)
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    assert 0 < want[0]["eval_reward_even"] < 1 and want[0]["eval_pass@1"] <= want[0]["eval_pass@3"]
 
 
 # The newer entries of the loss and advantage tables, and the sampler correction (on CPU the

@@ -177,7 +177,34 @@ def test_evaluation_reads_the_set_given_at_construction(model, tokenizer):
     source = rollouts(model, tokenizer, eval_set=prompts(tokenizer, 3))
     assert source.evaluates
     out = source.evaluate(step=1)
-    assert out == {"eval_reward": pytest.approx(0.07), "eval_reward_value": pytest.approx(0.07)}
+    assert out == {  # one greedy completion ('7') each, which passes no function
+        "eval_reward": pytest.approx(0.07),
+        "eval_reward_value": pytest.approx(0.07),
+        "eval_pass@1": 0.0,
+        "eval_pass@1_value": 0.0,
+    }
+
+
+def test_sampled_evaluation_reports_the_mean_reward_and_pass_at_k_of_seeded_completions(model, tokenizer):
+    """grpo.eval_samples=4: four completions per prompt, each drawn from its own seed of
+    (train.seed, prompt, sample), the same at every evaluation; the reward is their mean and
+    pass@k the unbiased estimate from how many passed grpo.eval_pass_threshold."""
+    from math import comb
+
+    from llmtrain.rl.rollout import EVAL_PASS
+    from llmtrain.rl.sampling import sample_seed
+
+    source = rollouts(model, tokenizer, eval_set=prompts(tokenizer, 3), eval_samples=4, eval_pass_threshold=5.0)
+    out = source.evaluate(step=1)
+    scores = [[(sample_seed(5, EVAL_PASS, i, j) % 1000) / 100 for j in range(4)] for i in range(3)]
+    passed = [sum(s >= 5.0 for s in row) for row in scores]
+    assert 0 < sum(passed) < 12  # the seeds give both
+    want = {"eval_reward": sum(map(sum, scores)) / 12, "eval_reward_value": sum(map(sum, scores)) / 12}
+    for k in (1, 2, 4):
+        estimate = sum(1 - comb(4 - c, k) / comb(4, k) for c in passed) / 3
+        want |= {f"eval_pass@{k}": estimate, f"eval_pass@{k}_value": estimate}
+    assert out == pytest.approx(want)
+    assert source.evaluate(step=2) == out  # the same draws at every evaluation
 
 
 # --- multi-turn rounds: episodes with tool calls --------------------------------------
@@ -330,6 +357,19 @@ def test_multi_turn_evaluation_plays_greedy_episodes(agentic):
     assert out["eval_reward"] == pytest.approx(8.0)  # greedy: add(7, 1)
 
 
+def test_sampled_multi_turn_evaluation_plays_each_prompts_episodes_from_their_seeds(agentic):
+    from llmtrain.rl.rollout import EVAL_PASS
+    from llmtrain.rl.sampling import sample_seed
+
+    make, tok, _ = agentic
+    caller = Caller(tok)
+    out = make(caller, eval_samples=3, eval_pass_threshold=6.0).evaluate(step=0)
+    assert caller.calls == [6, 6]  # two prompts x three episodes, of two turns each
+    sums = [[sample_seed(5, EVAL_PASS, i, j) % 10 + 1 for j in range(3)] for i in range(2)]  # add(seed % 10, 1)
+    assert out["eval_reward"] == pytest.approx(sum(map(sum, sums)) / 6)
+    assert out["eval_pass@3"] == sum(any(v >= 6 for v in row) for row in sums) / 2
+
+
 def test_a_raising_hanging_or_flooding_tool_is_a_result_the_episode_goes_on_after(agentic):
     """Calls that raise, run past grpo.tool_timeout_s, or return megabytes: each is a result the
     model sees (an error, or the output cut), counted, and the episode takes its next turn."""
@@ -396,3 +436,15 @@ def test_an_environments_reward_is_a_column_of_its_own_weighted_like_a_function(
         assert ("right" if guess == secret else "higher" if guess < secret else "lower") in text
     assert source.labels == ["environment"] and m["reward_environment"] == pytest.approx(sum(won) / len(won))
     assert m["reward"] == pytest.approx(2 * sum(won) / len(won))
+
+
+def test_a_completion_passes_each_function_it_reaches_and_all_of_those_that_scored_it(model, tokenizer):
+    source = rollouts(model, tokenizer, eval_samples=2, eval_pass_threshold=1.0)
+    nan = float("nan")
+    rewards = torch.tensor(  # two prompts x two completions; functions a, b (None where unscored)
+        [[1.0, 0.0], [1.0, 1.0], [0.5, nan], [1.0, nan]]
+    )
+    sums = source.pass_sums(rewards, 2, [1, 2])
+    # pass@1 = c / 2 per prompt: a passes 2 and 1, b 1 and 0, every scoring function 1 and 1
+    assert sums[0].tolist() == [2 / 2 + 1 / 2, 1 / 2 + 0, 1 / 2 + 1 / 2]
+    assert sums[1].tolist() == [2.0, 1.0, 2.0]  # pass@2: any of the two
