@@ -509,6 +509,8 @@ def usage() -> str:
 commands:
   plan   what a run would do, without training: the data (rows kept and dropped, one
          rendered row), the model, memory per device, the launch and its batch sizes
+  eval   llmtrain eval MODEL [MODEL ...] --config F [--recipe R] [--output F.json]:
+         the recipe's held-out measures of each model, side by side with the difference
 
 training runs through the recipes (see README.md), one per method:
 {recipes}  python recipes/finetune.py --prepare-only --config F     tokenize into the cache
@@ -525,7 +527,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not argv or argv[0] != "plan":
         said = f"unknown command {argv[0]!r}; " if argv else ""
-        print(f"error: {said}the command is `llmtrain plan`; `llmtrain --help` lists what there is", file=sys.stderr)
+        print(
+            f"error: {said}the commands are `llmtrain plan` and `llmtrain eval`; `llmtrain --help` lists what there is",
+            file=sys.stderr,
+        )
         sys.exit(2)
     code = 1
     try:

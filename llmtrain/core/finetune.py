@@ -3,6 +3,8 @@ the summed cross-entropy of their trained tokens (objective.TokenLoss)."""
 
 from __future__ import annotations
 
+import math
+
 from ..config import Config
 from ..data.batches import Collator
 from ..data.build import ROWS
@@ -48,4 +50,5 @@ FINETUNE = Method(
     demo="demo.yaml",
     template="llama_full.yaml",
     tags=lambda cfg: ["sft"],
+    derived=lambda figures: {"eval_perplexity": math.exp(figures["eval_loss"])} if "eval_loss" in figures else {},
 )

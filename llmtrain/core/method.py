@@ -89,6 +89,8 @@ class Method:
     # What a model it trained is tagged with on the Hub (its model card, output/card.py),
     # after "llmtrain": cfg -> tags, e.g. the objective ("sft", "dpo", "kto").
     tags: Callable = lambda cfg: []
+    # Figures `llmtrain eval` derives from the evaluation's: figures -> more (SFT's perplexity).
+    derived: Callable = lambda figures: {}
 
     @property
     def section(self) -> str | None:

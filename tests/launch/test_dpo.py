@@ -3,6 +3,7 @@ pairs: the step is the mean over every pair of the global batch whatever its lay
 process or two, micro-batches or accumulation, padded or packed, a partial last window),
 under DDP, ZeRO-3 and LoRA; resume after a kill continues the exact run; outputs export."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from tests.support.runs import (
     check_card,
     kill_run,
     launch,
+    llmtrain_eval,
     metrics,
     recipe_args,
     rewind,
@@ -202,3 +204,17 @@ def test_preference_errors_are_one_line(args, cache_env, tmp_path, chat_file):
     assert "preference pairs need 'chosen' and 'rejected'" in proc.stderr
     proc = run_recipe(args(tmp_path / "b", "dpo.beta=0.2"), cache_env, check=False)  # finetune.py
     assert proc.returncode == 2 and "dpo: unknown key" in proc.stderr
+
+
+def test_llmtrain_eval_measures_a_trained_model_against_its_base_as_the_run_did(args, cache_env, one_process, tmp_path):
+    """`llmtrain eval` on the run's final/: the reference is the config's model (the run's
+    start), so the rewards, margins and accuracy are the run's last evaluation row's."""
+    results = tmp_path / "results.json"
+    llmtrain_eval(
+        [str(one_process / "final"), "--recipe", "dpo", "--output", str(results), *args(tmp_path / "u")], cache_env
+    )
+    got = json.loads(results.read_text())["models"][str(one_process / "final")]
+    want = {k: v for k, v in [r for r in metrics(one_process) if "eval_loss" in r][-1].items() if k != "step"}
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
+    assert "eval_rewards_accuracy" in got

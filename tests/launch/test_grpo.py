@@ -4,6 +4,7 @@ completions, rewards and update on one process or two, in any split into micro-b
 under DDP, ZeRO-3 and FSDP2; a run killed within a generation round resumes exactly;
 a broken reward function is one line."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tests.support.runs import (
     kill_run,
     launch,
     launch_command,
+    llmtrain_eval,
     metrics,
     recipe_args,
     rewind,
@@ -322,3 +324,14 @@ def test_lora_under_fsdp2_generates_and_updates_as_one_process(args, cache_env, 
     mine = load_file(fsdp / "final" / "adapter_model.safetensors")
     for key, value in load_file(one / "final" / "adapter_model.safetensors").items():
         torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_llmtrain_eval_draws_the_runs_own_sampled_evaluation(args, cache_env, files, one_process, tmp_path):
+    """`llmtrain eval` on the run's final/ with its config: the same seeded completions, so
+    the same mean reward and pass@k as the run's last evaluation row."""
+    results = tmp_path / "results.json"
+    run = args(tmp_path / "unused", *RUN, *sampled_eval(files))
+    llmtrain_eval([str(one_process / "final"), "--output", str(results), *run], cache_env)
+    got = json.loads(results.read_text())["models"][str(one_process / "final")]
+    want = {k: v for k, v in [r for r in metrics(one_process) if "eval_reward" in r][-1].items() if k != "step"}
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7) and "eval_pass@3" in got

@@ -323,3 +323,19 @@ def check_card(final: Path, tags: list[str], loads: str) -> dict:
     assert "![loss curve](loss.png)" not in text or (final / "loss.png").is_file()
     assert not (final / "adapter" / "README.md").exists()  # peft's card names the base by its path
     return meta
+
+
+LLMTRAIN = Path(sys.executable).parent / "llmtrain"  # the installed command
+
+
+def llmtrain_eval(args: list[str], env: dict, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    """`llmtrain eval *args` as a user runs it: on one process, or under `accelerate launch`
+    on `nproc` processes (DDP over gloo)."""
+    if nproc == 1:
+        proc = run_python([sys.executable, str(LLMTRAIN), "eval", *args], env, 600)
+    else:
+        command = launch_command(["eval", *args], "cpu_ddp", nproc, recipe=LLMTRAIN)
+        proc = run_python(command, launch_env(env, "cpu_ddp"), 600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"llmtrain eval failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc

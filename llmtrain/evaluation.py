@@ -1,0 +1,216 @@
+"""`llmtrain eval`: a recipe's held-out measures on any model, and two models side by side.
+
+    llmtrain eval MODEL [MODEL ...] --config F [--recipe NAME] [--output results.json] [key=value ...]
+
+Each MODEL (a run's final/, a model directory, a LoRA adapter's directory, a hub name) is
+measured as the recipe's own evaluation measures a run: on the config's held-out data
+(data.eval, or data.eval_fraction of data.train), with the config's batch sizes, through the
+method's data source and objective, so the figures are the ones a training run's evaluation
+rows would show for that model (SFT's loss, and its perplexity; preference and reward
+accuracy and margins; GRPO's reward and pass@k). A method with a reference model (DPO's)
+measures against the config's model.name_or_path, the model a run would have started from.
+
+The results are printed as a table (a column per model, then the difference of the last from
+the first) and, with --output, written as JSON. Under `accelerate launch` every process
+takes a share of the held-out data (plain data parallelism)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+from accelerate.utils import send_to_device
+from peft import PeftModel
+
+from . import demo, safefs
+from .cli import exit_past_threads, refuse_options, run_config, user_errors
+from .config.load import absolute_paths, check
+from .data.build import build_datasets
+from .distributed.backend import Backend
+from .distributed.launch import main_first, setup_accelerator
+from .distributed.topology import Topology
+from .distributed.watchdog import Watchdog
+from .errors import ConfigError, ModelError
+from .files import read_own
+from .methods import DEFAULT, METHODS, demo_config, sections
+from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer
+from .plan import recipe_named
+from .processor import is_vision, processor_of, vision_in_every_forward
+from .vision import rows_kind
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="llmtrain eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=None, help="YAML config (the run's, or one for the data)")
+    parser.add_argument(
+        "--recipe",
+        choices=sorted(METHODS),
+        default=None,
+        help=f"the recipe whose measures to take (default: the method whose own section the config sets, else "
+        f"{DEFAULT})",
+    )
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON to this file")
+    parser.add_argument("words", nargs="*", metavar="MODEL or key.sub=value")
+    args, unknown = parser.parse_known_intermixed_args(argv)
+    args.models = [w for w in args.words if "=" not in w]
+    args.overrides = [w for w in args.words if "=" in w]
+    return parser, args, unknown
+
+
+def main(argv: list[str]) -> None:
+    parser, args, unknown = parse(argv)
+    method = METHODS[args.recipe or recipe_named(args.config, args.overrides)]
+    refuse_options(unknown, argv, parser, method.schema)
+    if not args.models:
+        raise ConfigError(
+            ["llmtrain eval: name the model(s) to measure, e.g. llmtrain eval runs/demo/final --config F"]
+        )
+    cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())
+    absolute_paths(cfg)
+    if not (cfg.data.names("eval") or cfg.data.eval_fraction):
+        raise ConfigError(
+            ["data.eval: llmtrain eval measures on held-out data; give data.eval (or data.eval_fraction)"]
+        )
+    accelerator = setup_accelerator(cfg)
+    if Topology.of(accelerator).deepspeed or Topology.of(accelerator).fsdp:
+        raise ConfigError(
+            ["llmtrain eval: runs on one process or plain data parallelism (DDP); launch it without DeepSpeed or FSDP"]
+        )
+    with main_first(accelerator):
+        demo.resolve_demo_names(cfg)
+    base = cfg.model.name_or_path
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as scratch:
+        for name in args.models:
+            accelerator.print(f"measuring {name}")
+            adapter = adapter_base(name)
+            measured = model_config(cfg, method, adapter[1] if adapter else name, base, scratch)
+            results[name] = measure(method, measured, accelerator, adapter[0] if adapter else None)
+    if accelerator.is_main_process:
+        print(table(results))
+        if args.output is not None:
+            safefs.write_text(args.output, json.dumps(report(results), indent=2) + "\n")
+            print(f"wrote {args.output}")
+    accelerator.end_training()
+
+
+def model_config(cfg, method, model: str, base: str, scratch: str):
+    """The config for measuring `model`: the run's, with the model named in place of
+    model.name_or_path (a demo: name resolved), no LoRA (the model is measured as it is),
+    the reference of a method that has one (its section's `reference`) the config's own
+    model where the config names none, and a scratch output_dir (a preference run's
+    reference log-probs are kept there, never in the run's own)."""
+    out = copy.deepcopy(cfg)
+    out.model.name_or_path = model
+    out.model.lora.enabled = False
+    out.output_dir = str(Path(scratch) / str(abs(hash(model))))
+    holder = getattr(out, method.section, None) if method.section else None
+    if holder is not None and hasattr(holder, "reference") and not holder.reference and model != base:
+        holder.reference = base
+    demo.resolve_demo_names(out)
+    return out
+
+
+def adapter_base(name: str) -> tuple[str, str] | None:
+    """(the directory, its base model) for a directory of LoRA adapters only (a LoRA run's
+    final/), else None."""
+    local = Path(name).expanduser()
+    if not ((local / "adapter_config.json").is_file() and not (local / "config.json").is_file()):
+        return None
+    try:
+        base = json.loads(read_own(local / "adapter_config.json", 1 << 20))["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        base = None
+    if not isinstance(base, str) or not base:
+        raise ModelError(f"llmtrain eval: {name}/adapter_config.json names no base model (base_model_name_or_path)")
+    return str(local), base
+
+
+def measure(method, cfg, accelerator, adapter: str | None = None) -> dict[str, float]:
+    """The method's evaluation of cfg.model.name_or_path (with the LoRA `adapter` directory
+    merged into it, its tokenizer the adapter's) on cfg's held-out data, as a run's
+    evaluation row would show it at step 0 (its figures; the reward functions are told step
+    0), plus what the method derives from them (SFT's perplexity)."""
+    mcfg = check_model(cfg.model, cfg.data.max_seq_len)
+    cfg.model.attn_implementation = attention_backend(cfg.model, mcfg, cfg.data.packing, accelerator.device).name
+    check(cfg)
+    own = dataclasses.replace(cfg.model, name_or_path=adapter) if adapter else cfg.model  # the run saved its tokenizer
+    tokenizer = load_tokenizer(own, cfg.data.chat_template_text(), is_vision(mcfg))
+    check_vocab(cfg.model, mcfg, tokenizer)
+    if method.check is not None:
+        method.check(cfg, tokenizer)
+    kind = rows_kind(method.kind(cfg), tokenizer, cfg, mcfg)
+    train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
+    model = load_model(cfg.model)
+    if adapter:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    if accelerator.num_processes > 1 and processor_of(tokenizer) is not None:
+        vision_in_every_forward(model, processor_of(tokenizer))
+    parts = method.parts(cfg, accelerator, model, tokenizer, train_set, eval_set)
+    backend = Backend(accelerator, cfg.train.grad_accum_steps)
+    with Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes) as watchdog:
+        prepared = accelerator.prepare(backend.place(model))
+        data = parts.source(prepared, backend, watchdog.beat)
+        if parts.after_prepare is not None:
+            empty = send_to_device(data.empty_batch(), accelerator.device)
+            parts.after_prepare(prepared, accelerator, empty, watchdog.beat, None)
+        figures = data.evaluate(0)
+    return figures | method.derived(figures)
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    """The figures, a column per model, and with two or more the last minus the first."""
+    names = list(results)
+    keys = list(dict.fromkeys(k for figures in results.values() for k in figures))
+    columns = [column(n) for n in names]
+    header = ["", *columns] + (["difference"] if len(names) > 1 else [])
+    rows = [header]
+    for key in keys:
+        values = [results[n].get(key) for n in names]
+        row = [key] + [f"{v:.4f}" if v is not None else "-" for v in values]
+        if len(names) > 1:
+            first, last = values[0], values[-1]
+            row.append(f"{last - first:+.4f}" if first is not None and last is not None else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+    )
+
+
+def column(name: str) -> str:
+    """A model's column heading: a directory by its name, with its parent's for a run's
+    final/ or checkpoint (runs/a/final: a/final); a hub name as it is."""
+    path = Path(name.rstrip("/"))
+    if not path.is_dir():
+        return name
+    return f"{path.parent.name}/{path.name}" if path.name == "final" or path.name.startswith("step-") else path.name
+
+
+def report(results: dict[str, dict[str, float]]) -> dict:
+    """The JSON written with --output: each model's figures, and the difference of the last
+    model's from the first's where both have a figure."""
+    out: dict = {"models": results}
+    names = list(results)
+    if len(names) > 1:
+        first, last = results[names[0]], results[names[-1]]
+        out["difference"] = {k: last[k] - first[k] for k in last if k in first}
+    return out
+
+
+def run(argv: list[str]) -> None:
+    """The `llmtrain eval` command (commands.main runs it): one line for a user's mistake."""
+    code = 1
+    try:
+        with user_errors():
+            main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:  # a reward module the evaluation imported may have left a thread running
+        exit_past_threads(code)

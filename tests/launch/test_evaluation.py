@@ -1,0 +1,60 @@
+"""`llmtrain eval` (llmtrain/evaluation.py) on real runs: its figures for a model are the ones
+the run's own evaluation rows show for it, on one process and under DDP, with the difference
+between two models."""
+
+import json
+import math
+
+import pytest
+
+from tests.support.runs import llmtrain_eval, metrics, recipe_args, run_recipe
+
+
+@pytest.fixture(scope="module")
+def sft_run(base_config, tiny_model, chat_file, cache_env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    extra = [f"data.eval={chat_file}", "train.micro_batch_size=2", "train.max_steps=3", "eval.every_steps=3"]
+    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, *extra), cache_env)
+    evals = [r for r in metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    return out, evals, extra
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
+def test_eval_gives_the_runs_own_evaluation_of_the_base_and_the_trained_model(
+    sft_run, base_config, tiny_model, chat_file, cache_env, tmp_path, nproc
+):
+    out, evals, extra = sft_run
+    results = tmp_path / "results.json"
+    args = [str(tiny_model), str(out / "final"), "--config", str(base_config), "--output", str(results)]
+    args += [f"model.name_or_path={tiny_model}", f"data.train={chat_file}", *extra]
+    proc = llmtrain_eval(args, cache_env, nproc=nproc)
+    report = json.loads(results.read_text())
+    base, trained = report["models"][str(tiny_model)], report["models"][str(out / "final")]
+    assert base["eval_loss"] == pytest.approx(evals[0]["eval_loss"], rel=1e-6)  # the run's step 0: its base
+    assert trained["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-6)  # and its last step
+    assert trained["eval_perplexity"] == pytest.approx(math.exp(trained["eval_loss"]))
+    assert report["difference"]["eval_loss"] == pytest.approx(trained["eval_loss"] - base["eval_loss"])
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.split()[-1:] == ["difference"])
+    assert header.split() == [tiny_model.name, "run/final", "difference"]
+    row = next(line for line in lines if line.startswith("eval_loss "))
+    assert row.split()[1:] == [
+        f"{base['eval_loss']:.4f}",
+        f"{trained['eval_loss']:.4f}",
+        f"{trained['eval_loss'] - base['eval_loss']:+.4f}",
+    ]
+    assert not any(p.name != "run" for p in out.parent.iterdir())  # nothing written beside the run
+
+
+def test_eval_merges_a_lora_runs_adapters_into_their_base(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """A LoRA run's final/ holds adapters only: they are measured on the base they name."""
+    out = tmp_path / "lora"
+    extra = [f"data.eval={chat_file}", "train.micro_batch_size=4", "train.max_steps=2", "train.lr=1e-2"]
+    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, *extra, "model.lora.enabled=true"), cache_env)
+    assert (out / "final" / "adapter_config.json").is_file() and not (out / "final" / "config.json").exists()
+    results = tmp_path / "results.json"
+    args = [str(out / "final"), "--config", str(base_config), "--output", str(results), f"data.train={chat_file}"]
+    llmtrain_eval([*args, f"model.name_or_path={tiny_model}", *extra], cache_env)
+    got = json.loads(results.read_text())["models"][str(out / "final")]
+    assert got["eval_loss"] == pytest.approx([r for r in metrics(out) if "eval_loss" in r][-1]["eval_loss"], rel=1e-5)
