@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 from accelerate.utils import send_to_device
-from peft import PeftModel
 
 from . import demo, safefs
 from .cli import exit_past_threads, refuse_options, run_config, user_errors
@@ -147,6 +146,8 @@ def measure(method, cfg, accelerator, adapter: str | None = None) -> dict[str, f
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
     model = load_model(cfg.model)
     if adapter:
+        from peft import PeftModel  # its import takes seconds: only for adapters (llmtrain --help stays quick)
+
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     if accelerator.num_processes > 1 and processor_of(tokenizer) is not None:
         vision_in_every_forward(model, processor_of(tokenizer))

@@ -58,3 +58,28 @@ def test_eval_merges_a_lora_runs_adapters_into_their_base(base_config, tiny_mode
     llmtrain_eval([*args, f"model.name_or_path={tiny_model}", *extra], cache_env)
     got = json.loads(results.read_text())["models"][str(out / "final")]
     assert got["eval_loss"] == pytest.approx([r for r in metrics(out) if "eval_loss" in r][-1]["eval_loss"], rel=1e-5)
+
+
+def test_evaluating_changes_no_training_number(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """The same run with an evaluation after every step and without any: the same losses,
+    gradient norms and final weights, bit for bit. The model has dropout, so an evaluation
+    that left it in eval mode, or drew from the training's random state, would show."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dropped = tmp_path / "dropout-model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.config.attention_dropout = 0.2
+    model.save_pretrained(dropped)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(dropped)
+    common = ["train.micro_batch_size=2", "train.max_steps=4", "model.dropout=model"]
+    with_eval, without = tmp_path / "with", tmp_path / "without"
+    evaluating = [f"data.eval={chat_file}", "eval.every_steps=1", "eval.micro_batch_size=3"]
+    run_recipe(recipe_args(base_config, dropped, chat_file, with_eval, *common, *evaluating), cache_env)
+    run_recipe(recipe_args(base_config, dropped, chat_file, without, *common), cache_env)
+    assert len([r for r in metrics(with_eval) if "eval_loss" in r]) == 5  # before the first step and after each
+    rows = [[(r["loss"], r["grad_norm"]) for r in metrics(run) if "loss" in r] for run in (with_eval, without)]
+    assert rows[0] == rows[1] and len(rows[0]) == 4
+    mine, theirs = (load_file(run / "final" / "model.safetensors") for run in (with_eval, without))
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
