@@ -34,7 +34,7 @@ from .distributed.watchdog import Watchdog
 from .errors import CheckpointError, DataError, TrainingError, warn
 from .model import compile_blocks
 from .observe import console
-from .observe.metrics import MetricsLog, tracker_name
+from .observe.metrics import MetricsLog, tracker_kwargs, tracker_name
 from .observe.profiler import StepProfiler
 from .observe.throughput import StepMeter, peak_memory_gib
 from .output import checkpoint
@@ -145,7 +145,7 @@ def setup(
     state.nonfinite_weights = nonfinite
     log = MetricsLog(accelerator, cfg.output_dir, state.step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
-        accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg))
+        accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg), init_kwargs=tracker_kwargs(cfg))
     per_epoch = data.steps_per_epoch
     total_steps = t.total_steps(per_epoch)
     check_lengths(t, total_steps)

@@ -37,6 +37,11 @@ def cache_env(tmp_path_factory):
         # DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) are compiled on first use into
         # torch's extensions folder, by default one per user: a build by another virtualenv (a
         # fresh clone) has other include paths, so each would rebuild them (1 to 2 minutes) in turn.
+        # Trackers stay local and quiet: trackio's database and wandb's offline files in the
+        # test's own folders (a run puts wandb's under its output_dir/logs).
+        TRACKIO_DIR=str(root / "trackio"),
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
         TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions"),
     )
     FORKS.env = dict(env)

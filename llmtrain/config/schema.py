@@ -355,8 +355,11 @@ class EvalConfig:
 class LogConfig:
     every_steps: Annotated[int, AT_LEAST_1] = 1
     """Write a train row to metrics.jsonl (and the tracker) every N steps."""
-    tracker: Literal["auto", "none", "tensorboard", "wandb", "mlflow"] = "auto"
-    """Experiment tracker through Accelerate; 'auto' uses TensorBoard when installed."""
+    tracker: Literal["auto", "none", "tensorboard", "trackio", "wandb", "mlflow"] = "auto"
+    """Experiment tracker through Accelerate; 'auto' uses TensorBoard when installed. The
+    run is named after output_dir. TensorBoard writes to output_dir/logs, trackio to its own
+    local database (TRACKIO_DIR; `trackio show`), wandb to output_dir/logs/wandb (online, or
+    offline with WANDB_MODE=offline)."""
     project: str = "llmtrain"
     """Project name given to the tracker."""
     progress_bar: bool = True

@@ -289,7 +289,12 @@ def demo_name_problems(cfg) -> list[str]:
 
 
 # What Accelerate imports for each log.tracker: without it, it logs nothing and only warns.
-TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
+TRACKER_MODULES = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "trackio": ("trackio",),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
+}
 
 
 def tracker_problem(tracker: str) -> str | None:

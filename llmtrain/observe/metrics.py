@@ -25,6 +25,16 @@ def tracker_name(choice: str) -> str | None:
     return None if choice == "none" else choice
 
 
+def tracker_kwargs(cfg) -> dict:
+    """What each tracker is started with beyond the project name (Accelerate's
+    `init_trackers(init_kwargs=...)`): the run named after output_dir, wandb's files under
+    output_dir/logs (TensorBoard's are there by Accelerate's logging_dir; trackio keeps its
+    own local database, where `trackio show` finds every run)."""
+    name = Path(cfg.output_dir).name
+    logs = Path(cfg.output_dir) / "logs"
+    return {"trackio": {"name": name}, "wandb": {"name": name, "dir": str(logs)}}
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for pkg in ("llmtrain", "torch", "accelerate", "transformers", "datasets", "peft", "deepspeed"):

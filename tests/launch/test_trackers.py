@@ -1,0 +1,93 @@
+"""Each tracker llmtrain offers (log.tracker: tensorboard, trackio, wandb offline), read back
+from the files it wrote: every train row's loss and every evaluation at its step, as
+metrics.jsonl holds them, and the run's config."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.support.runs import metrics, recipe_args, run_recipe
+
+
+def tensorboard_rows(out: Path, cache_env) -> tuple[dict, dict]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found = {}
+    for events in (out / "logs").rglob("events.out.tfevents*"):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for e in acc.Scalars(tag):
+                found.setdefault(e.step, {})[tag] = e.value
+    return found, {}  # Accelerate gives TensorBoard the config as hparams, not read back here
+
+
+def trackio_rows(out: Path, cache_env) -> tuple[dict, dict]:
+    import os
+
+    os.environ["TRACKIO_DIR"] = cache_env["TRACKIO_DIR"]  # read when trackio is imported
+    from trackio.sqlite_storage import SQLiteStorage
+
+    found = {}
+    for row in SQLiteStorage.get_logs("llmtrain", out.name):
+        found.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k not in ("step", "timestamp")})
+    return found, SQLiteStorage.get_run_config("llmtrain", out.name) or {}
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a .wandb file: a 7-byte header, then LevelDB-log records (a
+    CRC, a length and a type before each chunk) in blocks of 32 KiB. Read by hand: wandb
+    0.31 no longer ships a reader in Python."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_rows(out: Path, cache_env) -> tuple[dict, dict]:
+    (path,) = (out / "logs" / "wandb").rglob("*.wandb")
+    found, config = {}, {}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            step = items.pop("_step", record.history.step.num)
+            found.setdefault(step, {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+        elif kind == "config":
+            config |= {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.config.update}
+    return found, {k: v.get("value", v) if isinstance(v, dict) else v for k, v in config.items()}
+
+
+READERS = {"tensorboard": tensorboard_rows, "trackio": trackio_rows, "wandb": wandb_rows}
+
+
+@pytest.mark.parametrize("tracker", sorted(READERS))
+def test_the_tracker_holds_every_row_of_the_run(tracker, base_config, tiny_model, chat_file, cache_env, tmp_path):
+    out = tmp_path / f"run-{tracker}"
+    extra = [f"log.tracker={tracker}", f"data.eval={chat_file}", "eval.every_steps=2", "train.max_steps=4"]
+    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, "train.micro_batch_size=2", *extra), cache_env)
+    found, config = READERS[tracker](out, cache_env)
+    rows = metrics(out)
+    for row in rows:
+        for key in ("loss", "grad_norm", "eval_loss"):
+            if key in row:
+                assert found[row["step"]][key] == pytest.approx(row[key], rel=1e-6), (tracker, row["step"], key)
+    assert sorted(s for s, r in found.items() if "eval_loss" in r) == [0, 2, 4]
+    assert sorted(s for s, r in found.items() if "loss" in r) == [1, 2, 3, 4]
+    if tracker != "tensorboard":
+        assert config["train.lr"] == 1e-3 and config["log.tracker"] == tracker, sorted(config)[:20]
