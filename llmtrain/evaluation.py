@@ -89,6 +89,8 @@ def main(argv: list[str]) -> None:
             adapter = adapter_base(name)
             measured = model_config(cfg, method, adapter[1] if adapter else name, base, scratch)
             results[name] = measure(method, measured, accelerator, adapter[0] if adapter else None)
+            if cfg.eval.lm_eval_tasks:
+                results[name] |= lm_eval_figures(measured, adapter[0] if adapter else None, accelerator)
     if accelerator.is_main_process:
         print(table(results))
         if args.output is not None:
@@ -161,6 +163,46 @@ def measure(method, cfg, accelerator, adapter: str | None = None) -> dict[str, f
             parts.after_prepare(prepared, accelerator, empty, watchdog.beat, None)
         figures = data.evaluate(0)
     return figures | method.derived(figures)
+
+
+def lm_eval_figures(cfg, adapter: str | None, accelerator) -> dict[str, float]:
+    """eval.lm_eval_tasks on cfg.model.name_or_path (with the LoRA `adapter` on it) through
+    lm-eval's Python API and its Hugging Face backend, as `lm_eval --model hf` runs them:
+    each task's metrics as '<task>/<metric>' ('<task>/<metric>,<filter>' for a filter other
+    than none); standard errors left out. Under several processes lm-eval splits the
+    requests itself; the main process gets the figures."""
+    import lm_eval  # seconds to import, and an extra: only when tasks are asked for
+    from lm_eval.tasks import TaskManager
+
+    e = cfg.eval
+    manager = TaskManager(include_path=e.lm_eval_include or None)
+    unknown = [t for t in e.lm_eval_tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {e.lm_eval_include}" if e.lm_eval_include else " (give your own with eval.lm_eval_include)"
+        raise ConfigError([f"eval.lm_eval_tasks: no task {', '.join(unknown)} in lm-eval{where}"])
+    args = {"pretrained": cfg.model.name_or_path, "dtype": cfg.model.dtype}
+    if cfg.model.trust_remote_code:
+        args["trust_remote_code"] = True
+    if adapter:
+        args["peft"] = adapter
+    results = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=args,
+        tasks=list(e.lm_eval_tasks),
+        task_manager=manager,
+        device=str(accelerator.device),
+        batch_size=e.micro_batch_size or cfg.train.micro_batch_size,
+        limit=e.lm_eval_limit or None,
+        log_samples=False,
+    )
+    out: dict[str, float] = {}
+    for task, figures in (results or {}).get("results", {}).items():
+        for key, value in figures.items():
+            metric, _, kept = key.partition(",")
+            if not kept or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            out[f"{task}/{metric}" + ("" if kept == "none" else f",{kept}")] = float(value)
+    return out
 
 
 def table(results: dict[str, dict[str, float]]) -> str:

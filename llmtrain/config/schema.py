@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -349,6 +350,19 @@ class EvalConfig:
     """User messages answered by the trained model at the end of the run (printed)."""
     sample_max_new_tokens: Annotated[int, AT_LEAST_1] = 64
     """Longest generated answer for eval.sample_prompts."""
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks `llmtrain eval` runs on each model (pip install -e
+    ".[eval]"): names lm-eval knows, or tasks defined in eval.lm_eval_include."""
+    lm_eval_include: Annotated[str, PATH] = ""
+    """A folder of lm-eval task definitions (YAML) of your own, found by name in
+    eval.lm_eval_tasks; with local data files they run offline."""
+    lm_eval_limit: Annotated[int, Bounds(0)] = 0
+    """Examples per lm-eval task (0: all): a quick look, not a score to report."""
+
+    def problems(self) -> list[str]:
+        if self.lm_eval_tasks and importlib.util.find_spec("lm_eval") is None:
+            return ['eval.lm_eval_tasks: lm-eval is not installed; pip install -e ".[eval]" (or pip install lm_eval)']
+        return []
 
 
 @dataclass
@@ -472,7 +486,7 @@ class Config:
         p = []
         if not self.output_dir:
             p.append("output_dir: required; give the directory the run writes to, e.g. output_dir=runs/my-run")
-        for section in (self.model, self.data, self.train, self.log, self.checkpoint, self.export):
+        for section in (self.model, self.data, self.train, self.eval, self.log, self.checkpoint, self.export):
             p += section.problems()
         if self.model.head != self.HEAD:
             p.append(f"model.head: this recipe trains the '{self.HEAD}' head; remove model.head={self.model.head}")

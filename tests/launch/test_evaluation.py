@@ -83,3 +83,65 @@ def test_evaluating_changes_no_training_number(base_config, tiny_model, chat_fil
     assert rows[0] == rows[1] and len(rows[0]) == 4
     mine, theirs = (load_file(run / "final" / "model.safetensors") for run in (with_eval, without))
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+LM_EVAL_TASK = """task: llmtrain_tiny_sums
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
+def test_lm_eval_tasks_score_as_lm_eval_run_by_hand(
+    sft_run, base_config, tiny_model, chat_file, cache_env, tmp_path, nproc
+):
+    """A local lm-eval task (offline: its data is a file) on the trained model: llmtrain eval
+    gives the score `lm_eval --model hf` gives, on one process and on two."""
+    import random
+    import sys
+    from pathlib import Path
+
+    from tests.support.runs import run_python
+
+    rng, rows = random.Random(0), []
+    for _ in range(12):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"question": f"What is {a} + {b}?", "choices": [str(a + b), str(a * b + 1), "0"], "answer": 0})
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "sums.yaml").write_text(LM_EVAL_TASK.format(data=tasks / "sums.jsonl"))
+    out, _, extra = sft_run
+    results = tmp_path / "results.json"
+    args = [str(out / "final"), "--config", str(base_config), "--output", str(results), f"data.train={chat_file}"]
+    args += [f"model.name_or_path={tiny_model}", *extra, "eval.lm_eval_tasks=[llmtrain_tiny_sums]"]
+    llmtrain_eval([*args, f"eval.lm_eval_include={tasks}"], cache_env, nproc=nproc)
+    got = json.loads(results.read_text())["models"][str(out / "final")]
+
+    by_hand = tmp_path / "by-hand"
+    command = [sys.executable, str(Path(sys.executable).parent / "lm_eval"), "--model", "hf"]
+    command += ["--model_args", f"pretrained={out / 'final'}", "--tasks", "llmtrain_tiny_sums"]
+    command += ["--include_path", str(tasks), "--device", "cpu", "--batch_size", "2", "--output_path", str(by_hand)]
+    proc = run_python(command, cache_env, 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (written,) = by_hand.rglob("results_*.json")
+    want = json.loads(written.read_text())["results"]["llmtrain_tiny_sums"]["acc,none"]
+    assert got["llmtrain_tiny_sums/acc"] == pytest.approx(want) and 0 <= want <= 1
+    assert "eval_loss" in got  # beside the recipe's own measures
+    if nproc == 1:  # a task lm-eval does not know: one line, naming where tasks come from
+        proc = llmtrain_eval(
+            [*args, f"eval.lm_eval_include={tasks}", "eval.lm_eval_tasks=[sumz]"], cache_env, check=False
+        )
+        error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and error == [f"error: eval.lm_eval_tasks: no task sumz in lm-eval or in {tasks}"]
