@@ -84,10 +84,10 @@ def main(argv: list[str]) -> None:
     base = cfg.model.name_or_path
     results = {}
     with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as scratch:
-        for name in args.models:
+        for i, name in enumerate(args.models):
             accelerator.print(f"measuring {name}")
             adapter = adapter_base(name)
-            measured = model_config(cfg, method, adapter[1] if adapter else name, base, scratch)
+            measured = model_config(cfg, method, adapter[1] if adapter else name, base, Path(scratch) / str(i))
             results[name] = measure(method, measured, accelerator, adapter[0] if adapter else None)
             if cfg.eval.lm_eval_tasks:
                 results[name] |= lm_eval_figures(measured, adapter[0] if adapter else None, accelerator)
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
     accelerator.end_training()
 
 
-def model_config(cfg, method, model: str, base: str, scratch: str):
+def model_config(cfg, method, model: str, base: str, scratch: Path):
     """The config for measuring `model`: the run's, with the model named in place of
     model.name_or_path (a demo: name resolved), no LoRA (the model is measured as it is),
     the reference of a method that has one (its section's `reference`) the config's own
@@ -108,7 +108,7 @@ def model_config(cfg, method, model: str, base: str, scratch: str):
     out = copy.deepcopy(cfg)
     out.model.name_or_path = model
     out.model.lora.enabled = False
-    out.output_dir = str(Path(scratch) / str(abs(hash(model))))
+    out.output_dir = str(scratch)
     holder = getattr(out, method.section, None) if method.section else None
     if holder is not None and hasattr(holder, "reference") and not holder.reference and model != base:
         holder.reference = base

@@ -25,15 +25,23 @@ def tensorboard_rows(out: Path, cache_env) -> tuple[dict, dict]:
 
 
 def trackio_rows(out: Path, cache_env) -> tuple[dict, dict]:
-    import os
+    """Read by a process of its own: trackio reads TRACKIO_DIR when imported, and this one
+    may have imported it already (TRL's trainers do) with the default."""
+    import subprocess
+    import sys
 
-    os.environ["TRACKIO_DIR"] = cache_env["TRACKIO_DIR"]  # read when trackio is imported
-    from trackio.sqlite_storage import SQLiteStorage
-
+    code = (
+        "import json, sys\n"
+        "from trackio.sqlite_storage import SQLiteStorage as S\n"
+        "print(json.dumps([S.get_logs('llmtrain', sys.argv[1]), S.get_run_config('llmtrain', sys.argv[1]) or {}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, out.name], env=cache_env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs, config = json.loads(proc.stdout.strip().splitlines()[-1])
     found = {}
-    for row in SQLiteStorage.get_logs("llmtrain", out.name):
+    for row in logs:
         found.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k not in ("step", "timestamp")})
-    return found, SQLiteStorage.get_run_config("llmtrain", out.name) or {}
+    return found, config
 
 
 def wandb_records(path: Path):
