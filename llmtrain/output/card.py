@@ -162,13 +162,25 @@ LOADING = {
         "model = AutoModelForSequenceClassification.from_pretrained(path)  # one score per sequence\n"
         "tokenizer = AutoTokenizer.from_pretrained(path)"
     ),
+    "adapter-vision": (
+        "from peft import PeftConfig, PeftModel\n"
+        "from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
+        "base = AutoModelForImageTextToText.from_pretrained(PeftConfig.from_pretrained(path).base_model_name_or_path)\n"
+        "model = PeftModel.from_pretrained(base, path)  # the base model, with this LoRA adapter\n"
+        "processor = AutoProcessor.from_pretrained(path)"
+    ),
     "adapter-classifier": (
         "from peft import AutoPeftModelForSequenceClassification\nfrom transformers import AutoTokenizer\n\n"
         "model = AutoPeftModelForSequenceClassification.from_pretrained(path)  # one score per sequence\n"
         "tokenizer = AutoTokenizer.from_pretrained(path)"
     ),
 }
-PIPELINES = {"causal-lm": "text-generation", "adapter": "text-generation", "vision": "image-text-to-text"}
+PIPELINES = {
+    "causal-lm": "text-generation",
+    "adapter": "text-generation",
+    "vision": "image-text-to-text",
+    "adapter-vision": "image-text-to-text",
+}
 
 
 def render(facts: CardFacts) -> str:
@@ -324,17 +336,9 @@ def gather(cfg, method, state, unit: str, accelerator, model, rows, demo_name=No
     inner = model.get_base_model() if hasattr(model, "peft_config") else model
     adapter = hasattr(model, "peft_config") and cfg.export.merge_lora is not True
     classifier = type(inner).__name__.endswith("ForSequenceClassification")
-    loading = (
-        "adapter-classifier"
-        if adapter and classifier
-        else "adapter"
-        if adapter
-        else "classifier"
-        if classifier
-        else "vision"
-        if is_vision(inner.config)
-        else "causal-lm"
-    )
+    kind = "classifier" if classifier else "vision" if is_vision(inner.config) else "causal-lm"
+    loading = {"classifier": "adapter-classifier", "vision": "adapter-vision", "causal-lm": "adapter"}[kind]
+    loading = loading if adapter else kind
     hashes = state.identity.get("data", {}) if isinstance(state.identity, dict) else {}
     data, hub_datasets = [], []
     for source in cfg.data.sources():
@@ -353,7 +357,7 @@ def gather(cfg, method, state, unit: str, accelerator, model, rows, demo_name=No
     tags = ["llmtrain", *method.tags(cfg)]
     if cfg.model.lora.enabled:
         tags.append("qlora" if cfg.model.quantization != "none" else "lora")
-    if loading == "vision":
+    if kind == "vision":
         tags.append("vision-language")
     base = cfg.model.name_or_path
     return CardFacts(

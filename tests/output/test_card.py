@@ -80,6 +80,8 @@ def test_an_adapter_a_local_base_and_a_reward_model_are_described_as_they_load()
     text = render(facts(loading="classifier"))
     assert "pipeline_tag" not in front_matter(text) and "AutoModelForSequenceClassification" in text
     assert "AutoModelForImageTextToText" in render(facts(loading="vision"))
+    text = render(facts(loading="adapter-vision"))
+    assert front_matter(text)["library_name"] == "peft" and "PeftModel.from_pretrained(base, path)" in text
 
 
 def test_local_paths_are_named_by_their_file_name_and_demo_assets_by_their_demo_name(tmp_path):
