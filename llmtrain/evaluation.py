@@ -24,10 +24,11 @@ import tempfile
 from pathlib import Path
 
 from accelerate.utils import send_to_device
+from safetensors.torch import load_file
 
 from . import demo, safefs
 from .cli import exit_past_threads, refuse_options, run_config, user_errors
-from .config.load import absolute_paths, check
+from .config.load import absolute_paths, check, load_config
 from .data.build import build_datasets
 from .distributed.backend import Backend
 from .distributed.launch import main_first, setup_accelerator
@@ -37,6 +38,7 @@ from .errors import ConfigError, ModelError
 from .files import read_own
 from .methods import DEFAULT, METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer
+from .output.checkpoint import STATE_FILE
 from .plan import recipe_named
 from .processor import is_vision, processor_of, vision_in_every_forward
 from .vision import rows_kind
@@ -86,9 +88,14 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as scratch:
         for i, name in enumerate(args.models):
             accelerator.print(f"measuring {name}")
-            adapter = adapter_base(name)
-            measured = model_config(cfg, method, adapter[1] if adapter else name, base, Path(scratch) / str(i))
-            results[name] = measure(method, measured, accelerator, adapter[0] if adapter else None)
+            saved = checkpoint_model(name, method)
+            adapter = None if saved else adapter_base(name)
+            target = saved.name_or_path if saved else adapter[1] if adapter else name
+            measured = model_config(cfg, method, target, base, Path(scratch) / str(i), trained=bool(adapter))
+            if saved:
+                measured.model = saved  # built as the run built it (LoRA too), then its weights loaded
+            weights = Path(name) / "model.safetensors" if saved else None
+            results[name] = measure(method, measured, accelerator, adapter[0] if adapter else None, weights)
             if cfg.eval.lm_eval_tasks:
                 results[name] |= lm_eval_figures(measured, adapter[0] if adapter else None, accelerator)
     if accelerator.is_main_process:
@@ -99,21 +106,51 @@ def main(argv: list[str]) -> None:
     accelerator.end_training()
 
 
-def model_config(cfg, method, model: str, base: str, scratch: Path):
+def model_config(cfg, method, model: str, base: str, scratch: Path, trained: bool = False):
     """The config for measuring `model`: the run's, with the model named in place of
     model.name_or_path (a demo: name resolved), no LoRA (the model is measured as it is),
     the reference of a method that has one (its section's `reference`) the config's own
-    model where the config names none, and a scratch output_dir (a preference run's
-    reference log-probs are kept there, never in the run's own)."""
+    model where the config names none and `model` is another (or `trained` weights go on
+    it), and a scratch output_dir (a preference run's reference log-probs are kept there,
+    never in the run's own)."""
     out = copy.deepcopy(cfg)
     out.model.name_or_path = model
     out.model.lora.enabled = False
     out.output_dir = str(scratch)
-    holder = getattr(out, method.section, None) if method.section else None
-    if holder is not None and hasattr(holder, "reference") and not holder.reference and model != base:
-        holder.reference = base
+    if model != base or trained:
+        refer_to(out, method, base)
     demo.resolve_demo_names(out)
     return out
+
+
+def refer_to(cfg, method, base: str) -> None:
+    """A method with a reference model (its section's `reference`, DPO's) measures against
+    `base` where the config names none: the model measured is not the one the run started
+    from, which the method would take by default."""
+    holder = getattr(cfg, method.section, None) if method.section else None
+    if holder is not None and hasattr(holder, "reference") and not holder.reference:
+        holder.reference = base
+
+
+def checkpoint_model(name: str, method):
+    """The model section of the run a checkpoint directory (checkpoints/step-N: its
+    config.yaml, train_state.json and the weights Accelerate saved) belongs to, or None for
+    another directory. A sharded or quantized run's checkpoint is refused in one line."""
+    local = Path(name).expanduser()
+    if not ((local / STATE_FILE).is_file() and (local / "config.yaml").is_file()) or (local / "config.json").exists():
+        return None
+    if not (local / "model.safetensors").is_file():
+        raise ModelError(
+            f"llmtrain eval: {name} is a checkpoint of sharded weights (DeepSpeed or FSDP2), which it cannot "
+            "load; measure the run's final/ (a resumed run exports it)"
+        )
+    try:
+        saved = load_config(local / "config.yaml", [], method.schema, sections())
+    except ConfigError as e:
+        raise ModelError(f"llmtrain eval: {name}/config.yaml cannot be read as a {method.name} run's ({e})") from None
+    if saved.model.quantization != "none":
+        raise ModelError(f"llmtrain eval: {name} is a QLoRA checkpoint; measure the run's final/ instead")
+    return saved.model
 
 
 def adapter_base(name: str) -> tuple[str, str] | None:
@@ -131,9 +168,10 @@ def adapter_base(name: str) -> tuple[str, str] | None:
     return str(local), base
 
 
-def measure(method, cfg, accelerator, adapter: str | None = None) -> dict[str, float]:
+def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path | None = None) -> dict[str, float]:
     """The method's evaluation of cfg.model.name_or_path (with the LoRA `adapter` directory
-    merged into it, its tokenizer the adapter's) on cfg's held-out data, as a run's
+    merged into it, its tokenizer the adapter's; or with a checkpoint's `weights` loaded
+    into the model cfg.model builds, LoRA merged) on cfg's held-out data, as a run's
     evaluation row would show it at step 0 (its figures; the reward functions are told step
     0), plus what the method derives from them (SFT's perplexity)."""
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
@@ -147,6 +185,12 @@ def measure(method, cfg, accelerator, adapter: str | None = None) -> dict[str, f
     kind = rows_kind(method.kind(cfg), tokenizer, cfg, mcfg)
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
     model = load_model(cfg.model)
+    if weights is not None:
+        load_weights(model, weights)
+        if hasattr(model, "peft_config"):
+            model = model.merge_and_unload()
+        cfg.model.lora.enabled = False  # measured as a whole model from here on
+        refer_to(cfg, method, cfg.model.name_or_path)  # the run's start, not these weights
     if adapter:
         from peft import PeftModel  # its import takes seconds: only for adapters (llmtrain --help stays quick)
 
@@ -203,6 +247,22 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator) -> dict[str, float]:
                 continue
             out[f"{task}/{metric}" + ("" if kept == "none" else f",{kept}")] = float(value)
     return out
+
+
+def load_weights(model, path: Path) -> None:
+    """A checkpoint's saved weights into the model its run's config builds: every weight
+    found, and none missing but those tied to one that is (an output layer tied to the
+    embedding is saved once)."""
+    state = load_file(path)
+    found = model.load_state_dict(state, strict=False)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(named[k]) for k in state if k in named}
+    missing = [k for k in found.missing_keys if k not in named or id(named[k]) not in loaded]
+    if missing or found.unexpected_keys:
+        raise ModelError(
+            f"llmtrain eval: {path} does not fit the model its run's config.yaml builds "
+            f"(missing {missing[:3]}, unexpected {found.unexpected_keys[:3]})"
+        )
 
 
 def table(results: dict[str, dict[str, float]]) -> str:

@@ -218,3 +218,19 @@ def test_llmtrain_eval_measures_a_trained_model_against_its_base_as_the_run_did(
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
     assert "eval_rewards_accuracy" in got
+
+
+def test_llmtrain_eval_measures_a_checkpoint_against_the_runs_start(args, cache_env, tmp_path):
+    out, results = tmp_path / "run", tmp_path / "results.json"
+    dpo(
+        args(out, "train.micro_batch_size=8", "train.max_steps=2", "eval.every_steps=1", "checkpoint.every_steps=1"),
+        cache_env,
+    )
+    step = out / "checkpoints" / "step-1"
+    llmtrain_eval([str(step), "--recipe", "dpo", "--output", str(results), *args(tmp_path / "u")], cache_env)
+    got = json.loads(results.read_text())["models"][str(step)]
+    want = {
+        k: v for k, v in next(r for r in metrics(out) if "eval_loss" in r and r["step"] == 1).items() if k != "step"
+    }
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
+    assert got["eval_rewards_margin"] != 0  # against the base: the checkpoint's own weights would give 0

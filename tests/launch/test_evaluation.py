@@ -14,7 +14,7 @@ from tests.support.runs import llmtrain_eval, metrics, recipe_args, run_recipe
 def sft_run(base_config, tiny_model, chat_file, cache_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "run"
     extra = [f"data.eval={chat_file}", "train.micro_batch_size=2", "train.max_steps=3", "eval.every_steps=3"]
-    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, *extra), cache_env)
+    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, *extra, "checkpoint.every_steps=3"), cache_env)
     evals = [r for r in metrics(out) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 3]
     return out, evals, extra
@@ -47,17 +47,36 @@ def test_eval_gives_the_runs_own_evaluation_of_the_base_and_the_trained_model(
     assert not any(p.name != "run" for p in out.parent.iterdir())  # nothing written beside the run
 
 
+def test_eval_loads_a_checkpoint_into_the_model_its_run_built(
+    sft_run, base_config, tiny_model, chat_file, cache_env, tmp_path
+):
+    """checkpoints/step-N holds what Accelerate saved, not a model directory: measured on the
+    model its run's config.yaml builds, with those weights."""
+    out, evals, extra = sft_run
+    results = tmp_path / "results.json"
+    step = out / "checkpoints" / "step-3"
+    args = [str(step), "--config", str(base_config), "--output", str(results), f"data.train={chat_file}"]
+    llmtrain_eval([*args, f"model.name_or_path={tiny_model}", *extra], cache_env)
+    got = json.loads(results.read_text())["models"][str(step)]
+    assert got["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-6)
+
+
 def test_eval_merges_a_lora_runs_adapters_into_their_base(base_config, tiny_model, chat_file, cache_env, tmp_path):
     """A LoRA run's final/ holds adapters only: they are measured on the base they name."""
     out = tmp_path / "lora"
     extra = [f"data.eval={chat_file}", "train.micro_batch_size=4", "train.max_steps=2", "train.lr=1e-2"]
-    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, *extra, "model.lora.enabled=true"), cache_env)
+    lora = ["model.lora.enabled=true", "checkpoint.every_steps=2"]
+    run_recipe(recipe_args(base_config, tiny_model, chat_file, out, *extra, *lora), cache_env)
     assert (out / "final" / "adapter_config.json").is_file() and not (out / "final" / "config.json").exists()
     results = tmp_path / "results.json"
     args = [str(out / "final"), "--config", str(base_config), "--output", str(results), f"data.train={chat_file}"]
     llmtrain_eval([*args, f"model.name_or_path={tiny_model}", *extra], cache_env)
     got = json.loads(results.read_text())["models"][str(out / "final")]
-    assert got["eval_loss"] == pytest.approx([r for r in metrics(out) if "eval_loss" in r][-1]["eval_loss"], rel=1e-5)
+    last = [r for r in metrics(out) if "eval_loss" in r][-1]["eval_loss"]
+    assert got["eval_loss"] == pytest.approx(last, rel=1e-5)
+    step = out / "checkpoints" / "step-2"  # its checkpoint: the adapters on the base, as the run built them
+    llmtrain_eval([str(step), *args[1:], f"model.name_or_path={tiny_model}", *extra], cache_env)
+    assert json.loads(results.read_text())["models"][str(step)]["eval_loss"] == pytest.approx(last, rel=1e-5)
 
 
 def test_evaluating_changes_no_training_number(base_config, tiny_model, chat_file, cache_env, tmp_path):
