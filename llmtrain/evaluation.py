@@ -84,6 +84,11 @@ def main(argv: list[str]) -> None:
     with main_first(accelerator):
         demo.resolve_demo_names(cfg)
     base = cfg.model.name_or_path
+    how = ""
+    if not args.recipe:
+        how = f" (the config's {method.section} section)" if method.section else " (no recipe's own section set)"
+        how += "; --recipe names another"
+    accelerator.print(f"llmtrain eval: the {method.name} recipe's measures{how}")
     results = {}
     with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as scratch:
         for i, name in enumerate(args.models):
