@@ -27,7 +27,7 @@ from accelerate.utils import send_to_device
 from safetensors.torch import load_file
 
 from . import demo, safefs
-from .cli import exit_past_threads, refuse_options, run_config, user_errors
+from .cli import refuse_options, run_config
 from .config.load import absolute_paths, check, load_config
 from .data.build import build_datasets
 from .distributed.backend import Backend
@@ -36,10 +36,10 @@ from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
 from .errors import ConfigError, ModelError
 from .files import read_own
-from .methods import DEFAULT, METHODS, demo_config, sections
+from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer
 from .output.checkpoint import STATE_FILE
-from .plan import recipe_named
+from .plan import recipe_named, recipe_option
 from .processor import is_vision, processor_of, vision_in_every_forward
 from .vision import rows_kind
 
@@ -47,13 +47,7 @@ from .vision import rows_kind
 def parse(argv: list[str]):
     parser = argparse.ArgumentParser(prog="llmtrain eval", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=None, help="YAML config (the run's, or one for the data)")
-    parser.add_argument(
-        "--recipe",
-        choices=sorted(METHODS),
-        default=None,
-        help=f"the recipe whose measures to take (default: the method whose own section the config sets, else "
-        f"{DEFAULT})",
-    )
+    recipe_option(parser, "the recipe whose measures to take")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON to this file")
     parser.add_argument("words", nargs="*", metavar="MODEL or key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)
@@ -308,17 +302,3 @@ def report(results: dict[str, dict[str, float]]) -> dict:
         first, last = results[names[0]], results[names[-1]]
         out["difference"] = {k: last[k] - first[k] for k in last if k in first}
     return out
-
-
-def run(argv: list[str]) -> None:
-    """The `llmtrain eval` command (commands.main runs it): one line for a user's mistake."""
-    code = 1
-    try:
-        with user_errors():
-            main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-        raise
-    finally:  # a reward module the evaluation imported may have left a thread running
-        exit_past_threads(code)

@@ -24,7 +24,7 @@ import yaml
 
 from . import demo
 from .attention import text_config
-from .cli import exit_past_threads, refuse_options, run_config, user_errors
+from .cli import refuse_options, run_config
 from .config import to_yaml
 from .config.load import MAX_CONFIG_BYTES, BoundedLoader, TooLarge, absolute_paths, check
 from .data.batches import EpochSampler
@@ -43,8 +43,6 @@ from .model import (
     load_tokenizer,
     meta_model,
 )
-from .observe.console import survive_closed_streams
-from .observe.quiet import quiet_bars_off_terminal
 from .processor import is_vision, processor_of
 from .train import check_lengths
 from .vision import decode, rows_kind
@@ -293,13 +291,7 @@ def plan(argv: list[str]) -> None:
         default=None,
         help="accelerate config file (default: the one `accelerate config` wrote, if any)",
     )
-    parser.add_argument(
-        "--recipe",
-        choices=sorted(METHODS),
-        default=None,
-        help=f"the recipe the config is for (default: the method whose own section ({', '.join(sections())}) the "
-        f"config or an override sets a key of, else {DEFAULT})",
-    )
+    recipe_option(parser, "the recipe the config is for")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)  # options may come after overrides
     method = METHODS[args.recipe or recipe_named(args.config, args.overrides)]
@@ -481,6 +473,18 @@ def image_patches(pixel_values, patch: int) -> int:
     return crops * (shape[-2] // patch) * (shape[-1] // patch)
 
 
+def recipe_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """--recipe, for `llmtrain plan` and `llmtrain eval`: `what` it names, and how it is found
+    when not given (`recipe_named`)."""
+    parser.add_argument(
+        "--recipe",
+        choices=sorted(METHODS),
+        default=None,
+        help=f"{what} (default: the method whose own section ({', '.join(sections())}) the config or an override "
+        f"sets a key of, else {DEFAULT})",
+    )
+
+
 def recipe_named(config: Path | None, overrides: list[str]) -> str:
     """The recipe a config is for: the method whose own section (dpo, grpo, reward, ...) its
     YAML (if one is given) has or an override sets a key of, else finetune (an unreadable
@@ -516,33 +520,3 @@ training runs through the recipes (see README.md), one per method:
 {recipes}  python recipes/finetune.py --prepare-only --config F     tokenize into the cache
   python -m llmtrain.demo score DIR                         score a model on the demo task
 with no --config and no model or data named, the recipes run the offline demo."""
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    survive_closed_streams()  # `llmtrain plan | head` ends no plan in a traceback
-    quiet_bars_off_terminal()
-    if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["plan", "-h"], ["plan", "--help"]):
-        print(usage())
-        return
-    if not argv or argv[0] != "plan":
-        said = f"unknown command {argv[0]!r}; " if argv else ""
-        print(
-            f"error: {said}the commands are `llmtrain plan` and `llmtrain eval`; `llmtrain --help` lists what there is",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    code = 1
-    try:
-        with user_errors():
-            plan(argv[1:])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-        raise
-    finally:  # a reward module plan imported may have left a thread running: plan still exits
-        exit_past_threads(code)
-
-
-if __name__ == "__main__":
-    main()

@@ -100,7 +100,8 @@ def test_the_method_owns_its_section_and_the_others_name_it(toy):
 
 
 def test_llmtrain_plan_describes_it(toy, tiny_model, chat_file, tmp_path, capsys):
-    from llmtrain.plan import Launch, count_params, main, memory_estimate
+    from llmtrain.commands import main
+    from llmtrain.plan import Launch, count_params, memory_estimate
 
     config = tmp_path / "toy.yaml"
     data = f"data:\n  train: {chat_file}\n  max_seq_len: 128\n"

@@ -2,7 +2,7 @@
 end-to-end error cases (tests/test_errors.py) start Python and import torch once rather
 than once a case. A case is [command, argv] or [command, argv, cwd]: recipes/finetune.py's
 or recipes/dpo.py's arguments, through cli.run_cli as their `__main__` runs them, or
-`llmtrain plan`'s, through plan.main as the entry point runs it. Prints {name: {"code":
+`llmtrain plan`'s, through commands.main as the entry point runs it. Prints {name: {"code":
 exit code, "stderr": what it wrote, "traceback": an exception that escaped, or ""}} as
 JSON on its last line."""
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import dpo  # noqa: E402
 import finetune  # noqa: E402
 
-from llmtrain import plan
+from llmtrain import commands
 from llmtrain.cli import run_cli
 
 
@@ -29,7 +29,7 @@ def run(command: str, argv: list[str], cwd: str | None = None) -> dict:
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             if command == "plan":
-                plan.main(["plan", *argv])
+                commands.main(["plan", *argv])
             else:
                 run_cli({"finetune": finetune.main, "dpo": dpo.main}[command], argv)
             code = 0
