@@ -260,7 +260,6 @@ def settings(cfg, section: str | None, demo_name=None) -> dict:
     """The config keys a card shows: the method's own section whole, then the training
     keys that shape the run, with every path in them public (`public_name`; a grpo.rewards
     file.py:function keeps its function)."""
-
     public = copy.deepcopy(cfg)
 
     def name(key, value, kind):
@@ -274,11 +273,8 @@ def settings(cfg, section: str | None, demo_name=None) -> dict:
     map_paths(public, name)
     out = {section: dataclasses.asdict(getattr(public, section))} if section else {}
     t, m, d = public.train, public.model, public.data
-    out["train"] = {
-        k: getattr(t, k)
-        for k in ("lr", "epochs", "max_steps", "micro_batch_size", "grad_accum_steps", "schedule", "warmup_steps")
-        + ("weight_decay", "max_grad_norm", "seed")
-    }
+    shown = ["lr", "epochs", "max_steps", "micro_batch_size", "grad_accum_steps", "schedule", "warmup_steps"]
+    out["train"] = {k: getattr(t, k) for k in [*shown, "weight_decay", "max_grad_norm", "seed"]}
     out["data"] = {"max_seq_len": d.max_seq_len, "packing": d.packing, "loss_on": d.loss_on}
     model = {"dtype": m.dtype, "quantization": m.quantization}
     if m.lora.enabled:
