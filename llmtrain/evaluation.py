@@ -41,6 +41,7 @@ from .model import attention_backend, check_model, check_vocab, load_model, load
 from .output.checkpoint import STATE_FILE
 from .plan import recipe_named, recipe_option
 from .processor import is_vision, processor_of, vision_in_every_forward
+from .rl.tasks import Tasks
 from .vision import rows_kind
 
 
@@ -49,6 +50,11 @@ def parse(argv: list[str]):
     parser.add_argument("--config", type=Path, default=None, help="YAML config (the run's, or one for the data)")
     recipe_option(parser, "the recipe whose measures to take")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON to this file")
+    parser.add_argument(
+        "--lm-eval-only",
+        action="store_true",
+        help="run eval.lm_eval_tasks alone (as a run does on each checkpoint it writes)",
+    )
     parser.add_argument("words", nargs="*", metavar="MODEL or key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)
     args.models = [w for w in args.words if "=" not in w]
@@ -66,9 +72,14 @@ def main(argv: list[str]) -> None:
         )
     cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())
     absolute_paths(cfg)
-    if not (cfg.data.names("eval") or cfg.data.eval_fraction):
+    if args.lm_eval_only and not cfg.eval.lm_eval_tasks:
+        raise ConfigError(["eval.lm_eval_tasks: --lm-eval-only runs them; name at least one"])
+    if not (cfg.data.names("eval") or cfg.data.eval_fraction or cfg.eval.tasks or cfg.eval.lm_eval_tasks):
         raise ConfigError(
-            ["data.eval: llmtrain eval measures on held-out data; give data.eval (or data.eval_fraction)"]
+            [
+                "data.eval: llmtrain eval measures on held-out data; give data.eval (or data.eval_fraction), "
+                "eval.tasks or eval.lm_eval_tasks"
+            ]
         )
     accelerator = setup_accelerator(cfg)
     if Topology.of(accelerator).deepspeed or Topology.of(accelerator).fsdp:
@@ -94,9 +105,13 @@ def main(argv: list[str]) -> None:
             if saved:
                 measured.model = saved  # built as the run built it (LoRA too), then its weights loaded
             weights = Path(name) / "model.safetensors" if saved else None
-            results[name] = measure(method, measured, accelerator, adapter[0] if adapter else None, weights)
+            results[name] = {}
+            if not args.lm_eval_only:
+                results[name] = measure(
+                    method, copy.deepcopy(measured), accelerator, adapter[0] if adapter else None, weights
+                )
             if cfg.eval.lm_eval_tasks:
-                results[name] |= lm_eval_figures(measured, adapter[0] if adapter else None, accelerator)
+                results[name] |= lm_eval_figures(measured, adapter[0] if adapter else None, accelerator, weights)
     if accelerator.is_main_process:
         print(table(results))
         if args.output is not None:
@@ -183,6 +198,7 @@ def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path 
         method.check(cfg, tokenizer)
     kind = rows_kind(method.kind(cfg), tokenizer, cfg, mcfg)
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
+    tasks = Tasks.load(cfg, accelerator, tokenizer)
     model = load_model(cfg.model)
     if weights is not None:
         load_weights(model, weights)
@@ -204,16 +220,21 @@ def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path 
         if parts.after_prepare is not None:
             empty = send_to_device(data.empty_batch(), accelerator.device)
             parts.after_prepare(prepared, accelerator, empty, watchdog.beat, None)
-        figures = data.evaluate(0)
+        figures = data.evaluate(0) if data.evaluates else {}
+        if tasks is not None:
+            tasks.bind(prepared, False, watchdog.beat)
+            figures |= tasks.evaluate(0)
     return figures | method.derived(figures)
 
 
-def lm_eval_figures(cfg, adapter: str | None, accelerator) -> dict[str, float]:
-    """eval.lm_eval_tasks on cfg.model.name_or_path (with the LoRA `adapter` on it) through
+def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Path | None = None) -> dict[str, float]:
+    """eval.lm_eval_tasks on cfg.model.name_or_path (with the LoRA `adapter` on it; or the
+    model cfg.model builds with a checkpoint's `weights` loaded, LoRA merged) through
     lm-eval's Python API and its Hugging Face backend, as `lm_eval --model hf` runs them:
     each task's metrics as '<task>/<metric>' ('<task>/<metric>,<filter>' for a filter other
     than none); standard errors left out. Under several processes lm-eval splits the
-    requests itself; the main process gets the figures."""
+    requests itself (a checkpoint's model, built here, is evaluated by the main process);
+    the main process gets the figures."""
     import lm_eval  # seconds to import, and an extra: only when tasks are asked for
     from lm_eval.tasks import TaskManager
 
@@ -228,8 +249,21 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator) -> dict[str, float]:
         args["trust_remote_code"] = True
     if adapter:
         args["peft"] = adapter
+    model = "hf"
+    if weights is not None:  # lm-eval takes a model object whole, on one process
+        if not accelerator.is_main_process:
+            accelerator.wait_for_everyone()
+            return {}
+        from lm_eval.models.huggingface import HFLM
+
+        built = load_model(cfg.model)  # as its run built it (LoRA too), then its weights
+        load_weights(built, weights)
+        built = built.merge_and_unload() if hasattr(built, "peft_config") else built
+        tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text(), False)
+        batch = e.micro_batch_size or cfg.train.micro_batch_size
+        model, args = HFLM(pretrained=built.eval(), tokenizer=tokenizer, batch_size=batch), None
     results = lm_eval.simple_evaluate(
-        model="hf",
+        model=model,
         model_args=args,
         tasks=list(e.lm_eval_tasks),
         task_manager=manager,
@@ -238,6 +272,8 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator) -> dict[str, float]:
         limit=e.lm_eval_limit or None,
         log_samples=False,
     )
+    if weights is not None:
+        accelerator.wait_for_everyone()
     out: dict[str, float] = {}
     for task, figures in (results or {}).get("results", {}).items():
         for key, value in figures.items():

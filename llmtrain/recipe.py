@@ -22,12 +22,15 @@ from .distributed.launch import main_first, setup_accelerator
 from .distributed.stop import StopRequest
 from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
+from .errors import warn
 from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer, meta_model
 from .observe.metrics import METRICS_FILE, describe_run, plot_losses, read_metrics
 from .output import card, checkpoint, rundir
+from .output.evals import CheckpointEvals
 from .output.export import model_for_sampling, sample, save_final
 from .processor import is_vision, processor_of, vision_in_every_forward
+from .rl.tasks import Tasks
 from .train import keep_writing, setup, train
 from .vision import rows_kind
 
@@ -68,6 +71,7 @@ def run(name: str, argv: list[str] | None = None) -> None:
         method.check(cfg, tokenizer)
     kind = rows_kind(method.kind(cfg), tokenizer, cfg, mcfg)
     train_set, eval_set = build_datasets(cfg, accelerator, tokenizer, kind)
+    tasks = Tasks.load(cfg, accelerator, tokenizer)  # eval.tasks' prompts and functions, before any weights
     if args.prepare_only:  # the tokenized data is in the datasets cache now
         return
     model = load_model(cfg.model, Topology.of(accelerator).zero3)
@@ -79,7 +83,8 @@ def run(name: str, argv: list[str] | None = None) -> None:
 
     # From here on a dead or hung rank ends the job within train.hang_timeout_s.
     with Watchdog(cfg.train.hang_timeout_s, accelerator.process_index, accelerator.num_processes) as watchdog:
-        training = setup(cfg, accelerator, model, parts, resume_from, stop, watchdog, settings)
+        evals = checkpoint_evals(cfg, method.name, accelerator)
+        training = setup(cfg, accelerator, model, parts, resume_from, stop, watchdog, settings, tasks, evals)
         training.state.identity = identity  # recorded in every checkpoint and final/
         if rundir.up_to_date(cfg, training.state.step, training.total_steps, accelerator.num_processes):
             accelerator.print(
@@ -140,3 +145,23 @@ def run(name: str, argv: list[str] | None = None) -> None:
             for prompt, answer in zip(prompts, answers):
                 print(f"sample> {prompt!r} -> {answer!r}")
     accelerator.end_training()  # closes trackers and the process group: last
+
+
+def checkpoint_evals(cfg, recipe: str, accelerator) -> CheckpointEvals | None:
+    """eval.lm_eval_tasks on each checkpoint (output/evals.py), where the checkpoints hold
+    whole weights `llmtrain eval` loads; else None, said once."""
+    if not cfg.eval.lm_eval_tasks:
+        return None
+    topology = Topology.of(accelerator)
+    if topology.deepspeed or topology.fsdp or cfg.model.quantization != "none":
+        warn(
+            "eval.lm_eval_tasks: a sharded (DeepSpeed, FSDP2) or quantized run's checkpoints are not evaluated as "
+            f"they are written; measure the model with llmtrain eval {cfg.output_dir}/final --config ... after the run"
+        )
+        return None
+    if not cfg.checkpoint.every_steps:
+        warn(
+            "eval.lm_eval_tasks: they run on each checkpoint, and checkpoint.every_steps=0 writes none by step; "
+            f"set it, or measure the model with llmtrain eval {cfg.output_dir}/final --config ... after the run"
+        )
+    return CheckpointEvals(cfg.output_dir, recipe, accelerator.is_main_process)

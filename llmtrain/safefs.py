@@ -50,6 +50,7 @@ OUTPUT_NAMES = (
     ".deleting-final",
     "profile",
     "logs",
+    "evals",
     "reference_logps.pt",
     ".tmp-reference_logps.pt",
 )
@@ -67,7 +68,7 @@ def link_error(path: Path, what: str = "output_dir") -> LinkError:
 
 
 # Of OUTPUT_NAMES, the directories; the others are files.
-OUTPUT_DIRS = {"checkpoints", "final", ".tmp-final", ".old-final", ".deleting-final", "profile", "logs"}
+OUTPUT_DIRS = {"checkpoints", "final", ".tmp-final", ".old-final", ".deleting-final", "profile", "logs", "evals"}
 
 
 def check_output_dir(output_dir: str | Path, names: tuple[str, ...] = OUTPUT_NAMES) -> None:
@@ -79,7 +80,7 @@ def check_output_dir(output_dir: str | Path, names: tuple[str, ...] = OUTPUT_NAM
     out = Path(output_dir)
     for name in names:
         check_entry(out / name, directory=name in OUTPUT_DIRS)
-    for sub in ("checkpoints", "profile", "logs"):
+    for sub in ("checkpoints", "profile", "logs", "evals"):
         if (out / sub).is_dir():
             for p in (out / sub).iterdir():
                 if p.is_symlink():

@@ -38,6 +38,8 @@ from .observe.metrics import MetricsLog, tracker_kwargs, tracker_name
 from .observe.profiler import StepProfiler
 from .observe.throughput import StepMeter, peak_memory_gib
 from .output import checkpoint
+from .output.evals import CheckpointEvals
+from .rl.tasks import Tasks
 
 # Fields of the metrics rows the loop writes itself (an objective's metrics join them).
 ROW_KEYS = set("step epoch loss lr grad_norm input_tokens_per_s data_wait peak_mem_gib mfu eval_loss skipped".split())  # noqa: SIM905
@@ -88,6 +90,11 @@ class Run:
     stop: StopRequest
     watchdog: Watchdog
     progress: object | None  # the progress bar, on the main process
+    tasks: Tasks | None = None  # eval.tasks, evaluated with the data source's held-out measures
+    evals: CheckpointEvals | None = None  # eval.lm_eval_tasks on each checkpoint, in a subprocess
+
+    def evaluates(self) -> bool:
+        return self.data.evaluates or self.tasks is not None
 
 
 def setup(
@@ -99,11 +106,15 @@ def setup(
     stop: StopRequest,
     watchdog: Watchdog,
     settings: dict,
+    tasks: Tasks | None = None,
+    evals: CheckpointEvals | None = None,
 ) -> Run:
     """Optimizer and `accelerator.prepare`, the method's data source (`parts.source`) and
     its `after_prepare`, then the state from `resume_from` (a checkpoint, or None for a
     fresh start), metrics and trackers. `settings`: what the data position means
-    (checkpoint.position_settings), saved with every checkpoint and checked on resume."""
+    (checkpoint.position_settings), saved with every checkpoint and checked on resume.
+    `tasks`: eval.tasks (rl/tasks.Tasks, read), given the prepared model here; `evals`: lm-eval
+    on each checkpoint (output/evals.CheckpointEvals), started here."""
     t, world, objective = cfg.train, accelerator.num_processes, parts.objective
     check_metric_names(objective)
     backend = Backend(accelerator, t.grad_accum_steps)
@@ -115,6 +126,8 @@ def setup(
     watchdog.beat("setting up the model and optimizer across processes")
     model, optimizer = accelerator.prepare(model, optimizer)
     data = parts.source(model, backend, watchdog.beat)
+    if tasks is not None:
+        tasks.bind(model, backend.topology.sharded and world > 1, watchdog.beat)
     empty = send_to_device(data.empty_batch(), accelerator.device)
     if parts.after_prepare is not None:
         with stop.deferred(after=None):  # a long pass (the reference log-probs) stops at an agreed batch
@@ -144,6 +157,8 @@ def setup(
         )
     state.nonfinite_weights = nonfinite
     log = MetricsLog(accelerator, cfg.output_dir, state.step if resume_from is not None else None)
+    if evals is not None:
+        evals.start(log, state.step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg), init_kwargs=tracker_kwargs(cfg))
     per_epoch = data.steps_per_epoch
@@ -180,6 +195,8 @@ def setup(
         stop=stop,
         watchdog=watchdog,
         progress=progress,
+        tasks=tasks,
+        evals=evals,
     )
 
 
@@ -189,7 +206,7 @@ def train(run: Run) -> Outcome:
     data met by any process stops all of them alike, after a checkpoint, with its error."""
     cfg, state = run.cfg, run.state
     try:
-        if run.data.evaluates and state.step == 0:
+        if run.evaluates() and state.step == 0:
             run_eval(run)  # the baseline the run improves on
         run.model.train()
         batches = run.data.epoch(state.epoch, state.batches_in_epoch)
@@ -224,17 +241,23 @@ def train(run: Run) -> Outcome:
             state.record(result)
             run.profiler.after(state.step)
             report(run, window, result)
+            if run.evals is not None:
+                run.evals.join()  # lm-eval on earlier checkpoints, where finished
             if result.skip is not None:
                 check_skips(run, result)
                 continue
-            if run.data.evaluates and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
+            if run.evaluates() and (state.step == run.total_steps or due(state.step, cfg.eval.every_steps)):
                 run_eval(run)
             if window.checkpoint_due or (
                 cfg.checkpoint.every_steps
                 and (state.step == run.total_steps or due(state.step, cfg.checkpoint.every_steps))
             ):
-                save_checkpoint(run)
+                path = save_checkpoint(run)
                 saved_at = time.monotonic()
+                if run.evals is not None:
+                    run.evals.launch(state.step, path)
+        if run.evals is not None:
+            run.evals.close()  # the last checkpoints' lm-eval, joined before final/
         return Outcome.FINISHED
     except BaseException:
         run.profiler.abandon()  # the error is what the user must see, not a trace write's
@@ -316,9 +339,15 @@ def run_step(run: Run, window: Window) -> StepResult:
 
 
 def run_eval(run: Run) -> None:
-    metrics = run.data.evaluate(run.state.step)
-    run.log.log({"step": run.state.step} | metrics)
+    """The data source's held-out measures and eval.tasks' figures, in one metrics row;
+    the main ones printed."""
+    state = run.state
+    metrics = run.data.evaluate(state.step) if run.data.evaluates else {}
+    if run.tasks is not None:
+        metrics |= run.tasks.evaluate(state.step, run.total_steps, state.epoch)
+    run.log.log({"step": state.step} | metrics)
     shown = {f"eval_{k}" for k in run.objective.progress_metrics} | {"eval_loss", "eval_reward"}
+    shown |= run.tasks.shown() if run.tasks is not None else set()
     line = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in shown)
     run.accelerator.print(f"step {run.state.step}: {line}")
 

@@ -6,5 +6,5 @@ from ..methods import METHODS
 from .schema import field_docs
 
 print("| key | default | meaning |\n| --- | --- | --- |")
-for key, default, doc in field_docs([m.schema for m in METHODS.values()]):
+for key, default, doc in field_docs([m.schema for m in METHODS.values()], entries=True):
     print(f"| `{key}` | `{default}` | {doc} |")

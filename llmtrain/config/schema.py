@@ -26,6 +26,7 @@ from .validate import (
     FRACTION,
     PATH,
     PATH_OR_TEXT,
+    PATHS_IN_NAME,
     POSITIVE,
     Bounds,
     chat_template_problem,
@@ -340,10 +341,39 @@ class TrainConfig:
 
 
 @dataclass
+class EvalTask:
+    """An eval.tasks entry: a generation task, prompts answered by the model and scored."""
+
+    name: str = ""
+    """The task's name: its figures are eval_<name>/reward, eval_<name>/reward_<function>,
+    eval_<name>/pass@<k> (letters, digits, _ and -)."""
+    prompts: Annotated[str, ASSET] = ""
+    """Prompt rows, as recipes/grpo.py reads them: a 'prompt' (a string or messages) and the
+    columns the reward functions read ('answer' for accuracy)."""
+    rewards: Annotated[str | list[str], PATHS_IN_NAME] = field(default_factory=lambda: ["accuracy"])
+    """Functions that score each answer, as grpo.rewards names them: accuracy, format,
+    reward_model:DIR, module:function or path/to/file.py:function."""
+    format_pattern: str = ""
+    """The regular expression the 'format' function asks a whole answer to match."""
+    samples: Annotated[int, AT_LEAST_1] = 1
+    """Answers per prompt: 1 is greedy; more are sampled at its temperature, each
+    with a seed of its own (the same at every evaluation), and give pass@k for k up to this."""
+    temperature: Annotated[float, POSITIVE] = 1.0
+    """Sampling temperature for samples > 1."""
+    max_new_tokens: Annotated[int, AT_LEAST_1] = 64
+    """Longest answer; a prompt must leave room for it within data.max_seq_len."""
+    pass_threshold: float = 1.0
+    """The score at which an answer passes a function, for pass@k."""
+
+    def reward_names(self) -> list[str]:
+        return as_list(self.rewards)
+
+
+@dataclass
 class EvalConfig:
     every_steps: int = 0
     """Evaluate every N optimizer steps too (0: only before the first step, the baseline, and
-    after the last). Needs data.eval."""
+    after the last). Needs data.eval or eval.tasks."""
     micro_batch_size: int = 0
     """Rows per evaluation forward pass; 0 uses train.micro_batch_size."""
     sample_prompts: list[str] = field(default_factory=list)
@@ -358,11 +388,28 @@ class EvalConfig:
     eval.lm_eval_tasks; with local data files they run offline."""
     lm_eval_limit: Annotated[int, Bounds(0)] = 0
     """Examples per lm-eval task (0: all): a quick look, not a score to report."""
+    tasks: list[EvalTask] = field(default_factory=list)
+    """Generation tasks, evaluated with the held-out loss (before the first step, every
+    eval.every_steps, after the last; and by `llmtrain eval`), in any recipe: a list of
+    {name, prompts, rewards, samples, ...} mappings (see eval.tasks[].* below)."""
 
     def problems(self) -> list[str]:
+        p = []
         if self.lm_eval_tasks and importlib.util.find_spec("lm_eval") is None:
-            return ['eval.lm_eval_tasks: lm-eval is not installed; pip install -e ".[eval]" (or pip install lm_eval)']
-        return []
+            p.append('eval.lm_eval_tasks: lm-eval is not installed; pip install -e ".[eval]" (or pip install lm_eval)')
+        seen = set()
+        for i, task in enumerate(self.tasks):
+            key = f"eval.tasks[{i}]"
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", task.name):
+                p.append(f"{key}.name: give a name of letters, digits, _ and - (eval_<name>/...); got {task.name!r}")
+            elif task.name in seen:
+                p.append(f"{key}.name: {task.name!r} names an earlier task too; give each task a name of its own")
+            seen.add(task.name)
+            if not task.prompts:
+                p.append(f"{key}.prompts: required; give a file of prompt rows (a 'prompt' column)")
+            if not task.reward_names():
+                p.append(f"{key}.rewards: give at least one function that scores the answers, e.g. [accuracy]")
+        return p
 
 
 @dataclass
@@ -492,8 +539,10 @@ class Config:
             p.append(f"model.head: this recipe trains the '{self.HEAD}' head; remove model.head={self.model.head}")
         if self.data.streaming and self.train.max_steps == 0:
             p.append("data.streaming: a stream's length is not known ahead; set train.max_steps")
-        if self.eval.every_steps and not (self.data.eval or self.data.eval_fraction):
-            p.append("eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0")
+        if self.eval.every_steps and not (self.data.eval or self.data.eval_fraction or self.eval.tasks):
+            p.append(
+                "eval.every_steps: set data.eval (or data.eval_fraction, or eval.tasks) too, or set eval.every_steps=0"
+            )
         if self.export.merge_lora and not self.model.lora.enabled:
             p.append("export.merge_lora: only applies with model.lora.enabled=true")
         paths = path_problems(self)  # every path key of the tree, a method's section's too
@@ -505,11 +554,12 @@ class Config:
         return p + number_problems(self)
 
 
-def field_docs(trees) -> list[tuple[str, str, str]]:
+def field_docs(trees, entries: bool = False) -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every leaf field of the given config trees
     (Config's keys first, then each tree's own), read from the source of the classes that
     declare them (a method's section lives in its wing), so the reference can never drift
-    from the schema."""
+    from the schema. With `entries`, the keys of a list of mappings' entries too
+    (eval.tasks[].name), which are given in the list, not as dotted keys."""
     docs: dict[tuple[type, str], str] = {}
     read_classes: set[type] = set()
 
@@ -535,6 +585,9 @@ def field_docs(trees) -> list[tuple[str, str, str]]:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             doc = next((docs[(c, f.name)] for c in cls.__mro__ if (c, f.name) in docs), "")
             rows.append((f"{prefix}{f.name}", json.dumps(default), doc))
+            entry = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is list else None
+            if entries and dataclasses.is_dataclass(entry):  # a list of mappings (eval.tasks): each entry's keys
+                walk(entry, f"{prefix}{f.name}[].")
 
     for cls in (Config, *trees):
         walk(cls, "")

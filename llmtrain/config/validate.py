@@ -127,6 +127,8 @@ def map_paths(node, fn, prefix: str = "") -> None:
             map_paths(value, fn, f"{key}.")
         elif (kind := path_kind(hints[f.name])) is not None:
             setattr(node, f.name, _mapped(value, key, kind, fn))
+        elif isinstance(value, list) and any(dataclasses.is_dataclass(v) for v in value):  # eval.tasks
+            setattr(node, f.name, [_entry(v, f"{key}[{i}].", fn) for i, v in enumerate(value)])
 
 
 def _mapped(value, key: str, kind: PathKey, fn):
@@ -142,6 +144,16 @@ def _mapped(value, key: str, kind: PathKey, fn):
     return fn(key, value, kind) if isinstance(value, str) else value
 
 
+def _entry(value, prefix: str, fn):
+    """A list's mapping entry (an eval.tasks entry), its path keys mapped and named by
+    their place (eval.tasks[0].prompts); a copy, never changing one another tree shares."""
+    if not dataclasses.is_dataclass(value):
+        return value
+    entry = dataclasses.replace(value)
+    map_paths(entry, fn, prefix)
+    return entry
+
+
 def iter_paths(node, prefix: str = ""):
     """(key, value, PathKey) of every path in the tree, in field order, as `map_paths` would
     see them, leaving the tree as it is."""
@@ -152,6 +164,10 @@ def iter_paths(node, prefix: str = ""):
             yield from iter_paths(value, f"{key}.")
         elif (kind := path_kind(hints[f.name])) is not None:
             yield from _entries(value, key, kind)
+        elif isinstance(value, list):  # a list of mappings (eval.tasks): each entry's, by its place
+            for i, v in enumerate(value):
+                if dataclasses.is_dataclass(v):
+                    yield from iter_paths(v, f"{key}[{i}].")
 
 
 def _entries(value, key: str, kind: PathKey):
@@ -194,6 +210,11 @@ def number_problems(node, prefix: str = "") -> list[str]:
         tp, value = hints[f.name], getattr(node, f.name)
         if dataclasses.is_dataclass(value):
             problems += number_problems(value, f"{prefix}{f.name}.")
+            continue
+        if isinstance(value, list):  # entries written as mappings (eval.tasks): each one's numbers
+            for i, entry in enumerate(value):
+                if dataclasses.is_dataclass(entry):
+                    problems += number_problems(entry, f"{prefix}{f.name}[{i}].")
             continue
         base, *extras = typing.get_args(tp) if typing.get_origin(tp) is Annotated else (tp,)
         if base in (int, float):

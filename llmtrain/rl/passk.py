@@ -11,6 +11,10 @@ are not dependencies of training."""
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one prompt from `n` completions of which `c` passed."""
@@ -31,3 +35,20 @@ def reported_ks(n: int) -> list[int]:
         ks.append(k)
         k *= 2
     return ks + [n]
+
+
+def pass_sums(rewards: torch.Tensor, each: int, ks: list[int], threshold: float) -> torch.Tensor:
+    """[len(ks), functions + 1]: pass@k summed over prompts whose `each` completions are
+    consecutive rows of `rewards` (completions x functions, NaN: unscored), per function
+    and, last, for completions that pass every function that scored them (one at least).
+    A completion passes a function when it scores `threshold` or more; an unscored one does
+    not."""
+    scored = ~rewards.isnan()
+    passed = scored & (rewards.nan_to_num(-math.inf) >= threshold)
+    every = (passed | ~scored).all(1) & scored.any(1)
+    counts = torch.cat([passed, every[:, None]], 1).reshape(-1, each, rewards.shape[1] + 1).sum(1)
+    out = torch.zeros(len(ks), rewards.shape[1] + 1, dtype=torch.float64)
+    for j, size in enumerate(ks):
+        for row in counts.tolist():
+            out[j] += torch.tensor([pass_at_k(each, int(c), size) for c in row], dtype=torch.float64)
+    return out

@@ -235,40 +235,47 @@ def prompt_kind(max_completion_length: int, check_split=None, agent=None) -> Dat
 
 def grpo_prompts(cfg, agent=None) -> DataKind:
     """recipes/grpo.py's data: prompt rows, each split's columns checked against the
-    reward functions (grpo.rewards) as soon as it is read, and, for the accuracy reward,
-    its answers: none usable is an error (the reward would teach nothing), some missing a
-    warning (their completions go unscored). With the `agent` of a multi-turn run
-    (agent.Agent), prompts render the tools their episodes may call."""
+    reward functions (grpo.rewards) as soon as it is read (`check_prompts`). With the
+    `agent` of a multi-turn run (agent.Agent), prompts render the tools their episodes may
+    call."""
 
     def check_split(key, prompts):
-        columns, usable, rows = set(), 0, 0
-        for text in prompts["columns"]:  # each row decoded once, for all three checks
-            row = json.loads(text)
-            columns |= row.keys()
-            usable += usable_answer(row.get("answer"))
-            rows += 1
-        # The sources' checks saw the columns of their first rows; here are every row's.
         files = cfg.data.names("eval" if key == "data.eval" else "train")
-        check_column_names(columns, f"{key} ({', '.join(files)}): a row")
-        conversations = any(p.startswith("[") for p in prompts["prompt"])  # each a JSON string or message list
-        try:
-            load_rewards(cfg.reward_names(), columns, cfg.grpo.format_pattern, conversations)
-        except RewardError as e:
-            raise RewardError(f"{e} ({key})") from None
-        if "accuracy" not in cfg.reward_names():
-            return
-        if usable == 0:
-            raise RewardError(
-                f"grpo.rewards: accuracy: no prompt of {key} has a usable 'answer' (text or a number), so it would "
-                "score no completion; fix the answers, or use other rewards"
-            )
-        if usable < rows:
-            warn(
-                f"grpo.rewards: accuracy: {rows - usable} of {rows} prompts of {key} have no usable 'answer' (text "
-                "or a number); their completions go unscored by it"
-            )
+        check_prompts(key, files, prompts, cfg.reward_names(), cfg.grpo.format_pattern)
 
     return prompt_kind(cfg.grpo.max_completion_length, check_split, agent)
+
+
+def check_prompts(key: str, files: list[str], prompts, names: list[str], pattern: str, rewards_key="grpo.rewards"):
+    """A split of prompts (`key`, read from `files`) against the reward functions `names`
+    (the config key `rewards_key`; the format reward's `pattern`): every row's columns,
+    and for the accuracy reward its answers: none usable is an error (the reward would
+    teach nothing), some missing a warning (their completions go unscored)."""
+    columns, usable, rows = set(), 0, 0
+    for text in prompts["columns"]:  # each row decoded once, for all three checks
+        row = json.loads(text)
+        columns |= row.keys()
+        usable += usable_answer(row.get("answer"))
+        rows += 1
+    # The sources' checks saw the columns of their first rows; here are every row's.
+    check_column_names(columns, f"{key} ({', '.join(files)}): a row")
+    conversations = any(p.startswith("[") for p in prompts["prompt"])  # each a JSON string or message list
+    try:
+        load_rewards(names, columns, pattern, conversations, rewards_key)
+    except RewardError as e:
+        raise RewardError(f"{e} ({key})") from None
+    if "accuracy" not in names:
+        return
+    if usable == 0:
+        raise RewardError(
+            f"{rewards_key}: accuracy: no prompt of {key} has a usable 'answer' (text or a number), so it would "
+            "score no completion; fix the answers, or use other rewards"
+        )
+    if usable < rows:
+        warn(
+            f"{rewards_key}: accuracy: {rows - usable} of {rows} prompts of {key} have no usable 'answer' (text "
+            "or a number); their completions go unscored by it"
+        )
 
 
 def prompt_columns(prompts) -> set[str]:

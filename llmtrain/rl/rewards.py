@@ -116,16 +116,16 @@ class RewardModelScore:
 
     batch = 16
 
-    def __init__(self, spec: str):
-        self.path = spec[len(REWARD_MODEL) :]
+    def __init__(self, spec: str, key: str = "grpo.rewards"):
+        self.path, self.key = spec[len(REWARD_MODEL) :], key
         self.model = self.tokenizer = None
         from transformers import AutoConfig
 
-        where = f"grpo.rewards: {spec}"
+        where = f"{key}: {spec}"
         try:
             config = AutoConfig.from_pretrained(self.path)
         except Exception as e:
-            given = lambda path: f"grpo.rewards=[{REWARD_MODEL}{path}]"  # noqa: E731
+            given = lambda path: f"{key}=[{REWARD_MODEL}{path}]"  # noqa: E731
             raise RewardError(str(load_error("a model config", self.path, e, where, given))) from None
         archs = getattr(config, "architectures", None) or []
         if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
@@ -148,7 +148,7 @@ class RewardModelScore:
             self.load_tokenizer()
             if not self.tokenizer.chat_template:
                 raise RewardError(
-                    f"grpo.rewards: {REWARD_MODEL}{self.path}: its tokenizer has no chat template to render the "
+                    f"{self.key}: {REWARD_MODEL}{self.path}: its tokenizer has no chat template to render the "
                     "prompts' conversations with; give it the template it was trained with (tokenizer_config.json), "
                     "or use text prompts"
                 )
@@ -195,6 +195,7 @@ class Reward:
     fn: Callable
     takes: set[str] | None  # the keyword arguments it accepts; None: any (**kwargs)
     file: str | None = None  # the user's file that defines it (None: a built-in)
+    key: str = "grpo.rewards"  # the config key that names it, for its errors
 
     def __call__(self, prompts, completions, completion_ids, columns: dict[str, list], state) -> list[float]:
         given = columns | {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
@@ -204,7 +205,7 @@ class Reward:
         # The function's own copies: an edit in place never reaches the tokens that are
         # trained, the rows, or what the next function receives (TRL passes copies too).
         given = copy.deepcopy(given)
-        with contained(f"grpo.rewards: {self.name}", RewardError, "fix the function", self.file):
+        with contained(f"{self.key}: {self.name}", RewardError, "fix the function", self.file):
             out = self.fn(**given)
         return self.checked(out, len(completions))
 
@@ -214,7 +215,7 @@ class Reward:
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{len(out)} values" if isinstance(out, (list, tuple)) else shown(out)
             raise RewardError(
-                f"grpo.rewards: {self.name} returned {got} for {n} completions; return a list with one number (or "
+                f"{self.key}: {self.name} returned {got} for {n} completions; return a list with one number (or "
                 "None) per completion"
             )
         values = []
@@ -225,7 +226,7 @@ class Reward:
                 values.append(float(v))
             else:
                 raise RewardError(
-                    f"grpo.rewards: {self.name} returned {shown(v)} for completion {i}; return a finite number "
+                    f"{self.key}: {self.name} returned {shown(v)} for completion {i}; return a finite number "
                     "(within float32's range) or None per completion"
                 )
         return values
@@ -235,12 +236,17 @@ BUILTINS = "a built-in (accuracy, format, reward_model:DIR)"
 
 
 def load_rewards(
-    names: list[str], columns: set[str] | None, format_pattern: str = "", conversations: bool = False
+    names: list[str],
+    columns: set[str] | None,
+    format_pattern: str = "",
+    conversations: bool = False,
+    key: str = "grpo.rewards",
 ) -> list[Reward]:
-    """The reward functions of grpo.rewards, checked against the data's columns (None: not
-    known yet): a parameter without a default that is neither a standard argument nor a
-    column is an error now, not at the first call; so is a reward model without a chat
-    template for prompts that are `conversations`."""
+    """The reward functions of grpo.rewards (or of the config key `key`: an evaluation
+    task's), checked against the data's columns (None: not known yet): a parameter without a
+    default that is neither a standard argument nor a column is an error now, not at the
+    first call; so is a reward model without a chat template for prompts that are
+    `conversations`."""
     rewards = []
     for name in names:
         file = None
@@ -248,16 +254,16 @@ def load_rewards(
             fn = accuracy
             if columns is not None and "answer" not in columns:
                 raise RewardError(
-                    f"grpo.rewards: accuracy compares completions with an 'answer' column, which the prompt data "
+                    f"{key}: accuracy compares completions with an 'answer' column, which the prompt data "
                     f"lacks (its columns: {sorted(columns)}); add one, or use other rewards"
                 )
         elif name == "format":
             fn = format_reward(format_pattern)
         elif name.startswith(REWARD_MODEL):
-            fn = RewardModelScore(name)
+            fn = RewardModelScore(name, key)
             fn.check_prompts(conversations)
         else:
-            fn, file = load_function(name, "grpo.rewards", RewardError, BUILTINS)
+            fn, file = load_function(name, key, RewardError, BUILTINS)
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):
@@ -268,7 +274,7 @@ def load_rewards(
             positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
             if positional_only:
                 raise RewardError(
-                    f"grpo.rewards: {name} takes {positional_only} by position only; rewards are called with keyword "
+                    f"{key}: {name} takes {positional_only} by position only; rewards are called with keyword "
                     f"arguments ({', '.join(STANDARD)}, the data's columns)"
                 )
         if params is not None and columns is not None:
@@ -282,10 +288,10 @@ def load_rewards(
             missing = [n for n in needed if n not in columns]
             if missing:
                 raise RewardError(
-                    f"grpo.rewards: {name} needs column(s) {missing}, which the prompt data lacks (its columns: "
+                    f"{key}: {name} needs column(s) {missing}, which the prompt data lacks (its columns: "
                     f"{sorted(columns)}); add them to the rows or give the parameters defaults"
                 )
-        rewards.append(Reward(name, fn, takes, file))
+        rewards.append(Reward(name, fn, takes, file, key))
     return rewards
 
 

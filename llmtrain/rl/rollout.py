@@ -42,14 +42,10 @@ from .advantages import nanstd
 from .agent import ENV_REWARD, Start
 from .correction import correction_weights, mismatch_metrics
 from .episodes import Trajectory, play
-from .passk import pass_at_k, reported_ks
+from .heldout import evaluate_prompts
 from .prompts import as_rewards_see, as_rewards_see_all, asked, decoded, prompt_columns
 from .rewards import score, trainer_state
 from .sampling import sample_seed
-
-# The pass number the evaluation's sampling seeds are drawn for (sampling.sample_seed): no
-# training pass has it, so an evaluation never repeats a training round's draws.
-EVAL_PASS = -1
 
 
 @dataclass(frozen=True)
@@ -418,79 +414,47 @@ class Rollouts:
     # --- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """The held-out reward at `step`: grpo.eval_samples completions per evaluation prompt
-        (one greedy, or sampled with seeds of their own: the same at every evaluation and on
-        any process count), scored by every reward function (which see the training state,
-        as in training); their mean reward, each function's, and pass@k (passk.py). Each
-        process takes every world-th prompt, all in the same number of generate calls
-        (sharded models generate together)."""
-        eval_set, each = self.eval_set, self.settings.eval_samples
-        n, rank = len(eval_set), self.accelerator.process_index
+        """The held-out reward at `step` (heldout.evaluate_prompts): grpo.eval_samples
+        completions per evaluation prompt (one greedy, or sampled with seeds of their own),
+        scored by every reward function (which see the training state, as in training):
+        their mean reward, each function's, and pass@k."""
+        each = self.settings.eval_samples
         if self.eval_columns is None:  # read once: the evaluation prompts stay the same
-            self.eval_columns = prompt_columns(eval_set)
-        names = self.eval_columns
-        mine = list(range(rank, n, self.world))
-        calls = math.ceil(math.ceil(n / self.world) / self.micro)
-        table = []
-        for c in range(calls):
-            self.beat(f"evaluating: generating for evaluation prompts, batch {c + 1} of {calls}")
-            part = mine[c * self.micro : (c + 1) * self.micro]
-            examples = [eval_set[i] for i in part] or [eval_set[0]]  # a process with none still generates
+            self.eval_columns = prompt_columns(self.eval_set)
+
+        def draw(examples: list[dict], seeds: list[int] | None):
             repeated = [e for e in examples for _ in range(each)]
-            seeds = None  # greedy
-            if each > 1:
-                seeds = [sample_seed(self.settings.seed, EVAL_PASS, i, j) for i in (part or [0]) for j in range(each)]
             if self.agent is None:
                 prompts = [list(e["prompt_ids"]) for e in repeated]
                 out = self.eval_generator.generate(
                     self.model_for_generation(), prompts, seeds, **self.shown_to(repeated)
                 )
-                samples = [Sample(0, 0, p, c) for p, c in zip(prompts, out.ids)]
-                episodes = []
-            else:
-                episodes = self.play(repeated, seeds, self.eval_generator)
-                samples = [Sample(0, 0, st.prompt_ids, t.ids, sampled=t.sampled) for st, t in episodes]
-            if not part:
-                continue
-            rewards, failure = self.score(examples, each, samples, self.texts(samples, episodes), episodes, step, names)
-            if failure:
-                raise RewardError(f"{failure} (on the evaluation prompts)")
-            table.append(rewards)
-        local = torch.cat(table) if table else torch.zeros(0, len(self.labels))
-        sums = torch.stack([local.nan_to_num(0).sum(0), (~local.isnan()).sum(0).float()])
-        total = (local * self.weights).nansum(1)
-        weighted = torch.tensor([[float(total.sum()), float(len(total))]])
-        ks = reported_ks(each)
-        passes = self.pass_sums(local, each, ks)
-        both = torch.cat([sums.reshape(1, -1), weighted, passes.reshape(1, -1)], 1).to(self.accelerator.device)
-        summed = self.accelerator.reduce(both, reduction="sum").cpu()[0]
-        k = len(self.labels)
-        out = {"eval_reward": float(summed[2 * k] / summed[2 * k + 1])}
-        for i, name in enumerate(self.labels):
-            if summed[k + i] > 0:
-                out[f"eval_reward_{name}"] = float(summed[i] / summed[k + i])
-        estimates = summed[2 * k + 2 :].reshape(len(ks), k + 1) / n
-        for j, size in enumerate(ks):
-            out[f"eval_pass@{size}"] = float(estimates[j, k])
-            for i, name in enumerate(self.labels):
-                out[f"eval_pass@{size}_{name}"] = float(estimates[j, i])
-        return out
+                return [Sample(0, 0, p, c) for p, c in zip(prompts, out.ids)], []
+            episodes = self.play(repeated, seeds, self.eval_generator)
+            return [Sample(0, 0, st.prompt_ids, t.ids, sampled=t.sampled) for st, t in episodes], episodes
 
-    def pass_sums(self, rewards: torch.Tensor, each: int, ks: list[int]) -> torch.Tensor:
-        """[len(ks), functions + 1]: pass@k summed over this process's prompts, whose `each`
-        completions are consecutive rows of `rewards` (completions x functions), per reward
-        function and, last, for completions that pass every function that scored them (one
-        at least). A completion passes a function when it scores grpo.eval_pass_threshold or
-        more; an unscored one (None) does not."""
-        scored = ~rewards.isnan()
-        passed = scored & (rewards.nan_to_num(-math.inf) >= self.settings.eval_pass_threshold)
-        every = (passed | ~scored).all(1) & scored.any(1)
-        counts = torch.cat([passed, every[:, None]], 1).reshape(-1, each, rewards.shape[1] + 1).sum(1)
-        out = torch.zeros(len(ks), rewards.shape[1] + 1, dtype=torch.float64)
-        for j, size in enumerate(ks):
-            for row in counts.tolist():
-                out[j] += torch.tensor([pass_at_k(each, int(c), size) for c in row], dtype=torch.float64)
-        return out
+        def scored(examples: list[dict], drawn) -> torch.Tensor:
+            samples, episodes = drawn
+            texts = self.texts(samples, episodes)
+            rewards, failure = self.score(examples, each, samples, texts, episodes, step, self.eval_columns)
+            if failure:
+                raise RewardError(failure)
+            return rewards
+
+        s = self.settings
+        return evaluate_prompts(
+            self.eval_set,
+            each,
+            s.seed,
+            self.micro,
+            self.accelerator,
+            draw,
+            scored,
+            self.labels,
+            self.weights,
+            s.eval_pass_threshold,
+            self.beat,
+        )
 
     def log_probs(self, samples: list[Sample]) -> None:
         """old_logps (needed from a round's second step on, and by the sampler correction) and

@@ -430,7 +430,7 @@ def test_a_number_out_of_its_range_gets_that_problem_alone():
     with pytest.raises(ConfigError) as e:  # a meant value still gets the check between keys
         load_config(None, ["model.name_or_path=m", "data.train=d.jsonl", "eval.every_steps=5"])
     assert e.value.problems == [
-        "eval.every_steps: set data.eval (or data.eval_fraction) too, or set eval.every_steps=0"
+        "eval.every_steps: set data.eval (or data.eval_fraction, or eval.tasks) too, or set eval.every_steps=0"
     ]
 
 

@@ -1,8 +1,9 @@
 from math import comb
 
 import pytest
+import torch
 
-from llmtrain.rl.passk import pass_at_k, reported_ks
+from llmtrain.rl.passk import pass_at_k, pass_sums, reported_ks
 
 
 def test_pass_at_k_is_the_unbiased_estimators_closed_form():
@@ -20,3 +21,14 @@ def test_pass_at_k_is_the_unbiased_estimators_closed_form():
 def test_the_reported_ks_are_one_the_powers_of_two_below_n_and_n():
     assert reported_ks(1) == [1] and reported_ks(2) == [1, 2] and reported_ks(5) == [1, 2, 4, 5]
     assert reported_ks(8) == [1, 2, 4, 8]
+
+
+def test_a_completion_passes_each_function_it_reaches_and_all_of_those_that_scored_it():
+    nan = float("nan")
+    rewards = torch.tensor(  # two prompts x two completions; functions a, b (None where unscored)
+        [[1.0, 0.0], [1.0, 1.0], [0.5, nan], [1.0, nan]]
+    )
+    sums = pass_sums(rewards, 2, [1, 2], threshold=1.0)
+    # pass@1 = c / 2 per prompt: a passes 2 and 1, b 1 and 0, every scoring function 1 and 1
+    assert sums[0].tolist() == [2 / 2 + 1 / 2, 1 / 2 + 0, 1 / 2 + 1 / 2]
+    assert sums[1].tolist() == [2.0, 1.0, 2.0]  # pass@2: any of the two

@@ -191,7 +191,7 @@ def test_sampled_evaluation_reports_the_mean_reward_and_pass_at_k_of_seeded_comp
     pass@k the unbiased estimate from how many passed grpo.eval_pass_threshold."""
     from math import comb
 
-    from llmtrain.rl.rollout import EVAL_PASS
+    from llmtrain.rl.heldout import EVAL_PASS
     from llmtrain.rl.sampling import sample_seed
 
     source = rollouts(model, tokenizer, eval_set=prompts(tokenizer, 3), eval_samples=4, eval_pass_threshold=5.0)
@@ -358,7 +358,7 @@ def test_multi_turn_evaluation_plays_greedy_episodes(agentic):
 
 
 def test_sampled_multi_turn_evaluation_plays_each_prompts_episodes_from_their_seeds(agentic):
-    from llmtrain.rl.rollout import EVAL_PASS
+    from llmtrain.rl.heldout import EVAL_PASS
     from llmtrain.rl.sampling import sample_seed
 
     make, tok, _ = agentic
@@ -436,15 +436,3 @@ def test_an_environments_reward_is_a_column_of_its_own_weighted_like_a_function(
         assert ("right" if guess == secret else "higher" if guess < secret else "lower") in text
     assert source.labels == ["environment"] and m["reward_environment"] == pytest.approx(sum(won) / len(won))
     assert m["reward"] == pytest.approx(2 * sum(won) / len(won))
-
-
-def test_a_completion_passes_each_function_it_reaches_and_all_of_those_that_scored_it(model, tokenizer):
-    source = rollouts(model, tokenizer, eval_samples=2, eval_pass_threshold=1.0)
-    nan = float("nan")
-    rewards = torch.tensor(  # two prompts x two completions; functions a, b (None where unscored)
-        [[1.0, 0.0], [1.0, 1.0], [0.5, nan], [1.0, nan]]
-    )
-    sums = source.pass_sums(rewards, 2, [1, 2])
-    # pass@1 = c / 2 per prompt: a passes 2 and 1, b 1 and 0, every scoring function 1 and 1
-    assert sums[0].tolist() == [2 / 2 + 1 / 2, 1 / 2 + 0, 1 / 2 + 1 / 2]
-    assert sums[1].tolist() == [2.0, 1.0, 2.0]  # pass@2: any of the two
