@@ -38,7 +38,7 @@ from .errors import ConfigError, ModelError
 from .files import read_own
 from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, check_vocab, load_model, load_tokenizer
-from .output.checkpoint import STATE_FILE
+from .output.checkpoint import STATE_FILE, check_pickles
 from .plan import recipe_named, recipe_option
 from .processor import is_vision, processor_of, vision_in_every_forward
 from .rl.tasks import Tasks
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
             measured = model_config(cfg, method, target, base, Path(scratch) / str(i), trained=bool(adapter))
             if saved:
                 measured.model = saved  # built as the run built it (LoRA too), then its weights loaded
-            weights = Path(name) / "model.safetensors" if saved else None
+            weights = Path(name).expanduser() if saved else None
             results[name] = {}
             if not args.lm_eval_only:
                 results[name] = measure(
@@ -149,15 +149,10 @@ def refer_to(cfg, method, base: str) -> None:
 def checkpoint_model(name: str, method):
     """The model section of the run a checkpoint directory (checkpoints/step-N: its
     config.yaml, train_state.json and the weights Accelerate saved) belongs to, or None for
-    another directory. A sharded or quantized run's checkpoint is refused in one line."""
+    another directory. A QLoRA run's checkpoint is refused in one line."""
     local = Path(name).expanduser()
     if not ((local / STATE_FILE).is_file() and (local / "config.yaml").is_file()) or (local / "config.json").exists():
         return None
-    if not (local / "model.safetensors").is_file():
-        raise ModelError(
-            f"llmtrain eval: {name} is a checkpoint of sharded weights (DeepSpeed or FSDP2), which it cannot "
-            "load; measure the run's final/ (a resumed run exports it)"
-        )
     try:
         saved = load_config(local / "config.yaml", [], method.schema, sections())
     except ConfigError as e:
@@ -184,8 +179,8 @@ def adapter_base(name: str) -> tuple[str, str] | None:
 
 def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path | None = None) -> dict[str, float]:
     """The method's evaluation of cfg.model.name_or_path (with the LoRA `adapter` directory
-    merged into it, its tokenizer the adapter's; or with a checkpoint's `weights` loaded
-    into the model cfg.model builds, LoRA merged) on cfg's held-out data, as a run's
+    merged into it, its tokenizer the adapter's; or with the weights of the checkpoint
+    directory `weights` loaded into the model cfg.model builds, LoRA merged) on cfg's held-out data, as a run's
     evaluation row would show it at step 0 (its figures; the reward functions are told step
     0), plus what the method derives from them (SFT's perplexity)."""
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
@@ -201,7 +196,7 @@ def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path 
     tasks = Tasks.load(cfg, accelerator, tokenizer)
     model = load_model(cfg.model)
     if weights is not None:
-        load_weights(model, weights)
+        load_weights(model, checkpoint_weights(weights, cfg.output_dir), weights)
         if hasattr(model, "peft_config"):
             model = model.merge_and_unload()
         cfg.model.lora.enabled = False  # measured as a whole model from here on
@@ -257,7 +252,7 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Path | None 
         from lm_eval.models.huggingface import HFLM
 
         built = load_model(cfg.model)  # as its run built it (LoRA too), then its weights
-        load_weights(built, weights)
+        load_weights(built, checkpoint_weights(weights, cfg.output_dir), weights)
         built = built.merge_and_unload() if hasattr(built, "peft_config") else built
         tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text(), False)
         batch = e.micro_batch_size or cfg.train.micro_batch_size
@@ -284,11 +279,39 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Path | None 
     return out
 
 
-def load_weights(model, path: Path) -> None:
-    """A checkpoint's saved weights into the model its run's config builds: every weight
-    found, and none missing but those tied to one that is (an output layer tied to the
-    embedding is saved once)."""
-    state = load_file(path)
+def checkpoint_weights(path: Path, scratch: str) -> dict:
+    """A checkpoint's whole weights: model.safetensors as a run of one process or DDP saved
+    it, or gathered on this process from a sharded run's shards: DeepSpeed ZeRO's float32
+    masters (as its final/ exports them; its files' pickles checked first, as a resume checks
+    them), or FSDP2's distributed checkpoint, merged into `scratch` (no process group
+    needed)."""
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    if (path / "latest").is_file():  # DeepSpeed's own folder
+        try:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        except ImportError:
+            raise ModelError(
+                f"llmtrain eval: {path} holds DeepSpeed's shards, which need DeepSpeed to gather; "
+                'pip install -e ".[deepspeed]"'
+            ) from None
+        check_pickles(path, "llmtrain eval", "Measure only checkpoints you trust")
+        return get_fp32_state_dict_from_zero_checkpoint(str(path))
+    shards = sorted(path.glob("pytorch_model_fsdp_*"))
+    if shards:
+        from accelerate.utils import merge_fsdp_weights
+
+        merged = Path(scratch) / "merged"
+        merged.mkdir(parents=True, exist_ok=True)
+        merge_fsdp_weights(str(shards[0]), str(merged), safe_serialization=True)
+        return load_file(merged / "model.safetensors")
+    raise ModelError(f"llmtrain eval: {path} holds no weights llmtrain saved (model.safetensors, or a sharded run's)")
+
+
+def load_weights(model, state: dict, path: Path) -> None:
+    """A checkpoint's saved weights (of the checkpoint `path`) into the model its run's
+    config builds: every weight found, and none missing but those tied to one that is (an
+    output layer tied to the embedding is saved once)."""
     found = model.load_state_dict(state, strict=False)
     named = dict(model.named_parameters(remove_duplicate=False))
     loaded = {id(named[k]) for k in state if k in named}

@@ -148,15 +148,14 @@ def run(name: str, argv: list[str] | None = None) -> None:
 
 
 def checkpoint_evals(cfg, recipe: str, accelerator) -> CheckpointEvals | None:
-    """eval.lm_eval_tasks on each checkpoint (output/evals.py), where the checkpoints hold
-    whole weights `llmtrain eval` loads; else None, said once."""
+    """eval.lm_eval_tasks on each checkpoint (output/evals.py), where `llmtrain eval` loads
+    them (not a QLoRA run's); else None, said once."""
     if not cfg.eval.lm_eval_tasks:
         return None
-    topology = Topology.of(accelerator)
-    if topology.deepspeed or topology.fsdp or cfg.model.quantization != "none":
+    if cfg.model.quantization != "none":
         warn(
-            "eval.lm_eval_tasks: a sharded (DeepSpeed, FSDP2) or quantized run's checkpoints are not evaluated as "
-            f"they are written; measure the model with llmtrain eval {cfg.output_dir}/final --config ... after the run"
+            "eval.lm_eval_tasks: a QLoRA run's checkpoints are not evaluated as they are written; measure the model "
+            f"with llmtrain eval {cfg.output_dir}/final --config ... after the run"
         )
         return None
     if not cfg.checkpoint.every_steps:

@@ -525,11 +525,15 @@ def refused_pickle(e: BaseException) -> str | None:
     return f"it holds {found[1]}, which is neither a tensor nor plain data" if found else "it is no plain tensor data"
 
 
-def check_pickles(path: Path) -> None:
+def check_pickles(
+    path: Path,
+    what: str = "checkpoint.resume",
+    advice: str = "Resume only from checkpoints you wrote, or from an earlier one",
+) -> None:
     """DeepSpeed reads its checkpoint files (*.pt) with weights_only=False, which would run
     any code a tampered file carries. Each is read here first with weights_only=True
     (memory-mapped: the pickle, not the tensor data), allowing only DeepSpeed's own state
-    classes; anything else stops the resume."""
+    classes; anything else stops the resume (or what `what` names)."""
     import torch
 
     allowed = deepspeed_state_classes()
@@ -539,10 +543,7 @@ def check_pickles(path: Path) -> None:
                 torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # any unpickling failure: refuse the file
             why = refused_pickle(e) or describe(e)
-            raise CheckpointError(
-                f"checkpoint.resume: refusing to unpickle {f}: {why}. Resume only from checkpoints you wrote, "
-                "or from an earlier one"
-            ) from None
+            raise CheckpointError(f"{what}: refusing to unpickle {f}: {why}. {advice}") from None
 
 
 def check_weight_format(path: Path, cfg) -> None:

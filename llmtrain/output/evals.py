@@ -1,9 +1,8 @@
 """eval.lm_eval_tasks during training: lm-eval on each checkpoint a run writes, in a process
 of its own, joined to the checkpoint's step when it finishes.
 
-The checkpoint's weights, config.yaml and train_state.json are linked (hard links: no copy,
-and they outlive the checkpoint when checkpoint.keep_last removes it) into
-output_dir/evals/step-N/, and
+The checkpoint's files are linked (hard links: no copy, and they outlive the checkpoint when
+checkpoint.keep_last removes it) into output_dir/evals/step-N/, and
 
     python -m llmtrain.commands eval evals/step-N --recipe R --lm-eval-only --output evals/step-N.json
 
@@ -18,9 +17,9 @@ killed run never joined, starts again the evaluations it left unfinished (linked
 without a result), and never redoes a finished one. The run waits for the last ones before
 it ends.
 
-Only checkpoints `llmtrain eval` loads are evaluated: a run's whole weights
-(model.safetensors), not a sharded (DeepSpeed, FSDP2) or QLoRA run's; for those the run
-says at its start to measure final/ with `llmtrain eval` instead.
+A sharded run's checkpoints (DeepSpeed, FSDP2) are gathered by `llmtrain eval` on its one
+process. A QLoRA run's are not evaluated: the run says at its start to measure final/ with
+`llmtrain eval` instead.
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ from .. import safefs
 from ..errors import warn
 from ..files import read_own
 from ..observe.metrics import METRICS_FILE, read_metrics
-from .checkpoint import STATE_FILE
 
 EVALS_DIR = "evals"
 PREFIX = "lm_eval/"  # the figures' keys in metrics.jsonl: lm_eval/<task>/<metric>
-LINKED = ("model.safetensors", "config.yaml", STATE_FILE)  # what `llmtrain eval` reads of a checkpoint
 # The settings of a distributed launch that the evaluation, one plain process, must not inherit.
 LAUNCH_ENV = re.compile(
     r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_\w+|TORCHELASTIC_\w+)"
@@ -95,12 +92,18 @@ class CheckpointEvals:
         safefs.make_dir(self.root)
         safefs.check_entry(self.root, directory=True)
         safefs.fresh_dir(copy)
-        for name in LINKED:
+        for src in sorted(checkpoint.rglob("*")):  # a sharded run's shards are in folders of their own
+            dst = copy / src.relative_to(checkpoint)
+            if src.is_symlink():
+                continue
+            if src.is_dir():
+                dst.mkdir()
+                continue
             try:
-                os.link(checkpoint / name, copy / name)
+                os.link(src, dst)
             except OSError:  # another filesystem, or links refused there: a copy
-                with open(checkpoint / name, "rb") as src, safefs.open_write(copy / name, binary=True) as dst:
-                    shutil.copyfileobj(src, dst)
+                with open(src, "rb") as f, safefs.open_write(dst, binary=True) as out:
+                    shutil.copyfileobj(f, out)
         safefs.opened(copy)
         self.result(step).unlink(missing_ok=True)  # a step set aside and trained again
         self.run(step)

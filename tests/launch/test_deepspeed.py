@@ -3,12 +3,22 @@ on CPU: DeepSpeed's CPU accelerator with two gloo processes. Each stage must giv
 same losses, gradient norms and final weights as one process taking the whole global
 batch, resume exactly, and export full weights that transformers loads."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.runs import final_weights, launch, metrics, recipe_args, rewind, run_recipe, train_rows
+from tests.support.runs import (
+    final_weights,
+    launch,
+    llmtrain_eval,
+    metrics,
+    recipe_args,
+    rewind,
+    run_recipe,
+    train_rows,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -158,3 +168,16 @@ def test_a_bf16_run_exports_the_float32_weights_it_trained(stage, run_args, cach
     assert all(w.dtype == torch.float32 for w in weights.values())
     for key, value in weights.items():
         torch.testing.assert_close(value, masters[key].float(), rtol=0, atol=0, msg=key)
+
+
+def test_llmtrain_eval_gathers_a_zero3_checkpoint(runs, run_args, cache_env, tmp_path):
+    """A ZeRO-3 checkpoint holds each process's shard: llmtrain eval gathers DeepSpeed's
+    float32 masters on its one process and measures what the run's last evaluation row did."""
+    out = runs("zero3")
+    step = out / "checkpoints" / "step-3"
+    assert not (step / "model.safetensors").exists()
+    results = tmp_path / "results.json"
+    llmtrain_eval([str(step), *run_args(out), "--output", str(results)], cache_env)  # the run's own arguments
+    got = json.loads(results.read_text())["models"][str(step)]["eval_loss"]
+    last = [r["eval_loss"] for r in metrics(out) if "eval_loss" in r][-1]
+    assert got == pytest.approx(last, rel=1e-5)

@@ -15,6 +15,7 @@ from tests.support.runs import (
     final_weights,
     kill_run,
     launch,
+    llmtrain_eval,
     metrics,
     recipe_args,
     rewind,
@@ -92,6 +93,12 @@ def test_fsdp2_checkpoints_by_shard_and_resumes_exactly(run_args, cache_env, tmp
     launch(run_args(ref, *run), cache_env, "fsdp2")
     assert [r["step"] for r in train_rows(ref)] == list(range(1, 16))  # 5 steps of 4 rows an epoch
     assert (complete_checkpoints(ref)[-1][1] / "pytorch_model_fsdp_0").is_dir()  # sharded (DCP)
+    # llmtrain eval merges the shards on its one process: the run's last evaluation row
+    results = tmp_path / "results.json"
+    last = complete_checkpoints(ref)[-1][1]
+    llmtrain_eval([str(last), *run_args(ref, *run), "--output", str(results)], cache_env)
+    got = json.loads(results.read_text())["models"][str(last)]["eval_loss"]
+    assert got == pytest.approx([r["eval_loss"] for r in metrics(ref) if "eval_loss" in r][-1], rel=1e-5)
     proc = start_run(run_args(out, *run), cache_env, topology="fsdp2")
     assert wait_for(lambda: any(step >= 3 for step, _ in complete_checkpoints(out)), proc)
     kill_run(proc)
