@@ -157,10 +157,10 @@ def setup(
         )
     state.nonfinite_weights = nonfinite
     log = MetricsLog(accelerator, cfg.output_dir, state.step if resume_from is not None else None)
-    if evals is not None:
-        evals.start(log, state.step if resume_from is not None else None)
     if tracker_name(cfg.log.tracker):
         accelerator.init_trackers(cfg.log.project, config=flat_dict(cfg), init_kwargs=tracker_kwargs(cfg))
+    if evals is not None:  # a resumed run's lm-eval left unjoined goes to the trackers too
+        evals.start(log, state.step if resume_from is not None else None)
     per_epoch = data.steps_per_epoch
     total_steps = t.total_steps(per_epoch)
     check_lengths(t, total_steps)
@@ -242,7 +242,7 @@ def train(run: Run) -> Outcome:
             run.profiler.after(state.step)
             report(run, window, result)
             if run.evals is not None:
-                run.evals.join()  # lm-eval on earlier checkpoints, where finished
+                run.evals.join(state.step)  # lm-eval on earlier checkpoints, where finished
             if result.skip is not None:
                 check_skips(run, result)
                 continue
@@ -257,7 +257,7 @@ def train(run: Run) -> Outcome:
                 if run.evals is not None:
                     run.evals.launch(state.step, path)
         if run.evals is not None:
-            run.evals.close()  # the last checkpoints' lm-eval, joined before final/
+            run.evals.close(state.step)  # the last checkpoints' lm-eval, joined before final/
         return Outcome.FINISHED
     except BaseException:
         run.profiler.abandon()  # the error is what the user must see, not a trace write's

@@ -75,6 +75,9 @@ class MetricsLog:
         self.accelerator = accelerator
         self.path = Path(output_dir) / METRICS_FILE
         self.write_failed = False
+        self.axes: set[str] = set()  # the prefixes of late rows wandb was given an axis for
+        self.late: list[dict] = []  # late rows waiting for a wandb step of their own (log_late)
+        self.late_at = -1  # the step the last of them went to
         error = None
         if accelerator.is_main_process:
             kept, unread = [], []
@@ -108,15 +111,51 @@ class MetricsLog:
 
     def log(self, row: dict) -> None:
         if self.accelerator.is_main_process:
-            try:
-                with safefs.open_write(self.path, append=True) as f:
-                    f.write(json.dumps(row) + "\n")
-            except OSError as e:  # a full disk: training goes on to its next checkpoint, which says so
-                if not self.write_failed:
-                    warn(f"{self.path}: cannot write ({e.strerror}); training goes on, rows are lost until it can")
-                self.write_failed = True
+            self.write(row)
         scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         self.accelerator.log(scalars, step=row["step"])
+
+    def write(self, row: dict) -> None:
+        """`row` appended to metrics.jsonl (main process)."""
+        try:
+            with safefs.open_write(self.path, append=True) as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:  # a full disk: training goes on to its next checkpoint, which says so
+            if not self.write_failed:
+                warn(f"{self.path}: cannot write ({e.strerror}); training goes on, rows are lost until it can")
+            self.write_failed = True
+
+    def log_late(self, row: dict, now: int, prefix: str) -> None:
+        """A row of an earlier step (row["step"]; its keys start with `prefix`) known only at
+        step `now` (lm-eval on a checkpoint, joined when it finished), on the main process:
+        metrics.jsonl and the trackers get it at its own step. Weights & Biases keeps one
+        history row per step and drops a step earlier than its last: it gets the row later,
+        with its step as `<prefix>step` (the axis it is told to plot those keys on), at a
+        step of the run that no other late row took (`flush_late`)."""
+        if not self.accelerator.is_main_process:
+            return
+        self.write(row)
+        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.accelerator.trackers:
+            if tracker.name != "wandb":
+                tracker.log(scalars, step=row["step"])
+                continue
+            if prefix not in self.axes:
+                tracker.tracker.define_metric(f"{prefix}*", step_metric=f"{prefix}step")
+                self.axes.add(prefix)
+            self.late.append(scalars | {f"{prefix}step": row["step"]})
+        self.flush_late(now)
+
+    def flush_late(self, now: int, last: bool = False) -> None:
+        """wandb's late rows: one at step `now` if no late row went there yet (the run's own
+        row of `now` is already logged: they share its history row, with keys of their own);
+        with `last` (nothing is logged after), all that wait, at `now` and the steps after."""
+        wandb = next((t for t in self.accelerator.trackers if t.name == "wandb"), None)
+        while self.late and wandb is not None and (now > self.late_at or last):
+            self.late_at = max(now, self.late_at + 1)
+            wandb.log(self.late.pop(0), step=self.late_at)
+            if not last:
+                break
 
 
 MAX_ROW_BYTES = 1 << 20  # a row llmtrain writes has a few hundred bytes

@@ -110,7 +110,8 @@ def base_license(path: str) -> str:
 
 def eval_figures(rows: list[dict]) -> tuple[dict, dict]:
     """(the last training row's figures, {eval key: (first value, step, last value, step)})
-    from metrics.jsonl's rows."""
+    from metrics.jsonl's rows; eval keys are the evaluation rows' (eval_*) and lm-eval's on
+    checkpoints (lm_eval/*)."""
     final = next((r for r in reversed(rows) if "loss" in r), {})
     keep = {
         k: v
@@ -118,11 +119,16 @@ def eval_figures(rows: list[dict]) -> tuple[dict, dict]:
         if isinstance(v, (int, float)) and k not in SPEED_KEYS and not k.endswith("_per_s") and k not in UNITS
     }
     evals: dict[str, tuple] = {}
-    for row in rows:
+    for row in rows:  # lm-eval's rows are joined when they finish: ordered by step, not place
+        step = row["step"]
         for key, value in row.items():
-            if key.startswith("eval_") and isinstance(value, (int, float)):
-                first = evals.get(key, (value, row["step"]))[:2]
-                evals[key] = (*first, value, row["step"])
+            if key.startswith(("eval_", "lm_eval/")) and isinstance(value, (int, float)):
+                first, at, last, last_at = evals.get(key, (value, step, value, step))
+                if step < at:
+                    first, at = value, step
+                if step >= last_at:
+                    last, last_at = value, step
+                evals[key] = (first, at, last, last_at)
     return keep, evals
 
 

@@ -80,7 +80,7 @@ class CheckpointEvals:
             if step > resumed_at:
                 continue
             if found[2] and step not in joined:
-                self.record(step)
+                self.record(step, resumed_at)
             elif not found[2] and not self.result(step).exists():
                 self.run(step)
 
@@ -121,8 +121,9 @@ class CheckpointEvals:
     def result(self, step: int) -> Path:
         return self.root / f"step-{step}.json"
 
-    def join(self, wait: bool = False) -> None:
-        """Record the evaluations that finished (with `wait`, all of them, once finished)."""
+    def join(self, now: int, wait: bool = False) -> None:
+        """Record the evaluations that finished, at step `now` of the run (with `wait`, all
+        of them, once finished, and every row a tracker still waits for)."""
         for step, proc in sorted(self.running.items()):
             if wait and proc.poll() is None:
                 print(f"waiting for lm-eval on the checkpoint of step {step}", flush=True)
@@ -131,16 +132,19 @@ class CheckpointEvals:
                 continue
             del self.running[step]
             if proc.returncode == 0 and self.result(step).is_file():
-                self.record(step)
+                self.record(step, now)
             else:
                 log = self.root / f"step-{step}.log"
                 said = [line for line in read_own(log, 1 << 20).splitlines() if line.startswith("error:")]
                 reason = said[-1] if said else f"exit status {proc.returncode}"
                 warn(f"eval.lm_eval_tasks: lm-eval on the checkpoint of step {step} failed ({reason}); see {log}")
             safefs.rmtree(self.root / f"step-{step}")
+        if self.log is not None:
+            self.log.flush_late(now, last=wait)
 
-    def record(self, step: int) -> None:
-        """A finished evaluation's figures, in metrics.jsonl and the tracker at its step."""
+    def record(self, step: int, now: int) -> None:
+        """A finished evaluation's figures, in metrics.jsonl and the tracker at its step
+        (wandb: at step `now`, MetricsLog.log_late)."""
         try:
             models = json.loads(read_own(self.result(step), 1 << 24))["models"]
             figures = next(iter(models.values()))
@@ -148,11 +152,11 @@ class CheckpointEvals:
             warn(f"eval.lm_eval_tasks: {self.result(step)} cannot be read; the step's lm-eval figures are left out")
             return
         row = {f"{PREFIX}{k}": v for k, v in figures.items() if isinstance(v, (int, float))}
-        self.log.log({"step": step} | row)
+        self.log.log_late({"step": step} | row, now, PREFIX)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in row.items())
         print(f"step {step}: {shown}", flush=True)
 
-    def close(self) -> None:
-        """At the run's end: wait for the evaluations still running and join them."""
+    def close(self, now: int) -> None:
+        """At the run's end (step `now`): wait for the evaluations still running and join them."""
         if self.on:
-            self.join(wait=True)
+            self.join(now, wait=True)

@@ -84,10 +84,32 @@ def wandb_rows(out: Path, cache_env) -> tuple[dict, dict]:
 READERS = {"tensorboard": tensorboard_rows, "trackio": trackio_rows, "wandb": wandb_rows}
 
 
+LM_EVAL_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: 0
+metric_list: [{{metric: acc, aggregation: mean, higher_is_better: true}}]
+"""
+
+
 @pytest.mark.parametrize("tracker", sorted(READERS))
 def test_the_tracker_holds_every_row_of_the_run(tracker, base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """With wandb, lm-eval on a checkpoint too: its figures are joined when it finishes, after
+    later steps, which wandb's history (only forward) takes at the step they are joined, with
+    their own step beside them (lm_eval/step)."""
     out = tmp_path / f"run-{tracker}"
     extra = [f"log.tracker={tracker}", f"data.eval={chat_file}", "eval.every_steps=2", "train.max_steps=4"]
+    if tracker == "wandb":
+        (tmp_path / "tasks").mkdir()
+        rows = [{"question": f"Say {c}", "choices": [c, "x"]} for c in "abcd"]
+        (tmp_path / "tasks" / "choice.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / "tasks" / "choice.yaml").write_text(LM_EVAL_TASK.format(data=tmp_path / "tasks" / "choice.jsonl"))
+        extra += ["eval.lm_eval_tasks=[tiny_choice]", f"eval.lm_eval_include={tmp_path / 'tasks'}"]
+        extra += ["checkpoint.every_steps=2"]
     run_recipe(recipe_args(base_config, tiny_model, chat_file, out, "train.micro_batch_size=2", *extra), cache_env)
     found, config = READERS[tracker](out, cache_env)
     rows = metrics(out)
@@ -97,5 +119,10 @@ def test_the_tracker_holds_every_row_of_the_run(tracker, base_config, tiny_model
                 assert found[row["step"]][key] == pytest.approx(row[key], rel=1e-6), (tracker, row["step"], key)
     assert sorted(s for s, r in found.items() if "eval_loss" in r) == [0, 2, 4]
     assert sorted(s for s, r in found.items() if "loss" in r) == [1, 2, 3, 4]
+    if tracker == "wandb":
+        late = {r["step"]: r["lm_eval/tiny_choice/acc"] for r in rows if "lm_eval/tiny_choice/acc" in r}
+        assert sorted(late) == [2, 4]
+        got = {r["lm_eval/step"]: r["lm_eval/tiny_choice/acc"] for r in found.values() if "lm_eval/step" in r}
+        assert got == pytest.approx(late)
     if tracker != "tensorboard":
         assert config["train.lr"] == 1e-3 and config["log.tracker"] == tracker, sorted(config)[:20]

@@ -132,10 +132,16 @@ def test_the_results_compare_the_first_and_last_evaluation_and_leave_out_speed()
         {"step": 1, "loss": 2.9, "lr": 1e-4, "step_s": 0.3, "tokens": 40},
         {"step": 2, "loss": 2.0, "lr": 1e-4, "step_s": 0.2, "tokens": 42, "reward": 0.5},
         {"step": 2, "eval_loss": 1.9, "eval_reward": 0.7},
+        {"step": 2, "lm_eval/sums/acc": 0.4},  # lm-eval on checkpoints, joined as each finished
+        {"step": 1, "lm_eval/sums/acc": 0.3},
     ]
     final, evals = eval_figures(rows)
     assert final == {"loss": 2.0, "reward": 0.5}
-    assert evals == {"eval_loss": (3.0, 0, 1.9, 2), "eval_reward": (0.7, 2, 0.7, 2)}
+    assert evals == {
+        "eval_loss": (3.0, 0, 1.9, 2),
+        "eval_reward": (0.7, 2, 0.7, 2),
+        "lm_eval/sums/acc": (0.3, 1, 0.4, 2),
+    }
 
 
 def test_a_finished_runs_card_counts_what_it_trained(finished_run, chat_file, tiny_model):
