@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import sys
 
-from . import evaluation, plan
+from . import evaluation, plan, verify
 from .cli import exit_past_threads, user_errors
 from .observe.console import survive_closed_streams
 from .observe.quiet import quiet_bars_off_terminal
 
-COMMANDS = {"plan": plan.plan, "eval": evaluation.main}
+COMMANDS = {"plan": plan.plan, "eval": evaluation.main, "verify": verify.main}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     if command is None:
         said = f"unknown command {argv[0]!r}; " if argv else ""
         print(
-            f"error: {said}the commands are `llmtrain plan` and `llmtrain eval`; `llmtrain --help` lists what there is",
+            f"error: {said}the commands are `llmtrain plan`, `llmtrain eval` and `llmtrain verify`; "
+            "`llmtrain --help` lists what there is",
             file=sys.stderr,
         )
         sys.exit(2)

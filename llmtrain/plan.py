@@ -410,6 +410,13 @@ def plan(argv: list[str]) -> None:
     print(f"  total: {human(sum(memory.values()))}")
     if device != "cuda":
         print("  (on CPU a run logs its process's peak resident memory: Python, the libraries and the data on top)")
+    given = (f" --config {args.config}" if args.config else "") + (
+        f" --accelerate-config {args.accelerate_config}" if args.accelerate_config else ""
+    )
+    print(
+        f"  before a long run, `llmtrain verify{given}` checks on this architecture, shrunk, that every layout "
+        "takes the same update and that a resume continues the run exactly (docs/verify.md)"
+    )
     for line in method.describe(cfg, ds[0], tokenizer):
         print(line)
 
@@ -515,6 +522,9 @@ commands:
          rendered row), the model, memory per device, the launch and its batch sizes
   eval   llmtrain eval MODEL [MODEL ...] --config F [--recipe R] [--output F.json]:
          the recipe's held-out measures of each model, side by side with the difference
+  verify llmtrain verify --config F [--accelerate-config A] [--recipe R] [--output F.json]:
+         the same update on every layout, exact resume: checked on your architecture,
+         shrunk, with your tokenizer and data, before a long run (docs/verify.md)
 
 training runs through the recipes (see README.md), one per method:
 {recipes}  python recipes/finetune.py --prepare-only --config F     tokenize into the cache

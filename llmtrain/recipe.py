@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import demo, safefs
-from .cli import parse_args
+from .cli import parse_args, run_cli
 from .config import to_yaml
 from .config.load import absolute_paths, check
 from .core.window import Outcome
@@ -164,3 +164,7 @@ def checkpoint_evals(cfg, recipe: str, accelerator) -> CheckpointEvals | None:
             f"set it, or measure the model with llmtrain eval {cfg.output_dir}/final --config ... after the run"
         )
     return CheckpointEvals(cfg.output_dir, recipe, accelerator.is_main_process)
+
+
+if __name__ == "__main__":  # python -m llmtrain.recipe NAME [args]: recipes/NAME.py, as `llmtrain verify` launches it
+    run_cli(lambda argv: run(argv[0], argv[1:]), sys.argv[1:])

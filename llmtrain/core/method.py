@@ -91,6 +91,10 @@ class Method:
     tags: Callable = lambda cfg: []
     # Figures `llmtrain eval` derives from the evaluation's: figures -> more (SFT's perplexity).
     derived: Callable = lambda figures: {}
+    # Overrides `llmtrain verify` adds to its runs of a shrunk random model, so that they
+    # train something to compare: cfg -> overrides (GRPO's rewards, which a random model's
+    # answers would all meet alike).
+    verify: Callable = lambda cfg: []
 
     @property
     def section(self) -> str | None:

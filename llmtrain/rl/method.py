@@ -149,6 +149,17 @@ def agent_lines(cfg) -> list[str]:
     return lines
 
 
+def verify_overrides(cfg) -> list[str]:
+    """`llmtrain verify`'s runs: the user's rewards and one that a random model's answers
+    spread over (rewards.even_tokens), so that the groups have advantages and the runs
+    train; with reward weights given, a weight of 1 for it."""
+    rewards = [*cfg.reward_names(), "llmtrain.rl.rewards:even_tokens"]
+    out = [f"grpo.rewards=[{', '.join(rewards)}]"]
+    if cfg.grpo.reward_weights:
+        out.append(f"grpo.reward_weights=[{', '.join(str(w) for w in [*cfg.grpo.reward_weights, 1.0])}]")
+    return out
+
+
 def position(cfg) -> dict:
     """An RL run's position counts generation rounds of this many prompts and steps."""
     return {"grpo.num_generations": cfg.grpo.num_generations, "grpo.num_iterations": cfg.grpo.num_iterations}
@@ -183,6 +194,7 @@ GRPO = Method(
     check=check_grpo,
     position=position,
     tags=lambda cfg: ["grpo"] + (["tool-use"] if cfg.grpo.tools or cfg.grpo.environment else []),
+    verify=verify_overrides,
     plan=PlanFigures(
         sequences=lambda cfg: cfg.grpo.num_generations,  # a prompt brings a group of completions
         # A prompt's whole group, at most max_completion_length tokens each.

@@ -322,5 +322,12 @@ def score(
     return torch.tensor(table, dtype=torch.float32).T.reshape(len(completions), len(rewards))
 
 
+def even_tokens(completion_ids, **kwargs) -> list[float]:
+    """The share of a completion's token ids that are even: a reward whose values a random
+    model's completions spread over (`llmtrain verify` adds it, so that its runs of a
+    shrunk random model have advantages to train on)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
 def trainer_state(step: int, max_steps: int, epoch: int) -> SimpleNamespace:
     return SimpleNamespace(global_step=step, max_steps=max_steps, epoch=epoch)
