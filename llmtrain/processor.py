@@ -147,6 +147,14 @@ def vision_parts(model) -> list[tuple[str, object]]:
     return [(prefix + n, child) for n, child in body.named_children() if child is not decoder]
 
 
+def trains_vision(model) -> bool:
+    """Whether a vision-language model's vision tower or projector has weights that train
+    (model.freeze_vision=false); False for a text model."""
+    if not is_vision(model.config):
+        return False
+    return any(p.requires_grad for _, part in vision_parts(model) for p in part.parameters())
+
+
 # The names transformers gives the projector of a vision-language model, the layers that
 # carry image features into the language model: LLaVA's and Gemma 3's, Idefics3's and
 # SmolVLM's, Qwen-VL's (inside its vision tower; Qwen3-VL's deepstack mergers feed deeper

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object, send_to_device
+from accelerate.utils import DistributedDataParallelKwargs, gather_object, send_to_device
 
 from .config import Config, to_yaml
 from .config.load import flat_dict
@@ -39,6 +39,7 @@ from .observe.profiler import StepProfiler
 from .observe.throughput import StepMeter, peak_memory_gib
 from .output import checkpoint
 from .output.evals import CheckpointEvals
+from .processor import trains_vision
 from .rl.tasks import Tasks
 
 # Fields of the metrics rows the loop writes itself (an objective's metrics join them).
@@ -123,6 +124,11 @@ def setup(
         accelerator.print(f"compiling {compile_blocks(model)} transformer blocks (the first steps include compiling)")
     meter = StepMeter(model, accelerator.device, world, objective.unit, objective.head)
     optimizer = build_optimizer(model, t, accelerator.device)
+    if world > 1 and not backend.topology.sharded and trains_vision(model):
+        # A trainable vision tower may hold weights no forward uses (LLaVA reads an inner
+        # layer's features: its tower's post_layernorm never gets a gradient). DDP waits for
+        # every gradient and fails at the second step unless told to look for unused ones.
+        accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
     watchdog.beat("setting up the model and optimizer across processes")
     model, optimizer = accelerator.prepare(model, optimizer)
     data = parts.source(model, backend, watchdog.beat)

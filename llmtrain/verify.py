@@ -44,15 +44,24 @@ from pathlib import Path
 from . import demo, safefs
 from .cli import refuse_options, run_config
 from .config.load import absolute_paths
+from .config.validate import path_values
+from .core.objective import model_inputs
+from .data.batches import Collator
+from .data.build import ROWS as SFT_ROWS
+from .data.packing import PackedDataset
+from .data.rows import KEPT, process_row
 from .data.sources import load_source
 from .errors import ConfigError, ModelError
 from .methods import METHODS, demo_config, sections
+from .model import attention_backend, check_model, load_model, load_tokenizer
 from .plan import read_launch, recipe_named, recipe_option
+from .processor import is_vision
 
 STEPS = 3  # optimizer steps each layout trains
 BATCH = 4  # the global batch: units (sequences, pairs, prompts) per step
 ROWS = 256  # rows sampled from each training source (packed rows fill few sequences)
 ADAM_EPS = 1e-4  # see `fixed`
+MAX_LINKS = 10_000  # entries of a source's folder linked beside its sample
 MAX_SEQ_LEN = 256  # data.max_seq_len at most: a shrunk model's run stays quick on a CPU
 WIDTH, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
 
@@ -102,6 +111,11 @@ def parse(argv: list[str]):
         "--accelerate-config", type=Path, default=None, help="your accelerate config (DeepSpeed, FSDP2) to check too"
     )
     parser.add_argument("--output", type=Path, default=None, help="write the report as JSON to this file")
+    parser.add_argument(
+        "--only",
+        default=",".join(CHECKS),
+        help=f"the checks to run, comma-separated, of {', '.join(CHECKS)} (default: all)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args, unknown = parser.parse_known_intermixed_args(argv)
     return parser, args, unknown
@@ -111,9 +125,16 @@ def main(argv: list[str]) -> None:
     parser, args, unknown = parse(argv)
     method = METHODS[args.recipe or recipe_named(args.config, args.overrides)]
     refuse_options(unknown, argv, parser, method.schema)
+    only = {c.strip() for c in args.only.split(",") if c.strip()}
+    if not only or only - set(CHECKS):
+        raise ConfigError([f"--only: {args.only!r}: name checks of {', '.join(CHECKS)}, comma-separated"])
     cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())
     absolute_paths(cfg)
+    given = {key: value for key, value, _ in path_values(cfg)}
     demo.resolve_demo_names(cfg)
+    # The demo's other assets (a teacher, a reference) by their paths: beside a model of the
+    # user's (the shrunk one), a run takes no demo name.
+    demos = [f"{k}={v}" for k, v, _ in path_values(cfg) if given.get(k, "").startswith("demo:") and "[" not in k]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llmtrain-verify-") as scratch:
         root = Path(scratch)
@@ -121,9 +142,12 @@ def main(argv: list[str]) -> None:
         model, dropout = shrink(cfg.model, root / "model")
         dropout = dropout if cfg.model.dropout == "model" else ""  # model.dropout=none turns it off
         data = sample(cfg.data.names(), root / "data")
-        base = [*args.overrides, *fixed(cfg, model, data), *method.verify(cfg)]
+        base = [*args.overrides, *demos, *fixed(cfg, model, data), *method.verify(cfg)]
         runner = Runner(method.name, args.config, base, root)
-        checks = run_checks(runner, args.accelerate_config, cfg)
+        checks = []
+        if "packing" in only and cfg.data.packing and method.kind(cfg) is SFT_ROWS:
+            checks.append(packing(cfg, model, data))
+        checks += run_checks(runner, args.accelerate_config, cfg, only)
     for check in checks:
         if not check.passed and dropout:
             check.note = f"dropout is on ({dropout}): each layout draws other masks; set model.dropout=none"
@@ -194,7 +218,13 @@ def shrink(model_cfg, out: Path) -> tuple[Path, str]:
     """The user's model (model_cfg.name_or_path) rebuilt small in `out` with random weights,
     its tokenizer beside it; and the dropout its config leaves on ('' for none)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoProcessor,
+        AutoTokenizer,
+    )
 
     name = model_cfg.name_or_path
     try:
@@ -222,23 +252,78 @@ def shrink(model_cfg, out: Path) -> tuple[Path, str]:
         if ("dropout" in k or k.endswith("_pdrop")) and not k.startswith("summary_") and isinstance(v, float) and v > 0
     )
     torch.manual_seed(0)  # the same shrunk model at every verify
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    vision = is_vision(config)  # its language model shrunk; its vision tower kept whole
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if vision:  # its processor too: how images become tokens
+        AutoProcessor.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code).save_pretrained(out)
     return out, dropout
 
 
 def sample(names: list[str], out: Path) -> list[Path]:
-    """The first ROWS rows of each training source, as JSON lines in `out`."""
-    out.mkdir()
+    """The first ROWS rows of each training source, as JSON lines in a folder of `out` of
+    its own. Beside them, links to what the source's folder holds (a bounded number), so
+    that the paths its rows give relative to it (images) still lead to the files."""
     files = []
     for i, name in enumerate(names):
         src = load_source(name, "data.train", streaming=True)
         rows = [dict(src.parse(row)) for row in islice(src.dataset, ROWS)]
-        path = out / f"source-{i}.jsonl"
+        folder = out / f"source-{i}"
+        folder.mkdir(parents=True)
+        path = folder / "rows.jsonl"
+        if src.root is not None:
+            for entry in islice(src.root.iterdir(), MAX_LINKS):
+                if entry.name != path.name:
+                    (folder / entry.name).symlink_to(entry)
         path.write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
         files.append(path)
     return files
+
+
+# --- packing --------------------------------------------------------------------------------
+
+PACKS = 8  # packed sequences checked, sample by sample
+
+
+def packing(cfg, model_dir: Path, data: list[Path]) -> Check:
+    """The packed vs unpacked check, on this process: the sampled rows tokenized and packed
+    as a run packs them (data.max_seq_len capped), the shrunk model's logits over each of
+    the first PACKS packed sequences against those of each sample run alone, with the
+    attention backend a run would take. Every sample must see only itself."""
+    import datasets
+    import pyarrow as pa
+    import torch
+
+    started = time.monotonic()
+    data_cfg = dataclasses.replace(cfg.data, max_seq_len=min(cfg.data.max_seq_len, MAX_SEQ_LEN))
+    model_cfg = dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=dataclasses.replace(cfg.model.lora))
+    model_cfg.lora.enabled = False  # the base's attention is what packing must isolate
+    mcfg = check_model(model_cfg, data_cfg.max_seq_len)
+    model_cfg.attn_implementation = attention_backend(model_cfg, mcfg, True, torch.device("cpu")).name
+    tokenizer = load_tokenizer(model_cfg, data_cfg.chat_template_text(), is_vision(mcfg))
+    rows = [json.loads(line) for path in data for line in path.read_text().splitlines() if line]
+    examples = [e for e in (process_row(r, data_cfg.format, tokenizer, data_cfg) for r in rows) if e["status"] in KEPT]
+    keys = ("input_ids", "labels", "length", "n_trained")
+    table = pa.Table.from_pylist([{k: e[k] for k in keys} for e in examples])
+    packed = PackedDataset(datasets.Dataset(table, fingerprint="llmtrain-verify"), capacity=data_cfg.max_seq_len)
+    model = load_model(model_cfg).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    worst, where = 0.0, "every sample"
+    with torch.no_grad():
+        for j in range(min(len(packed), PACKS)):
+            batch = Collator(pad, pack_width=data_cfg.max_seq_len)([packed[j]])
+            logits = model(**model_inputs(model, batch)).logits[0].float()
+            start = 0
+            for i in packed.bins[j]:
+                ids = torch.tensor([examples[i]["input_ids"]])
+                alone = model(input_ids=ids).logits[0].float()
+                diff = float((logits[start : start + ids.shape[1]] - alone).abs().max() / alone.abs().max())
+                if diff > worst:
+                    worst, where = diff, f"sample {i} in pack {j}"
+                start += ids.shape[1]
+    return Check("packed vs each sample alone", worst, FLOAT32["loss"], time.monotonic() - started, where=where)
 
 
 # --- the runs -----------------------------------------------------------------------------
@@ -270,7 +355,7 @@ class Runner:
         started = time.monotonic()
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+            said = [line.removeprefix("error: ") for line in proc.stderr.splitlines() if line.startswith("error:")]
             raise ConfigError(
                 [f"llmtrain verify: the {layout.name} run failed: " + (said[-1] if said else proc.stderr[-2000:])]
             )
@@ -291,39 +376,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_checks(runner: Runner, accelerate_config: Path | None, cfg) -> list[Check]:
+# The checks by the names --only takes.
+CHECKS = ("packing", "accumulation", "processes", "backend", "resume", "resume-processes")
+
+
+def run_checks(runner: Runner, accelerate_config: Path | None, cfg, only: set[str]) -> list[Check]:
+    """The checks of `only` (all of CHECKS; `backend` where an accelerate config is given),
+    each run in its layout and compared with its baseline."""
     root = runner.root
+    if not only - {"packing"}:  # no check that trains
+        return []
     one = Layout("reference", 1, BATCH, 1)
-    layouts = {
-        "accumulation": Layout("accumulation", 1, 1, BATCH),
-        "2 processes": Layout("2 processes", 2, BATCH // 2, 1),
-    }
-    seconds = {"reference": runner.run(one, root / "reference")}
-    for name, layout in layouts.items():
-        seconds[name] = runner.run(layout, root / name)
-    checks = [
-        compare(f"{name} vs one micro-batch", root / name, root / "reference", FLOAT32, seconds[name])
-        for name in layouts
-    ]
-    if accelerate_config is not None:
+    two = Layout("2 processes", 2, BATCH // 2, 1)
+    took = {"reference": runner.run(one, root / "reference")}
+
+    def ran(layout: Layout, out: Path, extra: list[str] = ()) -> Path:
+        took[out.name] = runner.run(layout, out, extra)
+        return out
+
+    checks = []
+    if "accumulation" in only:
+        out = ran(Layout("accumulation", 1, 1, BATCH), root / "accumulation")
+        checks.append(compare("accumulation vs one micro-batch", out, root / "reference", FLOAT32, took[out.name]))
+    if only & {"processes", "backend"}:
+        ran(two, root / "2 processes")
+    if "processes" in only:
+        out = root / "2 processes"
+        checks.append(compare("2 processes vs one micro-batch", out, root / "reference", FLOAT32, took[out.name]))
+    if "backend" in only and accelerate_config is not None:
         launch = read_launch(str(accelerate_config), cfg)  # read with bounds, as llmtrain plan reads it
         precision = launch.mixed_precision if launch.mixed_precision in ("bf16", "fp16") else "no"
         backend = Layout("your backend", 2, BATCH // 2, 1, accelerate_config, precision, launch.distributed_type)
-        took = runner.run(backend, root / "backend")
+        out = ran(backend, root / "backend")
         baseline, tolerance = root / "2 processes", FLOAT32
         if precision != "no":  # DDP in the same precision, and that precision's bounds
-            baseline, tolerance = root / f"ddp-{precision}", HALF
-            runner.run(dataclasses.replace(layouts["2 processes"], precision=precision), baseline)
+            baseline, tolerance = ran(dataclasses.replace(two, precision=precision), root / f"ddp-{precision}"), HALF
         name = f"your backend vs DDP{'' if precision == 'no' else f' ({precision})'}"
-        checks.append(compare(name, root / "backend", baseline, tolerance, took))
-    for name, layout, tolerance in (
-        ("resume", one, dict.fromkeys(FLOAT32, EXACT)),
-        ("resume on 2 processes", layouts["2 processes"], FLOAT32),
+        checks.append(compare(name, out, baseline, tolerance, took[out.name]))
+    for key, name, layout, tolerance in (
+        ("resume", "resume", one, dict.fromkeys(FLOAT32, EXACT)),
+        ("resume-processes", "resume on 2 processes", two, FLOAT32),
     ):
-        out = root / name
-        rewound(root / "reference", out, step=1)
-        took = runner.run(layout, out, ["checkpoint.resume=auto"])
-        checks.append(compare(f"{name} vs uninterrupted", out, root / "reference", tolerance, took))
+        if key in only:
+            rewound(root / "reference", root / name, step=1)
+            out = ran(layout, root / name, ["checkpoint.resume=auto"])
+            checks.append(compare(f"{name} vs uninterrupted", out, root / "reference", tolerance, took[out.name]))
     return checks
 
 
@@ -394,6 +491,8 @@ def weights_difference(got: Path, want: Path) -> float:
 # --- the report ---------------------------------------------------------------------------
 
 MEANINGS = {
+    "packed": "a packed sample sees the others (a mask or positions that do not isolate it in this "
+    "architecture's attention), or its positions do not restart at 0",
     "accumulation": "gradient accumulation changes the update: a loss averaged per micro-batch rather than over the "
     "global batch, or a layer whose output depends on the batch (batch norm)",
     "2 processes": "the number of processes changes the update: a loss or advantage normalised per process, data "

@@ -155,6 +155,21 @@ def test_two_processes_take_the_same_steps_as_one(models, rows, base_config, cac
     assert_same_weights(out, one_process, "2 processes")
 
 
+def test_a_trained_llava_tower_takes_the_same_steps_on_two_processes(models, rows, base_config, cache_env, tmp_path):
+    """LLaVA reads an inner layer's image features, so its tower's post_layernorm feeds no
+    forward: with the tower trained (model.freeze_vision=false), DDP must not wait for its
+    gradients (it failed at the second step), and 2 processes take the steps of one."""
+    run = [r for r in RUN if not r.startswith("train.micro_batch_size")] + ["model.freeze_vision=false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_recipe(recipe_args(base_config, models["llava"], rows, one, *run, "train.micro_batch_size=4"), cache_env)
+    run_recipe(
+        recipe_args(base_config, models["llava"], rows, two, *run, "train.micro_batch_size=2"), cache_env, nproc=2
+    )
+    assert [r["loss"] for r in train_rows(two)] == pytest.approx([r["loss"] for r in train_rows(one)], rel=1e-5)
+    assert len(train_rows(one)) >= 2  # the second step is where DDP failed
+    assert_same_weights(two, one, "2 processes")
+
+
 @pytest.mark.parametrize("topology", ["ds_zero3", "fsdp2"])
 def test_sharded_runs_take_the_same_steps_and_export_the_same_model(
     models, rows, base_config, cache_env, one_process, tmp_path, topology
