@@ -146,11 +146,16 @@ def main(argv: list[str]) -> None:
         runner = Runner(method.name, args.config, base, root)
         checks = []
         if "packing" in only and cfg.data.packing and method.kind(cfg) is SFT_ROWS:
-            checks.append(packing(cfg, model, data))
+            checks += [c for c in [packing(cfg, model, data)] if c is not None]
         checks += run_checks(runner, args.accelerate_config, cfg, only)
     for check in checks:
         if not check.passed and dropout:
             check.note = f"dropout is on ({dropout}): each layout draws other masks; set model.dropout=none"
+        elif not check.passed and not check.tolerance and check.worst <= FLOAT32["loss"] and not check.note:
+            check.note = (
+                f"{meaning(check.name)}; or, the difference being float rounding, a kernel that is not deterministic "
+                "every time: run verify again, and a repeat that differs tells"
+            )
     print(table(checks))
     failed = [c for c in checks if not c.passed]
     print(
@@ -287,11 +292,12 @@ def sample(names: list[str], out: Path) -> list[Path]:
 PACKS = 8  # packed sequences checked, sample by sample
 
 
-def packing(cfg, model_dir: Path, data: list[Path]) -> Check:
+def packing(cfg, model_dir: Path, data: list[Path]) -> Check | None:
     """The packed vs unpacked check, on this process: the sampled rows tokenized and packed
     as a run packs them (data.max_seq_len capped), the shrunk model's logits over each of
     the first PACKS packed sequences against those of each sample run alone, with the
-    attention backend a run would take. Every sample must see only itself."""
+    attention backend a run would take. Every sample must see only itself. None for a
+    vision-language model's rows (not checked here yet)."""
     import datasets
     import pyarrow as pa
     import torch
@@ -301,6 +307,8 @@ def packing(cfg, model_dir: Path, data: list[Path]) -> Check:
     model_cfg = dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=dataclasses.replace(cfg.model.lora))
     model_cfg.lora.enabled = False  # the base's attention is what packing must isolate
     mcfg = check_model(model_cfg, data_cfg.max_seq_len)
+    if is_vision(mcfg):
+        return None
     model_cfg.attn_implementation = attention_backend(model_cfg, mcfg, True, torch.device("cpu")).name
     tokenizer = load_tokenizer(model_cfg, data_cfg.chat_template_text(), is_vision(mcfg))
     rows = [json.loads(line) for path in data for line in path.read_text().splitlines() if line]
@@ -413,8 +421,20 @@ def run_checks(runner: Runner, accelerate_config: Path | None, cfg, only: set[st
             baseline, tolerance = ran(dataclasses.replace(two, precision=precision), root / f"ddp-{precision}"), HALF
         name = f"your backend vs DDP{'' if precision == 'no' else f' ({precision})'}"
         checks.append(compare(name, out, baseline, tolerance, took[out.name]))
+    exact = dict.fromkeys(FLOAT32, EXACT)
+    if "resume" in only:  # the same run again: exact, unless the model's kernels are not deterministic
+        out = ran(one, root / "repeat")
+        repeat = compare("the same run twice", out, root / "reference", exact, took[out.name])
+        if not repeat.passed:
+            repeat.note = (
+                "the model's kernels are not deterministic (some mixture-of-experts kernels on CPU, atomic "
+                "additions on GPUs): two identical runs differ, so no resume can be exact; resume is held to float "
+                "rounding instead"
+            )
+            exact = FLOAT32
+        checks.append(repeat)
     for key, name, layout, tolerance in (
-        ("resume", "resume", one, dict.fromkeys(FLOAT32, EXACT)),
+        ("resume", "resume", one, exact),
         ("resume-processes", "resume on 2 processes", two, FLOAT32),
     ):
         if key in only:
@@ -502,6 +522,7 @@ MEANINGS = {
     "resume on 2 processes": "a resumed run on another process count reads other rows or restores another state",
     "resume": "a resumed run does not continue the run it resumes: some state (data position, random state, "
     "optimizer) is not saved or restored",
+    "the same run twice": "two identical runs differ: something in the run is not deterministic",
 }
 
 

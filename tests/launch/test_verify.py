@@ -27,12 +27,13 @@ def test_verify_passes_where_the_guarantees_hold(base_config, tiny_model, chat_f
         "packed vs each sample alone",
         "accumulation vs one micro-batch",
         "2 processes vs one micro-batch",
+        "the same run twice",
         "resume vs uninterrupted",
         "resume on 2 processes vs uninterrupted",
     ]
     assert all(c["passed"] for c in checks)
     assert next(c for c in checks if c["name"] == "resume vs uninterrupted")["worst"] == 0.0  # exact
-    assert "5 of 5 checks passed" in proc.stdout
+    assert "6 of 6 checks passed" in proc.stdout
     for name in names:
         assert any(line.startswith(name) and "pass" in line for line in proc.stdout.splitlines()), name
 
