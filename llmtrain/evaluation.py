@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate.utils import send_to_device
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> None:
             measured = model_config(cfg, method, target, base, Path(scratch) / str(i), trained=bool(adapter))
             if saved:
                 measured.model = saved  # built as the run built it (LoRA too), then its weights loaded
-            weights = Path(name).expanduser() if saved else None
+            weights = Checkpoint(Path(name).expanduser(), measured.output_dir) if saved else None
             results[name] = {}
             if not args.lm_eval_only:
                 results[name] = measure(
@@ -177,10 +178,12 @@ def adapter_base(name: str) -> tuple[str, str] | None:
     return str(local), base
 
 
-def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path | None = None) -> dict[str, float]:
+def measure(
+    method, cfg, accelerator, adapter: str | None = None, weights: Checkpoint | None = None
+) -> dict[str, float]:
     """The method's evaluation of cfg.model.name_or_path (with the LoRA `adapter` directory
-    merged into it, its tokenizer the adapter's; or with the weights of the checkpoint
-    directory `weights` loaded into the model cfg.model builds, LoRA merged) on cfg's held-out data, as a run's
+    merged into it, its tokenizer the adapter's; or with the checkpoint's `weights` loaded
+    into the model cfg.model builds, LoRA merged) on cfg's held-out data, as a run's
     evaluation row would show it at step 0 (its figures; the reward functions are told step
     0), plus what the method derives from them (SFT's perplexity)."""
     mcfg = check_model(cfg.model, cfg.data.max_seq_len)
@@ -196,7 +199,7 @@ def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path 
     tasks = Tasks.load(cfg, accelerator, tokenizer)
     model = load_model(cfg.model)
     if weights is not None:
-        load_weights(model, checkpoint_weights(weights, cfg.output_dir), weights)
+        load_weights(model, weights.state(), weights.path)
         if hasattr(model, "peft_config"):
             model = model.merge_and_unload()
         cfg.model.lora.enabled = False  # measured as a whole model from here on
@@ -222,7 +225,7 @@ def measure(method, cfg, accelerator, adapter: str | None = None, weights: Path 
     return figures | method.derived(figures)
 
 
-def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Path | None = None) -> dict[str, float]:
+def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Checkpoint | None = None) -> dict[str, float]:
     """eval.lm_eval_tasks on cfg.model.name_or_path (with the LoRA `adapter` on it; or the
     model cfg.model builds with a checkpoint's `weights` loaded, LoRA merged) through
     lm-eval's Python API and its Hugging Face backend, as `lm_eval --model hf` runs them:
@@ -252,7 +255,7 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Path | None 
         from lm_eval.models.huggingface import HFLM
 
         built = load_model(cfg.model)  # as its run built it (LoRA too), then its weights
-        load_weights(built, checkpoint_weights(weights, cfg.output_dir), weights)
+        load_weights(built, weights.state(), weights.path)
         built = built.merge_and_unload() if hasattr(built, "peft_config") else built
         tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_text(), False)
         batch = e.micro_batch_size or cfg.train.micro_batch_size
@@ -277,6 +280,21 @@ def lm_eval_figures(cfg, adapter: str | None, accelerator, weights: Path | None 
                 continue
             out[f"{task}/{metric}" + ("" if kept == "none" else f",{kept}")] = float(value)
     return out
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory being measured, its weights gathered once (`state`), on first
+    use: the held-out measures and lm-eval both load them."""
+
+    path: Path
+    scratch: str  # where a sharded run's weights are merged
+    gathered: dict | None = None
+
+    def state(self) -> dict:
+        if self.gathered is None:
+            self.gathered = checkpoint_weights(self.path, self.scratch)
+        return self.gathered
 
 
 def checkpoint_weights(path: Path, scratch: str) -> dict:

@@ -54,6 +54,7 @@ from .data.sources import load_source
 from .errors import ConfigError, ModelError
 from .methods import METHODS, demo_config, sections
 from .model import attention_backend, check_model, load_model, load_tokenizer
+from .observe.metrics import METRICS_FILE, read_metrics
 from .plan import read_launch, recipe_named, recipe_option
 from .processor import is_vision
 
@@ -486,8 +487,7 @@ def relative(a, b) -> float:
 
 
 def train_rows(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if "loss" in row]
+    return [row for row in read_metrics(out / METRICS_FILE) if "loss" in row]
 
 
 def weights_difference(got: Path, want: Path) -> float:

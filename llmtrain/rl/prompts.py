@@ -246,11 +246,14 @@ def grpo_prompts(cfg, agent=None) -> DataKind:
     return prompt_kind(cfg.grpo.max_completion_length, check_split, agent)
 
 
-def check_prompts(key: str, files: list[str], prompts, names: list[str], pattern: str, rewards_key="grpo.rewards"):
+def check_prompts(
+    key: str, files: list[str], prompts, names: list[str], pattern: str, rewards_key="grpo.rewards"
+) -> tuple[list, set[str]]:
     """A split of prompts (`key`, read from `files`) against the reward functions `names`
     (the config key `rewards_key`; the format reward's `pattern`): every row's columns,
     and for the accuracy reward its answers: none usable is an error (the reward would
-    teach nothing), some missing a warning (their completions go unscored)."""
+    teach nothing), some missing a warning (their completions go unscored). Returns the
+    functions, loaded, and every row's columns."""
     columns, usable, rows = set(), 0, 0
     for text in prompts["columns"]:  # each row decoded once, for all three checks
         row = json.loads(text)
@@ -261,11 +264,11 @@ def check_prompts(key: str, files: list[str], prompts, names: list[str], pattern
     check_column_names(columns, f"{key} ({', '.join(files)}): a row")
     conversations = any(p.startswith("[") for p in prompts["prompt"])  # each a JSON string or message list
     try:
-        load_rewards(names, columns, pattern, conversations, rewards_key)
+        rewards = load_rewards(names, columns, pattern, conversations, rewards_key)
     except RewardError as e:
         raise RewardError(f"{e} ({key})") from None
     if "accuracy" not in names:
-        return
+        return rewards, columns
     if usable == 0:
         raise RewardError(
             f"{rewards_key}: accuracy: no prompt of {key} has a usable 'answer' (text or a number), so it would "
@@ -276,6 +279,7 @@ def check_prompts(key: str, files: list[str], prompts, names: list[str], pattern
             f"{rewards_key}: accuracy: {rows - usable} of {rows} prompts of {key} have no usable 'answer' (text "
             "or a number); their completions go unscored by it"
         )
+    return rewards, columns
 
 
 def prompt_columns(prompts) -> set[str]:

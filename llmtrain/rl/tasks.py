@@ -23,8 +23,8 @@ from ..distributed.launch import main_first
 from ..errors import RewardError
 from ..vision import IMAGE_COLUMNS
 from .heldout import evaluate_prompts
-from .prompts import as_rewards_see_all, check_prompts, decoded, prompt_columns, prompt_kind
-from .rewards import Reward, load_rewards, score, trainer_state
+from .prompts import as_rewards_see_all, check_prompts, decoded, prompt_kind
+from .rewards import Reward, score, trainer_state
 from .rollout import reward_labels
 from .sampling import HFGenerator
 
@@ -60,17 +60,14 @@ class Tasks:
         tasks = []
         for i, entry in enumerate(cfg.eval.tasks):
             key, names = f"eval.tasks[{i}]", entry.reward_names()
-
-            def check_split(split, prompts, entry=entry, key=key, names=names):
-                check_prompts(split, [entry.prompts], prompts, names, entry.format_pattern, f"{key}.rewards")
-
-            kind = prompt_kind(entry.max_new_tokens, check_split)
             with main_first(accelerator):
-                prompts, stats = kind.prepare(f"{key}.prompts", [entry.prompts], tokenizer, cfg.data)
+                prompts, stats = prompt_kind(entry.max_new_tokens).prepare(
+                    f"{key}.prompts", [entry.prompts], tokenizer, cfg.data
+                )
             accelerator.print(stats.summary(f"{key}.prompts ({entry.name})"))
-            columns = prompt_columns(prompts)
-            conversations = any(p.startswith("[") for p in prompts["prompt"])
-            rewards = load_rewards(names, columns, entry.format_pattern, conversations, f"{key}.rewards")
+            rewards, columns = check_prompts(
+                f"{key}.prompts", [entry.prompts], prompts, names, entry.format_pattern, f"{key}.rewards"
+            )
             tasks.append(Task(entry, prompts, columns, rewards, reward_labels(names)))
         return cls(tasks, cfg, accelerator, tokenizer)
 
