@@ -753,16 +753,65 @@ def chunkable_head(model) -> torch.nn.Linear | None:
     return head
 
 
+# Mixture-of-experts routers that jitter their inputs in training, by the module attribute
+# holding the amount and the config key setting it: Mixtral's and MiniMax's blocks
+# (router_jitter_noise), PhiMoE's router and block (input_jitter_noise), DBRX's router
+# (moe_jitter_eps, None for none). Each draws new noise at every forward, as dropout does.
+JITTER = {
+    "jitter_noise": "router_jitter_noise",
+    "input_jitter_noise": "input_jitter_noise",
+    "moe_jitter_eps": "moe_jitter_eps",
+}
+# Models whose update depends on the batch whatever their settings, and why.
+SAMPLED_ROUTES = {"phimoe": "PhiMoE's routers sample their experts in training (sparsemixer)"}
+
+
 def disable_dropout(model) -> None:
-    """Turn off the model's own dropout (not LoRA's, model.lora.dropout): always for the
-    preference, reward and GRPO recipes (a preference loss compares the policy's log-probs
-    with the reference's, which must agree at the start; TRL does the same), and for SFT
-    with model.dropout=none (any batch layout then gives the same update)."""
+    """Turn off the model's own random draws in training, its dropout and its routers'
+    jitter (not LoRA's dropout, model.lora.dropout): always for the preference, reward and
+    GRPO recipes (a preference loss compares the policy's log-probs with the reference's,
+    which must agree at the start; TRL does the same), and for SFT and distillation with
+    model.dropout=none (any batch layout then gives the same update)."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and "lora_" not in name:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):  # attention modules keep a rate
             module.attention_dropout = 0.0
+        for attr in JITTER:
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, None if attr == "moe_jitter_eps" else 0.0)
+
+
+def random_draws(config) -> list[str]:
+    """What a model's config draws at random in training, as `config.key=value`: its dropout
+    rates and its routers' jitter, in the config and the configs it holds (a vision tower's,
+    DBRX's ffn_config), all of which disable_dropout turns off."""
+    from transformers import PretrainedConfig
+
+    found = []
+
+    def walk(cfg, prefix: str) -> None:
+        jitter = set(JITTER.values()) - ({"router_jitter_noise"} if cfg.model_type in SAMPLED_ROUTES else set())
+        for key, value in sorted(vars(cfg).items()):
+            if isinstance(value, PretrainedConfig):
+                walk(value, f"{prefix}{key}.")
+            dropout = ("dropout" in key or key.endswith("_pdrop")) and not key.startswith("summary_")
+            if (dropout or key in jitter) and isinstance(value, float) and value > 0:
+                found.append(f"config.{prefix}{key}={value}")
+
+    walk(config, "")
+    return found
+
+
+def batch_dependent(config) -> list[str]:
+    """What makes a model's update depend on how its batch is split whatever llmtrain does:
+    routers that sample their experts (SAMPLED_ROUTES), and experts with a capacity, which
+    drop the tokens routed to them past it (a remote-code model's capacity_factor, say)."""
+    found = [why for kind, why in SAMPLED_ROUTES.items() if text_config(config).model_type == kind]
+    for key, value in sorted(vars(text_config(config)).items()):
+        if "capacity" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found.append(f"config.{key}={value}: experts drop the tokens routed to them past their capacity")
+    return found
 
 
 def saved_weights_bytes(path: str) -> float:

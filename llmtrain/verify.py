@@ -28,6 +28,7 @@ means. What makes runs differ by design (dropout) is said with the failure.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -47,16 +48,15 @@ from .config.load import absolute_paths
 from .config.validate import path_values
 from .core.objective import model_inputs
 from .data.batches import Collator
-from .data.build import ROWS as SFT_ROWS
-from .data.packing import PackedDataset
-from .data.rows import KEPT, process_row
+from .data.rows import KEPT
 from .data.sources import load_source
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, describe
 from .methods import METHODS, demo_config, sections
-from .model import attention_backend, check_model, load_model, load_tokenizer
+from .model import attention_backend, batch_dependent, check_model, load_model, load_tokenizer, pad_id, random_draws
 from .observe.metrics import METRICS_FILE, read_metrics
 from .plan import read_launch, recipe_named, recipe_option
-from .processor import is_vision
+from .processor import is_vision, load_processor, processor_of, save_processor
+from .vision import ImageCollator, rows_kind
 
 STEPS = 3  # optimizer steps each layout trains
 BATCH = 4  # the global batch: units (sequences, pairs, prompts) per step
@@ -98,10 +98,11 @@ class Check:
     seconds: float
     note: str = ""  # what a failure means, where known better than the check's own meaning
     where: str = ""  # which figure the worst difference is of
+    skipped: bool = False  # not run here (the note says why)
 
     @property
     def passed(self) -> bool:
-        return self.worst <= self.tolerance
+        return self.skipped or self.worst <= self.tolerance
 
 
 def parse(argv: list[str]):
@@ -110,6 +111,20 @@ def parse(argv: list[str]):
     recipe_option(parser, "the recipe to verify")
     parser.add_argument(
         "--accelerate-config", type=Path, default=None, help="your accelerate config (DeepSpeed, FSDP2) to check too"
+    )
+    parser.add_argument(
+        "--device",
+        action="store_true",
+        help="run on your GPUs in your mixed precision (default: the CPU in float32)",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=("no", "bf16", "fp16"),
+        default=None,
+        help="the runs' mixed precision (default: float32 on the CPU; with --device, your accelerate config's)",
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="your model's real weights, not its architecture shrunk (needs the memory)"
     )
     parser.add_argument("--output", type=Path, default=None, help="write the report as JSON to this file")
     parser.add_argument(
@@ -130,6 +145,7 @@ def main(argv: list[str]) -> None:
     if not only or only - set(CHECKS):
         raise ConfigError([f"--only: {args.only!r}: name checks of {', '.join(CHECKS)}, comma-separated"])
     cfg = run_config(args.config, args.overrides, method, demo_config(method), sections())
+    where = Where.chosen(args.device, args.mixed_precision, args.accelerate_config, cfg)
     absolute_paths(cfg)
     given = {key: value for key, value, _ in path_values(cfg)}
     demo.resolve_demo_names(cfg)
@@ -139,37 +155,111 @@ def main(argv: list[str]) -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llmtrain-verify-") as scratch:
         root = Path(scratch)
-        print(f"llmtrain verify: the {method.name} recipe, on {cfg.model.name_or_path} shrunk")
-        model, dropout = shrink(cfg.model, root / "model")
-        dropout = dropout if cfg.model.dropout == "model" else ""  # model.dropout=none turns it off
+        what = "with its own weights" if args.full else "shrunk"
+        print(f"llmtrain verify: the {method.name} recipe, on {cfg.model.name_or_path} {what}, {where}")
+        config = read_config(cfg.model)
+        model = Path(cfg.model.name_or_path) if args.full else shrink(cfg.model, config, root / "model")
+        findings = Findings(random_draws(config) if method.keeps_dropout(cfg) else [], batch_dependent(config))
+        for line in findings.lines():
+            print(f"note: {line}")
         data = sample(cfg.data.names(), root / "data")
         base = [*args.overrides, *demos, *fixed(cfg, model, data), *method.verify(cfg)]
-        runner = Runner(method.name, args.config, base, root)
+        runner = Runner(method.name, args.config, base, root, where)
         checks = []
-        if "packing" in only and cfg.data.packing and method.kind(cfg) is SFT_ROWS:
-            checks += [c for c in [packing(cfg, model, data)] if c is not None]
+        if "packing" in only and cfg.data.packing:
+            checks += [c for c in [packing(cfg, method, model, data, where)] if c is not None]
         checks += run_checks(runner, args.accelerate_config, cfg, only)
+    explain(checks, findings)
+    print(table(checks))
+    failed = [c for c in checks if not c.passed]
+    skipped = [c for c in checks if c.skipped]
+    print(
+        f"{len(checks) - len(failed) - len(skipped)} of {len(checks) - len(skipped)} checks passed in "
+        f"{time.monotonic() - started:.0f} s"
+        + ("" if not failed else f"; failed: {', '.join(c.name for c in failed)}")
+        + ("" if not skipped else f"; skipped: {', '.join(c.name for c in skipped)}")
+    )
+    for check in failed + skipped:
+        print(f"{check.name}: {check.note or meaning(check.name)}")
+    if args.output is not None:
+        got = report(checks, where, cfg.model.name_or_path, args.full)
+        safefs.write_text(args.output, json.dumps(got, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    if failed:
+        sys.exit(1)
+
+
+@dataclass
+class Where:
+    """Where the runs go and in what precision: the CPU in float32 by default, so that a
+    laptop checks a cluster job before it is sent; with --device, the GPUs here in the
+    user's mixed precision (--mixed-precision, else their accelerate config's, read as
+    `accelerate launch` reads it)."""
+
+    gpus: int = 0  # 0: the CPU, even on a machine with GPUs
+    precision: str = "no"
+    chosen_precision: bool = False  # --device or --mixed-precision: every run's, the backend's too
+
+    @classmethod
+    def chosen(cls, device: bool, precision: str | None, accelerate_config: Path | None, cfg) -> Where:
+        if not device:
+            return cls(0, precision or "no", precision is not None)
+        gpus = gpu_count()
+        if not gpus:
+            raise ConfigError(["--device: no GPU is visible here; leave --device out to verify on the CPU"])
+        if precision is None:
+            launch = read_launch(None if accelerate_config is None else str(accelerate_config), cfg)
+            precision = launch.mixed_precision if launch.mixed_precision in ("bf16", "fp16") else "no"
+        return cls(gpus, precision, True)
+
+    @property
+    def half(self) -> bool:
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def rounding(self) -> dict:
+        """The tolerances where the order of a sum differs: float32's, or half precision's."""
+        return HALF if self.half else FLOAT32
+
+    def __str__(self) -> str:
+        device = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}" if self.gpus else "the CPU"
+        return f"on {device} in {self.precision if self.half else 'float32'}"
+
+
+@dataclass
+class Findings:
+    """What in the model's config makes layouts differ by design, found before any run:
+    random draws its runs keep (dropout, router jitter), and what nothing turns off."""
+
+    random: list[str]
+    batch: list[str]
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.random:
+            out.append(f"the model draws at random in training ({', '.join(self.random)}); set model.dropout=none")
+        out += [f"the update depends on the batch by design: {why}" for why in self.batch]
+        return out
+
+
+def explain(checks: list[Check], findings: Findings) -> None:
+    """Each failed check's note: what the findings make of it, else nothing (its meaning)."""
     for check in checks:
-        if not check.passed and dropout:
-            check.note = f"dropout is on ({dropout}): each layout draws other masks; set model.dropout=none"
-        elif not check.passed and not check.tolerance and check.worst <= FLOAT32["loss"] and not check.note:
+        if check.passed or check.skipped:
+            continue
+        layout = not check.name.startswith(("the same run", "resume vs", "packed"))  # compares two layouts
+        if layout and findings.batch:
+            check.note = f"the update depends on the batch by design ({'; '.join(findings.batch)}): no layout can match"
+        elif layout and findings.random:
+            check.note = (
+                f"dropout or router jitter is on ({', '.join(findings.random)}): each layout draws other masks; "
+                "set model.dropout=none"
+            )
+        elif not check.tolerance and check.worst <= FLOAT32["loss"] and not check.note:
             check.note = (
                 f"{meaning(check.name)}; or, the difference being float rounding, a kernel that is not deterministic "
                 "every time: run verify again, and a repeat that differs tells"
             )
-    print(table(checks))
-    failed = [c for c in checks if not c.passed]
-    print(
-        f"{len(checks) - len(failed)} of {len(checks)} checks passed in {time.monotonic() - started:.0f} s"
-        + ("" if not failed else f"; failed: {', '.join(c.name for c in failed)}")
-    )
-    for check in failed:
-        print(f"{check.name}: {check.note or meaning(check.name)}")
-    if args.output is not None:
-        safefs.write_text(args.output, json.dumps(report(checks), indent=2) + "\n")
-        print(f"wrote {args.output}")
-    if failed:
-        sys.exit(1)
 
 
 def fixed(cfg, model: Path, data: list[Path]) -> list[str]:
@@ -220,25 +310,37 @@ SIZES = {
 }
 
 
-def shrink(model_cfg, out: Path) -> tuple[Path, str]:
-    """The user's model (model_cfg.name_or_path) rebuilt small in `out` with random weights,
-    its tokenizer beside it; and the dropout its config leaves on ('' for none)."""
-    import torch
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoProcessor,
-        AutoTokenizer,
-    )
+def read_config(model_cfg):
+    """The user's model config, read as a run reads it (nothing but config.json)."""
+    from transformers import AutoConfig
 
     name = model_cfg.name_or_path
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
     except Exception as e:  # a name that is no model
-        raise ModelError(f"model.name_or_path: {name} cannot be read as a model config and tokenizer ({e})") from None
+        raise ModelError(f"model.name_or_path: {name} cannot be read as a model config ({e})") from None
+
+
+def shrink(model_cfg, config, out: Path) -> Path:
+    """The user's model (model_cfg.name_or_path, whose config is `config`) rebuilt small in
+    `out` with random weights, its tokenizer (and a vision-language model's processor)
+    beside it."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
+
+    name, remote = model_cfg.name_or_path, model_cfg.trust_remote_code
+    config = copy.deepcopy(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
+    except Exception as e:  # a model without a tokenizer
+        raise ModelError(f"model.name_or_path: {name} has no tokenizer that can be read ({e})") from None
     text = getattr(config, "text_config", None) or config
+    widths = [getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if isinstance(getattr(text, k, None), int)]
+    width = widths[0] if widths else 0  # the language model's, before shrinking
     for key, value in SIZES.items():
         if isinstance(getattr(text, key, None), int):
             setattr(text, key, value)
@@ -252,20 +354,64 @@ def shrink(model_cfg, out: Path) -> tuple[Path, str]:
         text.layer_types = (kinds * LAYERS)[:LAYERS]
     if getattr(text, "query_pre_attn_scalar", None):
         text.query_pre_attn_scalar = HEAD_DIM
-    dropout = ", ".join(
-        f"config.{k}={v}"
-        for k, v in sorted(vars(text).items())
-        if ("dropout" in k or k.endswith("_pdrop")) and not k.startswith("summary_") and isinstance(v, float) and v > 0
-    )
-    torch.manual_seed(0)  # the same shrunk model at every verify
-    vision = is_vision(config)  # its language model shrunk; its vision tower kept whole
+    vision = is_vision(config)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model = auto.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    whole = copy.deepcopy(config)  # the vision tower as it is, should the shrunk one not build
+    if vision and getattr(config, "vision_config", None) is not None:
+        shrink_tower(config, width)
+    torch.manual_seed(0)  # the same shrunk model at every verify
+    try:
+        model = auto.from_config(config, trust_remote_code=remote)
+    except Exception as e:  # a tower whose sizes hang together in ways shrink_tower does not know
+        print(f"note: the vision tower is kept whole: shrunk, it does not build ({describe(e)})")
+        torch.manual_seed(0)
+        model = auto.from_config(whole, trust_remote_code=remote)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if vision:  # its processor too: how images become tokens
-        AutoProcessor.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code).save_pretrained(out)
-    return out, dropout
+        save_processor(load_processor(name, trust_remote_code=remote), out)
+    return out
+
+
+# A vision tower's sizes, and what they become (its own width: half the language model's).
+TOWER = {
+    "hidden_size": WIDTH // 2,
+    "embed_dim": WIDTH // 2,
+    "projection_dim": WIDTH // 2,
+    "intermediate_size": WIDTH,
+    "num_attention_heads": 2,
+    "num_heads": 2,
+    "head_dim": WIDTH // 4,
+}
+TOWER_LAYERS = ("num_hidden_layers", "depth")
+
+
+def shrink_tower(config, text_width: int) -> None:
+    """A vision-language config's vision tower shrunk in place, to LAYERS layers of width
+    WIDTH // 2, the rest kept: its image and patch sizes (so each image takes the same
+    tokens), and enough layers for those the model reads features of (vision_feature_layer,
+    Qwen3-VL's deepstack_visual_indexes). A size that equals the language model's width
+    before shrinking (Qwen2-VL's hidden_size), or out_hidden_size (Qwen2.5-VL's, Qwen3-VL's), is
+    the width the tower hands to the language model: it becomes the shrunk width."""
+    tower = config.vision_config
+    layers = LAYERS
+    read = getattr(config, "vision_feature_layer", None)
+    for index in read if isinstance(read, list) else [read] if isinstance(read, int) else []:
+        layers = max(layers, index if index >= 0 else -index - 1)  # hidden_states: the embeddings, then each layer
+    deep = getattr(tower, "deepstack_visual_indexes", None)
+    if isinstance(deep, list) and deep:
+        layers = max(layers, max(deep) + 1)
+    for key, value in list(vars(tower).items()):
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if key == "out_hidden_size" or (key == "hidden_size" and value == text_width):  # into the language model
+            setattr(tower, key, WIDTH)
+        elif key in TOWER:
+            setattr(tower, key, TOWER[key])
+        elif key in TOWER_LAYERS:
+            setattr(tower, key, layers)
+    if isinstance(getattr(tower, "fullatt_block_indexes", None), list):  # Qwen2.5-VL: window and full blocks
+        tower.fullatt_block_indexes = [layers - 1]
 
 
 def sample(names: list[str], out: Path) -> list[Path]:
@@ -293,12 +439,13 @@ def sample(names: list[str], out: Path) -> list[Path]:
 PACKS = 8  # packed sequences checked, sample by sample
 
 
-def packing(cfg, model_dir: Path, data: list[Path]) -> Check | None:
-    """The packed vs unpacked check, on this process: the sampled rows tokenized and packed
-    as a run packs them (data.max_seq_len capped), the shrunk model's logits over each of
-    the first PACKS packed sequences against those of each sample run alone, with the
-    attention backend a run would take. Every sample must see only itself. None for a
-    vision-language model's rows (not checked here yet)."""
+def packing(cfg, method, model_dir: Path, data: list[Path], where: Where) -> Check | None:
+    """The packed vs unpacked check, on this process: the sampled rows made into the
+    method's examples (SFT rows, preference pairs, rows with images) and packed as a run
+    packs them (data.max_seq_len capped); the model's logits over each of the first PACKS
+    packed sequences against those of each of its samples alone, both collated as a run
+    collates them, with the attention backend a run takes. Every sample must see only
+    itself. None where the method's examples are not packed."""
     import datasets
     import pyarrow as pa
     import torch
@@ -307,32 +454,49 @@ def packing(cfg, model_dir: Path, data: list[Path]) -> Check | None:
     data_cfg = dataclasses.replace(cfg.data, max_seq_len=min(cfg.data.max_seq_len, MAX_SEQ_LEN))
     model_cfg = dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=dataclasses.replace(cfg.model.lora))
     model_cfg.lora.enabled = False  # the base's attention is what packing must isolate
+    model_cfg.head = "lm"  # the body's output is compared, whatever head reads it (a reward model's score)
     mcfg = check_model(model_cfg, data_cfg.max_seq_len)
-    if is_vision(mcfg):
-        return None
-    model_cfg.attn_implementation = attention_backend(model_cfg, mcfg, True, torch.device("cpu")).name
+    device = torch.device("cuda" if where.gpus else "cpu")
+    model_cfg.attn_implementation = attention_backend(model_cfg, mcfg, True, device).name
     tokenizer = load_tokenizer(model_cfg, data_cfg.chat_template_text(), is_vision(mcfg))
-    rows = [json.loads(line) for path in data for line in path.read_text().splitlines() if line]
-    examples = [e for e in (process_row(r, data_cfg.format, tokenizer, data_cfg) for r in rows) if e["status"] in KEPT]
-    keys = ("input_ids", "labels", "length", "n_trained")
-    table = pa.Table.from_pylist([{k: e[k] for k in keys} for e in examples])
-    packed = PackedDataset(datasets.Dataset(table, fingerprint="llmtrain-verify"), capacity=data_cfg.max_seq_len)
-    model = load_model(model_cfg).eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    worst, where = 0.0, "every sample"
+    kind = rows_kind(method.kind(cfg), tokenizer, dataclasses.replace(cfg, data=data_cfg), mcfg)
+    if kind.packed is None:
+        return None
+    sources = [load_source(str(path), "data.train", streaming=True) for path in data]
+    rows = [src.parse(row) for src in sources for row in src.dataset]  # a row knows its folder (images)
+    examples = [e for e in (kind.process(r, tokenizer, data_cfg) for r in rows) if e["status"] in KEPT]
+    for i, example in enumerate(examples):
+        example.pop("status")
+        if kind.index:
+            example[kind.index] = i
+    width = kind.width * data_cfg.max_seq_len
+    packed = kind.packed(datasets.Dataset(pa.Table.from_pylist(examples), fingerprint="llmtrain-verify"), width)
+    pad = pad_id(tokenizer)
+    processor = processor_of(tokenizer)
+    collate = ImageCollator(pad, processor, data_cfg.max_image_pixels, width) if processor else Collator(pad, width)
+    model = load_model(model_cfg).to(device).eval()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(where.precision)
+    worst, where_worst = 0.0, "every sample"
+
+    def states(batch: dict) -> torch.Tensor:
+        """The last layer's output at each token: what a language model's head or a reward
+        model's reads."""
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            return model(**model_inputs(model, batch), output_hidden_states=True).hidden_states[-1][0].float()
+
     with torch.no_grad():
         for j in range(min(len(packed), PACKS)):
-            batch = Collator(pad, pack_width=data_cfg.max_seq_len)([packed[j]])
-            logits = model(**model_inputs(model, batch)).logits[0].float()
-            start = 0
-            for i in packed.bins[j]:
-                ids = torch.tensor([examples[i]["input_ids"]])
-                alone = model(input_ids=ids).logits[0].float()
-                diff = float((logits[start : start + ids.shape[1]] - alone).abs().max() / alone.abs().max())
+            together, start = states(collate([packed[j]])), 0
+            for d, doc in enumerate(packed.documents(j)):
+                alone = states(collate([doc]))
+                n = len(doc["input_ids"])
+                diff = float((together[start : start + n] - alone[:n]).abs().max() / alone.abs().max())
                 if diff > worst:
-                    worst, where = diff, f"sample {i} in pack {j}"
-                start += ids.shape[1]
-    return Check("packed vs each sample alone", worst, FLOAT32["loss"], time.monotonic() - started, where=where)
+                    worst, where_worst = diff, f"sample {d} of pack {j}"
+                start += n
+    tolerance = where.rounding["loss"]
+    return Check("packed vs each sample alone", worst, tolerance, time.monotonic() - started, where=where_worst)
 
 
 # --- the runs -----------------------------------------------------------------------------
@@ -341,15 +505,17 @@ def packing(cfg, model_dir: Path, data: list[Path]) -> Check | None:
 class Runner:
     """Launches the recipe as a user does, in `root`/<name>, and reads what a run wrote."""
 
-    def __init__(self, recipe: str, config: Path | None, overrides: list[str], root: Path):
-        self.recipe, self.config, self.overrides, self.root = recipe, config, overrides, root
+    def __init__(self, recipe: str, config: Path | None, overrides: list[str], root: Path, where: Where):
+        self.recipe, self.config, self.overrides, self.root, self.where = recipe, config, overrides, root, where
 
     def run(self, layout: Layout, out: Path, extra: list[str] = ()) -> float:
         """Train `layout` into `out`; returns the seconds it took."""
         args = (["--config", str(self.config)] if self.config else []) + self.overrides
         args += [*layout.overrides(), f"output_dir={out}", *extra]
         command = [sys.executable, "-m", "llmtrain.recipe", self.recipe, *args]
-        env = dict(os.environ)
+        env = dict(os.environ, ACCELERATE_MIXED_PRECISION=layout.precision)
+        if not self.where.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, even where there are GPUs
         if layout.processes > 1 or layout.accelerate_config:
             flags = ["--num_processes", str(layout.processes), "--main_process_port", str(free_port())]
             flags += ["--mixed_precision", layout.precision]
@@ -359,7 +525,7 @@ class Runner:
                 flags = ["--multi_gpu", *flags]
             command = [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain.recipe"]
             command += [self.recipe, *args]
-            if layout.distributed_type != "DEEPSPEED" and not on_gpu():
+            if layout.distributed_type != "DEEPSPEED" and not self.where.gpus:
                 env["ACCELERATE_USE_CPU"] = "1"  # DDP and FSDP2 over gloo; DeepSpeed picks its CPU accelerator
         started = time.monotonic()
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -371,10 +537,10 @@ class Runner:
         return time.monotonic() - started
 
 
-def on_gpu() -> bool:
+def gpu_count() -> int:
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count()
 
 
 def free_port() -> int:
@@ -391,37 +557,50 @@ CHECKS = ("packing", "accumulation", "processes", "backend", "resume", "resume-p
 
 def run_checks(runner: Runner, accelerate_config: Path | None, cfg, only: set[str]) -> list[Check]:
     """The checks of `only` (all of CHECKS; `backend` where an accelerate config is given),
-    each run in its layout and compared with its baseline."""
-    root = runner.root
+    each run in its layout and compared with its baseline: at float32's rounding, or half
+    precision's where the runs take it (Where). On one GPU the checks of 2 processes are
+    skipped, saying so."""
+    root, where = runner.root, runner.where
     if not only - {"packing"}:  # no check that trains
         return []
-    one = Layout("reference", 1, BATCH, 1)
-    two = Layout("2 processes", 2, BATCH // 2, 1)
+    one = Layout("reference", 1, BATCH, 1, precision=where.precision)
+    two = Layout("2 processes", 2, BATCH // 2, 1, precision=where.precision)
     took = {"reference": runner.run(one, root / "reference")}
+    rounding, alone = where.rounding, where.gpus == 1  # one GPU: no second process
 
     def ran(layout: Layout, out: Path, extra: list[str] = ()) -> Path:
         took[out.name] = runner.run(layout, out, extra)
         return out
 
+    def skipped(name: str) -> Check:
+        note = "1 GPU here, and 2 processes need 2: leave --device out to check this on the CPU"
+        return Check(name, 0.0, 0.0, 0.0, note, skipped=True)
+
     checks = []
     if "accumulation" in only:
-        out = ran(Layout("accumulation", 1, 1, BATCH), root / "accumulation")
-        checks.append(compare("accumulation vs one micro-batch", out, root / "reference", FLOAT32, took[out.name]))
-    if only & {"processes", "backend"}:
+        out = ran(Layout("accumulation", 1, 1, BATCH, precision=where.precision), root / "accumulation")
+        checks.append(compare("accumulation vs one micro-batch", out, root / "reference", rounding, took[out.name]))
+    if only & {"processes", "backend"} and not alone:
         ran(two, root / "2 processes")
     if "processes" in only:
+        name = "2 processes vs one micro-batch"
         out = root / "2 processes"
-        checks.append(compare("2 processes vs one micro-batch", out, root / "reference", FLOAT32, took[out.name]))
+        checks.append(skipped(name) if alone else compare(name, out, root / "reference", rounding, took[out.name]))
     if "backend" in only and accelerate_config is not None:
         launch = read_launch(str(accelerate_config), cfg)  # read with bounds, as llmtrain plan reads it
-        precision = launch.mixed_precision if launch.mixed_precision in ("bf16", "fp16") else "no"
-        backend = Layout("your backend", 2, BATCH // 2, 1, accelerate_config, precision, launch.distributed_type)
-        out = ran(backend, root / "backend")
-        baseline, tolerance = root / "2 processes", FLOAT32
-        if precision != "no":  # DDP in the same precision, and that precision's bounds
-            baseline, tolerance = ran(dataclasses.replace(two, precision=precision), root / f"ddp-{precision}"), HALF
+        precision = where.precision if where.chosen_precision else launch.mixed_precision
+        precision = precision if precision in ("bf16", "fp16") else "no"
         name = f"your backend vs DDP{'' if precision == 'no' else f' ({precision})'}"
-        checks.append(compare(name, out, baseline, tolerance, took[out.name]))
+        if alone:
+            checks.append(skipped(name))
+        else:
+            backend = Layout("your backend", 2, BATCH // 2, 1, accelerate_config, precision, launch.distributed_type)
+            out = ran(backend, root / "backend")
+            baseline, tolerance = root / "2 processes", rounding
+            if precision != where.precision:  # DDP in the backend's precision, and that precision's bounds
+                baseline = ran(dataclasses.replace(two, precision=precision), root / f"ddp-{precision}")
+                tolerance = HALF if precision != "no" else FLOAT32
+            checks.append(compare(name, out, baseline, tolerance, took[out.name]))
     exact = dict.fromkeys(FLOAT32, EXACT)
     if "resume" in only:  # the same run again: exact, unless the model's kernels are not deterministic
         out = ran(one, root / "repeat")
@@ -429,19 +608,23 @@ def run_checks(runner: Runner, accelerate_config: Path | None, cfg, only: set[st
         if not repeat.passed:
             repeat.note = (
                 "the model's kernels are not deterministic (some mixture-of-experts kernels on CPU, atomic "
-                "additions on GPUs): two identical runs differ, so no resume can be exact; resume is held to float "
+                "additions on GPUs): two identical runs differ, so no resume can be exact; resume is held to "
                 "rounding instead"
             )
-            exact = FLOAT32
+            exact = rounding
         checks.append(repeat)
     for key, name, layout, tolerance in (
         ("resume", "resume", one, exact),
-        ("resume-processes", "resume on 2 processes", two, FLOAT32),
+        ("resume-processes", "resume on 2 processes", two, rounding),
     ):
-        if key in only:
-            rewound(root / "reference", root / name, step=1)
-            out = ran(layout, root / name, ["checkpoint.resume=auto"])
-            checks.append(compare(f"{name} vs uninterrupted", out, root / "reference", tolerance, took[out.name]))
+        if key not in only:
+            continue
+        if alone and layout.processes > 1:
+            checks.append(skipped(f"{name} vs uninterrupted"))
+            continue
+        rewound(root / "reference", root / name, step=1)
+        out = ran(layout, root / name, ["checkpoint.resume=auto"])
+        checks.append(compare(f"{name} vs uninterrupted", out, root / "reference", tolerance, took[out.name]))
     return checks
 
 
@@ -512,7 +695,7 @@ def weights_difference(got: Path, want: Path) -> float:
 
 MEANINGS = {
     "packed": "a packed sample sees the others (a mask or positions that do not isolate it in this "
-    "architecture's attention), or its positions do not restart at 0",
+    "architecture's attention), its positions do not restart at 0, or its images' features land on another's tokens",
     "accumulation": "gradient accumulation changes the update: a loss averaged per micro-batch rather than over the "
     "global batch, or a layer whose output depends on the batch (batch norm)",
     "2 processes": "the number of processes changes the update: a loss or advantage normalised per process, data "
@@ -533,16 +716,23 @@ def meaning(name: str) -> str:
 def table(checks: list[Check]) -> str:
     rows = [["check", "worst difference", "of", "tolerance", "result", "seconds"]]
     for c in checks:
+        if c.skipped:
+            rows.append([c.name, "", "", "", "skipped", ""])
+            continue
         tolerance = f"{c.tolerance:.0e}" if c.tolerance else "exact"
         rows.append([c.name, f"{c.worst:.2e}", c.where, tolerance, "pass" if c.passed else "FAIL", f"{c.seconds:.1f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def report(checks: list[Check]) -> dict:
+def report(checks: list[Check], where: Where, model: str, full: bool) -> dict:
     return {
         "passed": all(c.passed for c in checks),
+        "model": model,
+        "weights": "full" if full else "shrunk",
         "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in checks],
         "steps": STEPS,
         "global_batch": BATCH,
+        "device": "cpu" if not where.gpus else f"{where.gpus} gpu",
+        "mixed_precision": where.precision,
     }

@@ -304,11 +304,14 @@ class PackedImageRows(PackedDataset):
     rows' images in order: a model puts an image's features at its tokens in order, so the
     features of each packed row land on that row's tokens."""
 
-    def __getitem__(self, j: int) -> dict:
+    def documents(self, j: int) -> list[dict]:
         rows = self.rows[self.bins[j]]
-        out = join_rows([{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])])
-        docs = [{k: rows[k][i] for k in IMAGE_COLUMNS if k in rows} for i in range(len(rows["images"]))]
-        return out | joined_images(docs)
+        columns = ("input_ids", "labels", *(k for k in IMAGE_COLUMNS if k in rows))
+        return [{k: rows[k][i] for k in columns} for i in range(len(rows["input_ids"]))]
+
+    def __getitem__(self, j: int) -> dict:
+        docs = self.documents(j)
+        return join_rows(docs) | joined_images(docs)
 
 
 def joined_images(docs: list[dict]) -> dict:

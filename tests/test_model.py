@@ -291,3 +291,56 @@ def test_a_convolutions_3d_weight_is_not_taken_for_experts():
     assert any(isinstance(m, torch.nn.Conv1d) for m in model.modules())
     cfg = ModelConfig(name_or_path="m")
     assert lora_targets(model, cfg.lora)[1] == ["experts.down_proj", "experts.gate_up_proj"]
+
+
+# --- the model's own random draws in training -------------------------------------------
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+
+
+@pytest.mark.parametrize(
+    "cls, settings",
+    [
+        ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, router_jitter_noise=0.5)),
+        ("PhimoeConfig", dict(num_key_value_heads=2, num_local_experts=4, input_jitter_noise=0.5)),
+        ("LlamaConfig", dict(attention_dropout=0.5)),
+    ],
+)
+def test_model_dropout_none_turns_off_every_random_draw_the_config_sets(cls, settings):
+    """random_draws names the config's dropout and router jitter; disable_dropout (what
+    model.dropout=none and the preference recipes call) turns each off, so two forwards
+    in training mode agree."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.model import disable_dropout, random_draws
+
+    config = getattr(transformers, cls)(**SMALL, **settings)
+    key, value = list(settings.items())[-1]  # the draw
+    assert random_draws(config) == [f"config.{key}={value}"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, 64, (2, 12))
+    if cls == "PhimoeConfig":  # its routers sample their experts whatever is set: only the jitter is turned off
+        block = next(m for m in model.modules() if type(m).__name__ == "PhimoeSparseMoeBlock")
+        disable_dropout(model)
+        assert block.input_jitter_noise == 0.0 and block.router.input_jitter_noise == 0.0
+        return
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+    disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_what_makes_the_update_depend_on_the_batch_whatever_is_set():
+    from transformers import LlamaConfig, PhimoeConfig
+
+    from llmtrain.model import batch_dependent, random_draws
+
+    assert batch_dependent(PhimoeConfig()) == ["PhiMoE's routers sample their experts in training (sparsemixer)"]
+    assert random_draws(PhimoeConfig()) == []  # its router_jitter_noise is a routing threshold, not noise
+    capacity = LlamaConfig(capacity_factor=1.25)  # a remote-code MoE's setting
+    assert batch_dependent(capacity) == [
+        "config.capacity_factor=1.25: experts drop the tokens routed to them past their capacity"
+    ]
+    assert batch_dependent(LlamaConfig()) == [] and random_draws(LlamaConfig()) == []

@@ -81,10 +81,11 @@ class ModelConfig:
     masks), else sdpa where the model supports it, else flex_attention on a GPU and eager
     on CPU (Gemma 2's soft-capping, gpt-oss's sinks); llmtrain plan says which and why."""
     dropout: Literal["model", "none"] = "model"
-    """The model's own dropout (the rates its config sets, such as GPT-2's 0.1; LoRA's is
-    model.lora.dropout) in finetune.py: 'model' keeps it, as TRL's SFTTrainer does; 'none'
-    sets every rate to 0, so any batch layout gives the same update. dpo.py, reward.py and
-    grpo.py always turn it off."""
+    """The model's own random draws in training, in finetune.py and distill.py: the dropout
+    rates its config sets (GPT-2's 0.1; LoRA's is model.lora.dropout) and its
+    mixture-of-experts routers' jitter (Mixtral's router_jitter_noise). 'model' keeps them,
+    as TRL's SFTTrainer does; 'none' sets every one to 0, so any batch layout gives the same
+    update. dpo.py, reward.py and grpo.py always turn them off."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False

@@ -50,5 +50,6 @@ FINETUNE = Method(
     demo="demo.yaml",
     template="llama_full.yaml",
     tags=lambda cfg: ["sft"],
+    keeps_dropout=lambda cfg: cfg.model.dropout == "model",
     derived=lambda figures: {"eval_perplexity": math.exp(figures["eval_loss"])} if "eval_loss" in figures else {},
 )

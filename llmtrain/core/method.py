@@ -95,6 +95,10 @@ class Method:
     # train something to compare: cfg -> overrides (GRPO's rewards, which a random model's
     # answers would all meet alike).
     verify: Callable = lambda cfg: []
+    # Whether its runs keep the model's own random draws in training (dropout, router
+    # jitter; model.disable_dropout turns them off): cfg -> bool. SFT and distillation keep
+    # them unless model.dropout=none; the others always turn them off.
+    keeps_dropout: Callable = lambda cfg: False
 
     @property
     def section(self) -> str | None:

@@ -91,9 +91,14 @@ class PackedDataset(torch.utils.data.Dataset):
         """Share of packed positions that hold real tokens."""
         return sum(self.rows["length"]) / (len(self.bins) * self.capacity)
 
-    def __getitem__(self, j: int) -> dict:
+    def documents(self, j: int) -> list[dict]:
+        """Packed sequence j's samples in order, each as an unpacked example: what each must
+        compute alone, packed with the others or not (`llmtrain verify` checks it)."""
         rows = self.rows[self.bins[j]]
-        return join_rows([{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])])
+        return [{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"], rows["labels"])]
+
+    def __getitem__(self, j: int) -> dict:
+        return join_rows(self.documents(j))
 
 
 def join_rows(rows: list[dict]) -> dict:

@@ -174,5 +174,6 @@ DISTILL = Method(
     template="distill.yaml",
     check=check_distill,
     tags=lambda cfg: ["distillation"],
+    keeps_dropout=lambda cfg: cfg.model.dropout == "model",
     plan=PlanFigures(steps_per_epoch=steps_per_epoch, memory=memory),
 )

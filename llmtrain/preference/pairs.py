@@ -153,23 +153,25 @@ class PackedPairs(PackedDataset):
         """The tokenized pairs (reference.data_key keys the reference log-probs on them)."""
         return self.rows
 
-    def __getitem__(self, j: int) -> dict:
+    def documents(self, j: int) -> list[dict]:
+        """Each pair's chosen answer, then its rejected one; a vision-language model's pairs
+        show their images to each answer."""
         rows = self.rows[self.bins[j]]
         docs = []
         for i in range(len(self.bins[j])):
             for side in ("chosen", "rejected"):
-                docs.append({"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]})
+                doc = {"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]}
+                if "images" in rows:
+                    doc |= {"images": rows["images"][i]} | {k: rows[f"{side}_{k}"][i] for k in SEQUENCE_INPUTS}
+                docs.append(doc)
+        return docs
+
+    def __getitem__(self, j: int) -> dict:
+        rows = self.rows[self.bins[j]]
+        docs = self.documents(j)
         margins = {"margin": rows["margin"]} if "margin" in rows else {}  # reward-model pairs
         out = join_rows(docs) | {"pair_index": rows["pair_index"]} | margins
-        if "images" not in rows:
-            return out
-        # A vision-language model's pairs: each answer shows its pair's images again.
-        shown = [
-            {"images": rows["images"][i]} | {k: rows[f"{side}_{k}"][i] for k in SEQUENCE_INPUTS}
-            for i in range(len(self.bins[j]))
-            for side in ("chosen", "rejected")
-        ]
-        return out | joined_images(shown)
+        return out if "images" not in rows else out | joined_images(docs)
 
 
 class PairCollator:

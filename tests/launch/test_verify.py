@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from tests.support.runs import LLMTRAIN, run_python
 
@@ -38,21 +39,42 @@ def test_verify_passes_where_the_guarantees_hold(base_config, tiny_model, chat_f
         assert any(line.startswith(name) and "pass" in line for line in proc.stdout.splitlines()), name
 
 
-def test_verify_fails_with_dropout_left_on_and_says_so(base_config, tiny_model, chat_file, cache_env, tmp_path):
-    """A model whose config keeps dropout on (model.dropout=model, the default, keeps it):
-    each layout draws other masks, so the layout checks fail, saying why and what to set."""
-    from transformers import AutoConfig, AutoTokenizer
+def test_verify_names_random_draws_left_on_and_passes_with_them_off(
+    tokenizer, chat_file, base_config, cache_env, tmp_path
+):
+    """A mixture-of-experts model whose config keeps dropout and router jitter on (SFT's
+    model.dropout=model, the default, keeps them): said before the runs, and each layout
+    draws other masks, so the layout check fails saying why and what to set. With
+    model.dropout=none every draw is off and the check passes."""
+    from transformers import AutoConfig
 
-    dropped = tmp_path / "dropout-model"
-    config = AutoConfig.from_pretrained(tiny_model)
-    config.attention_dropout = 0.2
-    config.save_pretrained(dropped)
-    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(dropped)
-    given = ["--config", str(base_config), f"model.name_or_path={dropped}", f"data.train={chat_file}"]
+    from tests.support.architectures import build
+
+    model = build("mixtral", tmp_path / "jittery", tokenizer)
+    config = AutoConfig.from_pretrained(model)
+    config.attention_dropout, config.router_jitter_noise = 0.2, 0.1
+    config.save_pretrained(model)
+    given = ["--config", str(base_config), f"model.name_or_path={model}", f"data.train={chat_file}"]
     proc = verify([*given, "--only", "accumulation"], cache_env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    said = "dropout is on (config.attention_dropout=0.2): each layout draws other masks; set model.dropout=none"
+    draws = "config.attention_dropout=0.2, config.router_jitter_noise=0.1"
+    assert f"note: the model draws at random in training ({draws}); set model.dropout=none" in proc.stdout
+    said = f"dropout or router jitter is on ({draws}): each layout draws other masks; set model.dropout=none"
     assert f"accumulation vs one micro-batch: {said}" in proc.stdout
+    proc = verify([*given, "--only", "accumulation", "model.dropout=none"], cache_env)
+    assert proc.returncode == 0 and "note:" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_verify_full_takes_the_model_as_it_is(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """--full: the user's own weights, not a shrunk copy: the packed samples of the real
+    model are checked."""
+    report = tmp_path / "report.json"
+    given = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}"]
+    proc = verify([*given, "data.packing=true", "--full", "--only", "packing", "--output", str(report)], cache_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"on {tiny_model} with its own weights, on the CPU in float32" in proc.stdout
+    got = json.loads(report.read_text())
+    assert got["weights"] == "full" and got["checks"][0]["name"] == "packed vs each sample alone"
 
 
 # Bugs put in on purpose, each in every process of the runs (a sitecustomize on PYTHONPATH),
@@ -170,3 +192,26 @@ def test_verify_fails_on_a_model_whose_layers_depend_on_the_batch(
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "; failed: accumulation vs one micro-batch" in proc.stdout
     assert "a layer whose output depends on the batch" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verify_runs_on_the_gpus_in_their_precision(base_config, tiny_model, chat_file, cache_env, tmp_path):
+    """--device: every run on the GPUs here, in bf16, held to bf16's bounds; on one GPU the
+    checks of 2 processes are skipped, saying so, and the others pass."""
+    report = tmp_path / "report.json"
+    given = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}"]
+    proc = verify(
+        [*given, "data.packing=true", "--device", "--mixed-precision", "bf16", "--output", str(report)], cache_env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(report.read_text())
+    assert got["device"] == f"{torch.cuda.device_count()} gpu" and got["mixed_precision"] == "bf16"
+    ran = [c for c in got["checks"] if not c["skipped"]]
+    assert all(c["passed"] for c in ran) and len(ran) >= 4
+    assert all(c["tolerance"] in (0.0, 1e-2, 5e-2) for c in ran)  # bf16's bounds, or exact
+    if torch.cuda.device_count() == 1:
+        assert [c["name"] for c in got["checks"] if c["skipped"]] == [
+            "2 processes vs one micro-batch",
+            "resume on 2 processes vs uninterrupted",
+        ]
