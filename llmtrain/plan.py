@@ -522,9 +522,11 @@ commands:
          rendered row), the model, memory per device, the launch and its batch sizes
   eval   llmtrain eval MODEL [MODEL ...] --config F [--recipe R] [--output F.json]:
          the recipe's held-out measures of each model, side by side with the difference
-  verify llmtrain verify --config F [--accelerate-config A] [--recipe R] [--output F.json]:
-         the same update on every layout, exact resume: checked on your architecture,
-         shrunk, with your tokenizer and data, before a long run (docs/verify.md)
+  verify llmtrain verify --config F [--accelerate-config A] [--recipe R] [--output F.json]
+                        [--device] [--mixed-precision P] [--full]:
+         the same update on every layout, packed samples isolated, exact resume: checked on
+         your architecture, shrunk, with your tokenizer and data, before a long run; on
+         the CPU, or with --device on your GPUs in your precision (docs/verify.md)
 
 training runs through the recipes (see README.md), one per method:
 {recipes}  python recipes/finetune.py --prepare-only --config F     tokenize into the cache

@@ -163,7 +163,7 @@ def main(argv: list[str]) -> None:
         for line in findings.lines():
             print(f"note: {line}")
         data = sample(cfg.data.names(), root / "data")
-        base = [*args.overrides, *demos, *fixed(cfg, model, data), *method.verify(cfg)]
+        base = [*args.overrides, *demos, *fixed(cfg, model, data), *method.verify(cfg, runs_seq_len(cfg))]
         runner = Runner(method.name, args.config, base, root, where)
         checks = []
         if "packing" in only and cfg.data.packing:
@@ -270,7 +270,7 @@ def fixed(cfg, model: Path, data: list[Path]) -> list[str]:
         f"data.train=[{', '.join(str(p) for p in data)}]",
         "data.eval=[]",
         "data.eval_fraction=0",
-        f"data.max_seq_len={min(cfg.data.max_seq_len, MAX_SEQ_LEN)}",
+        f"data.max_seq_len={runs_seq_len(cfg)}",
         f"train.max_steps={STEPS}",
         # Adam divides each update by its gradient's scale: rounding in a gradient near zero
         # would move a weight by a whole step one way or the other. An epsilon above such
@@ -286,6 +286,11 @@ def fixed(cfg, model: Path, data: list[Path]) -> list[str]:
         "log.progress_bar=false",
         "log.every_steps=1",
     ]
+
+
+def runs_seq_len(cfg) -> int:
+    """data.max_seq_len of the runs: the user's, at most MAX_SEQ_LEN."""
+    return min(cfg.data.max_seq_len, MAX_SEQ_LEN)
 
 
 # --- the user's architecture, shrunk ------------------------------------------------------
@@ -451,7 +456,7 @@ def packing(cfg, method, model_dir: Path, data: list[Path], where: Where) -> Che
     import torch
 
     started = time.monotonic()
-    data_cfg = dataclasses.replace(cfg.data, max_seq_len=min(cfg.data.max_seq_len, MAX_SEQ_LEN))
+    data_cfg = dataclasses.replace(cfg.data, max_seq_len=runs_seq_len(cfg))
     model_cfg = dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=dataclasses.replace(cfg.model.lora))
     model_cfg.lora.enabled = False  # the base's attention is what packing must isolate
     model_cfg.head = "lm"  # the body's output is compared, whatever head reads it (a reward model's score)

@@ -5,15 +5,30 @@ The command on real runs, passing and failing, is tests/launch/test_verify.py's.
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
 import llmtrain.verify as verify
 from llmtrain.config import ModelConfig, load_config
 from llmtrain.errors import ConfigError
-from llmtrain.methods import METHODS
+from llmtrain.methods import METHODS, sections
 from llmtrain.model import random_draws
-from llmtrain.verify import FLOAT32, HALF, Check, Findings, Where, compare, explain, packing, read_config, shrink, table
+from llmtrain.plan import recipe_named
+from llmtrain.verify import (
+    FLOAT32,
+    HALF,
+    Check,
+    Findings,
+    Where,
+    compare,
+    explain,
+    packing,
+    read_config,
+    runs_seq_len,
+    shrink,
+    table,
+)
 from tests.support.vision_models import COLOURS, FAMILIES, build, png
 
 # Larger than the shrunk size, so every setting that shrinks is seen to.
@@ -245,3 +260,23 @@ def test_a_vision_tower_is_shrunk_and_its_images_still_pack_exactly(family, kind
     check = packing(load_config(base_config, given, method.schema), method, small, [data], Where())
     assert check.passed and check.worst < 1e-5, check
     shutil.rmtree(small)
+
+
+SHIPPED = sorted((Path(__file__).parents[1] / "recipes" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_stays_valid_under_the_runs_settings(path, tmp_path):
+    """What verify's runs take (data.max_seq_len capped, 3 steps, a checkpoint each, the
+    method's own: GRPO's extra reward, completions as much shorter as the sequences) on top
+    of each shipped config is still a config its recipe accepts: a completion length the
+    cap left no prompt room for was refused before any run."""
+    method = METHODS[recipe_named(path, [])]
+    cfg = load_config(path, [], method.schema, sections())
+    given = [*verify.fixed(cfg, tmp_path / "model", [tmp_path / "rows.jsonl"]), *method.verify(cfg, runs_seq_len(cfg))]
+    runs = load_config(path, given, method.schema, sections())
+    assert runs.data.max_seq_len == min(cfg.data.max_seq_len, verify.MAX_SEQ_LEN) and runs.train.max_steps == 3
+    for section in ("grpo", "distill"):
+        if hasattr(cfg, section) and cfg.data.max_seq_len > verify.MAX_SEQ_LEN:  # scaled as the sequences are
+            want = getattr(cfg, section).max_completion_length * verify.MAX_SEQ_LEN // cfg.data.max_seq_len
+            assert getattr(runs, section).max_completion_length == want

@@ -44,6 +44,12 @@ class Parts:
     after_prepare: Callable | None = None
 
 
+def scaled_length(length: int, cfg, max_seq_len: int) -> int:
+    """A length that must fit within data.max_seq_len (a completion's), scaled as
+    data.max_seq_len is to the shorter `max_seq_len` of `llmtrain verify`'s runs."""
+    return length if max_seq_len >= cfg.data.max_seq_len else max(1, length * max_seq_len // cfg.data.max_seq_len)
+
+
 def no_position(cfg) -> dict:
     return {}
 
@@ -92,9 +98,10 @@ class Method:
     # Figures `llmtrain eval` derives from the evaluation's: figures -> more (SFT's perplexity).
     derived: Callable = lambda figures: {}
     # Overrides `llmtrain verify` adds to its runs of a shrunk random model, so that they
-    # train something to compare: cfg -> overrides (GRPO's rewards, which a random model's
-    # answers would all meet alike).
-    verify: Callable = lambda cfg: []
+    # train something to compare and fit its shorter sequences: (cfg, the runs'
+    # data.max_seq_len) -> overrides (GRPO's rewards, which a random model's answers would
+    # all meet alike; a completion length scaled as data.max_seq_len is).
+    verify: Callable = lambda cfg, max_seq_len: []
     # Whether its runs keep the model's own random draws in training (dropout, router
     # jitter; model.disable_dropout turns them off): cfg -> bool. SFT and distillation keep
     # them unless model.dropout=none; the others always turn them off.

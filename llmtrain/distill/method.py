@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.finetune import rows_collator
-from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigures, preview_row
+from ..core.method import TRAINED_CLOSE, TRAINED_OPEN, Method, Parts, PlanFigures, preview_row, scaled_length
 from ..core.objective import chunk_positions
 from ..core.source import loader_source
 from ..data.build import ROWS
@@ -175,5 +175,7 @@ DISTILL = Method(
     check=check_distill,
     tags=lambda cfg: ["distillation"],
     keeps_dropout=lambda cfg: cfg.model.dropout == "model",
+    # verify's shorter runs: completions as much shorter, so that they leave a prompt room
+    verify=lambda cfg, n: [f"distill.max_completion_length={scaled_length(cfg.distill.max_completion_length, cfg, n)}"],
     plan=PlanFigures(steps_per_epoch=steps_per_epoch, memory=memory),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from ..core.logps import label_logps
-from ..core.method import Method, Parts, PlanFigures
+from ..core.method import Method, Parts, PlanFigures, scaled_length
 from ..core.objective import chunk_positions, model_inputs
 from ..data.rows import stop_ids
 from ..model import (
@@ -149,12 +149,14 @@ def agent_lines(cfg) -> list[str]:
     return lines
 
 
-def verify_overrides(cfg) -> list[str]:
+def verify_overrides(cfg, max_seq_len: int) -> list[str]:
     """`llmtrain verify`'s runs: the user's rewards and one that a random model's answers
     spread over (rewards.even_tokens), so that the groups have advantages and the runs
-    train; with reward weights given, a weight of 1 for it."""
+    train; with reward weights given, a weight of 1 for it. The completions are as much
+    shorter as the runs' sequences (`max_seq_len`), so they leave a prompt room still."""
     rewards = [*cfg.reward_names(), "llmtrain.rl.rewards:even_tokens"]
-    out = [f"grpo.rewards=[{', '.join(rewards)}]"]
+    completions = scaled_length(cfg.grpo.max_completion_length, cfg, max_seq_len)
+    out = [f"grpo.rewards=[{', '.join(rewards)}]", f"grpo.max_completion_length={completions}"]
     if cfg.grpo.reward_weights:
         out.append(f"grpo.reward_weights=[{', '.join(str(w) for w in [*cfg.grpo.reward_weights, 1.0])}]")
     return out

@@ -39,13 +39,11 @@ def test_verify_passes_where_the_guarantees_hold(base_config, tiny_model, chat_f
         assert any(line.startswith(name) and "pass" in line for line in proc.stdout.splitlines()), name
 
 
-def test_verify_names_random_draws_left_on_and_passes_with_them_off(
-    tokenizer, chat_file, base_config, cache_env, tmp_path
-):
+def test_verify_names_random_draws_left_on(tokenizer, chat_file, base_config, cache_env, tmp_path):
     """A mixture-of-experts model whose config keeps dropout and router jitter on (SFT's
     model.dropout=model, the default, keeps them): said before the runs, and each layout
-    draws other masks, so the layout check fails saying why and what to set. With
-    model.dropout=none every draw is off and the check passes."""
+    draws other masks, so the layout check fails saying why and what to set
+    (tests/test_model.py: model.dropout=none turns every one of them off)."""
     from transformers import AutoConfig
 
     from tests.support.architectures import build
@@ -61,20 +59,6 @@ def test_verify_names_random_draws_left_on_and_passes_with_them_off(
     assert f"note: the model draws at random in training ({draws}); set model.dropout=none" in proc.stdout
     said = f"dropout or router jitter is on ({draws}): each layout draws other masks; set model.dropout=none"
     assert f"accumulation vs one micro-batch: {said}" in proc.stdout
-    proc = verify([*given, "--only", "accumulation", "model.dropout=none"], cache_env)
-    assert proc.returncode == 0 and "note:" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def test_verify_full_takes_the_model_as_it_is(base_config, tiny_model, chat_file, cache_env, tmp_path):
-    """--full: the user's own weights, not a shrunk copy: the packed samples of the real
-    model are checked."""
-    report = tmp_path / "report.json"
-    given = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}"]
-    proc = verify([*given, "data.packing=true", "--full", "--only", "packing", "--output", str(report)], cache_env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"on {tiny_model} with its own weights, on the CPU in float32" in proc.stdout
-    got = json.loads(report.read_text())
-    assert got["weights"] == "full" and got["checks"][0]["name"] == "packed vs each sample alone"
 
 
 # Bugs put in on purpose, each in every process of the runs (a sitecustomize on PYTHONPATH),
@@ -140,9 +124,12 @@ def test_verify_fails_on_a_bug_naming_the_check(
     (site / "sitecustomize.py").write_text(BUGS[bug])
     env = dict(cache_env, PYTHONPATH=os.pathsep.join(p for p in (str(site), cache_env.get("PYTHONPATH")) if p))
     given = ["--config", str(base_config), f"model.name_or_path={tiny_model}", f"data.train={chat_file}"]
-    proc = verify([*given, "data.packing=true", "--only", only], env)
+    full = ["--full"] if only == "packing" else []  # the packed check on the model's own weights
+    proc = verify([*given, "data.packing=true", "--only", only, *full], env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"; failed: {failed}" in proc.stdout
+    if full:
+        assert f"on {tiny_model} with its own weights, on the CPU in float32" in proc.stdout
 
 
 BATCHY = """
