@@ -100,6 +100,12 @@ def test_a_check_reports_the_figure_furthest_beyond_its_tolerance(tmp_path):
     check = compare("resume vs uninterrupted", weights, want, exact, 1.0)
     assert not check.passed and check.where == "final weights"
     assert "FAIL" in table([check]) and "exact" in table([check])
+    # a loss near zero (GRPO's sums signed terms of about 1): rounding passes, a tenth of it does not
+    near = run_dir(tmp_path / "near", [1e-3, 1e-3], [1.0, 0.8])
+    rounded = run_dir(tmp_path / "rounded", [1e-3 + 2e-8, 1e-3], [1.0, 0.8])
+    assert compare("2 processes vs one micro-batch", rounded, near, FLOAT32, 1.0).passed
+    tenth = run_dir(tmp_path / "tenth", [1.1e-3, 1e-3], [1.0, 0.8])
+    assert not compare("2 processes vs one micro-batch", tenth, near, FLOAT32, 1.0).passed
     short = run_dir(tmp_path / "short", [2.0], [1.0])
     assert math.isinf(compare("resume vs uninterrupted", short, want, exact, 1.0).worst)
 
@@ -132,6 +138,7 @@ def kinds(tiny_model, chat_file, tmp_path_factory):
     (root / "images").mkdir()
     return {
         "rows": ("finetune", tiny_model, chat_file, []),
+        "rows of bf16 weights": ("finetune", tiny_model, chat_file, ["model.dtype=bfloat16"]),
         "pairs": ("dpo", tiny_model, pair_rows(root / "pairs.jsonl"), []),
         "images": ("finetune", build("llava", root / "llava"), image_rows(root / "images"), []),
     }
@@ -145,11 +152,12 @@ def packed_check(kind, kinds, base_config):
     return packing(cfg, method, model, [data], Where())
 
 
-@pytest.mark.parametrize("kind", ["rows", "pairs", "images"])
+@pytest.mark.parametrize("kind", ["rows", "rows of bf16 weights", "pairs", "images"])
 def test_packing_is_checked_sample_by_sample_for_every_kind(kind, kinds, base_config, monkeypatch):
     """Packed as a run packs them, every sample of every kind computes what it computes
-    alone; given to the model without the positions and masks that isolate them (or, for
-    pictures, with each sequence's pictures in another order), the check fails."""
+    alone, to float32's rounding whatever the weights' dtype; given to the model without
+    the positions and masks that isolate them (or, for pictures, with each sequence's
+    pictures in another order), the check fails."""
     check = packed_check(kind, kinds, base_config)
     assert check.passed and check.tolerance == FLOAT32["loss"] and check.worst < 1e-5, check
     if kind == "images":  # each sample's pictures must land on its own tokens
