@@ -1,28 +1,34 @@
 """`llmtrain verify`: the guarantees checked on the user's own model, data and launch config.
 
-    llmtrain verify --config F [--recipe NAME] [--accelerate-config A] [--output report.json] [key=value ...]
+    llmtrain verify --config F [--recipe NAME] [--accelerate-config A] [--only CHECKS]
+                    [--device] [--mixed-precision P] [--full] [--output report.json] [key=value ...]
 
 The user's architecture is shrunk (`shrink`: the same model class and config, 2 layers of
 width 64, the vocabulary kept for the user's tokenizer; sliding windows, experts and
-absolute positions kept) and built with random weights. The user's tokenizer and chat
-template come with it, and the first rows of each training source are sampled (`sample`).
-The recipe then trains 3 steps of a global batch of 4 in several layouts, each launched
-as a run is launched (`python -m llmtrain.recipe`, under `accelerate launch` for several
-processes):
+absolute positions kept; a vision tower shrunk too, `shrink_tower`) and built with random
+weights, or with --full taken as it is. The user's tokenizer and chat template come with
+it, and the first rows of each training source are sampled (`sample`). With packing, the
+method's examples are packed as a run packs them and each sample's outputs compared with
+the sample alone (`packing`). The recipe then trains 3 steps of a global batch of 4 in
+several layouts, each launched as a run is launched (`python -m llmtrain.recipe`, under
+`accelerate launch` for several processes), on the CPU in float32 unless --device takes
+the GPUs here in the user's precision (`Where`):
 
 - reference: one process, the whole global batch in one micro-batch;
 - accumulation: one process, 4 micro-batches of 1;
 - 2 processes: data parallel (DDP over gloo on CPU), 2 micro-batches of 1 each;
 - the user's backend (--accelerate-config: DeepSpeed ZeRO or FSDP2) against plain DDP;
-- resume: the reference killed after step 1's checkpoint and run again: the same steps
-  exactly;
+- the same run twice, then resume: the reference killed after step 1's checkpoint and run
+  again: the same steps exactly;
 - resume on 2 processes: the same checkpoint continued on another process count.
 
 Each check compares the steps' losses, gradient norms and the final weights with its
 baseline; the worst difference against the check's tolerance (0 where the computation is
-the same, float32 rounding where the order of a reduction differs) is the result. A table
-and, with --output, JSON; exit status 1 when a check fails, with one line on what it
-means. What makes runs differ by design (dropout) is said with the failure.
+the same, float32 rounding where the order of a reduction differs, half precision's bounds
+in bf16 or fp16) is the result. A table and, with --output, JSON; exit status 1 when a
+check fails, with one line on what it means. What makes runs differ by design (dropout,
+router jitter, sampled routing, expert capacity: `Findings`) is read from the config
+before the runs and said with the failures it causes.
 """
 
 from __future__ import annotations
