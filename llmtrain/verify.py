@@ -174,7 +174,8 @@ def main(argv: list[str]) -> None:
             print(f"note: {line}")
         data = sample(cfg.data.names(), root / "data")
         base = [*args.overrides, *demos, *fixed(cfg, model, data), *method.verify(cfg, runs_seq_len(cfg))]
-        runner = Runner(method.name, args.config, base, root, where)
+        names = {} if args.full else {str(model): f"{cfg.model.name_or_path} (shrunk)"}
+        runner = Runner(method.name, args.config, base, root, where, names)
         checks = []
         if "packing" in only and cfg.data.packing:
             checks += [c for c in [packing(cfg, method, model, data, where)] if c is not None]
@@ -524,8 +525,17 @@ def packing(cfg, method, model_dir: Path, data: list[Path], where: Where) -> Che
 class Runner:
     """Launches the recipe as a user does, in `root`/<name>, and reads what a run wrote."""
 
-    def __init__(self, recipe: str, config: Path | None, overrides: list[str], root: Path, where: Where):
+    def __init__(
+        self,
+        recipe: str,
+        config: Path | None,
+        overrides: list[str],
+        root: Path,
+        where: Where,
+        names: dict | None = None,
+    ):
         self.recipe, self.config, self.overrides, self.root, self.where = recipe, config, overrides, root, where
+        self.names = names or {}  # scratch path -> what the user knows it as (their model, shrunk)
 
     def run(self, layout: Layout, out: Path, extra: list[str] = ()) -> float:
         """Train `layout` into `out`; returns the seconds it took."""
@@ -550,9 +560,10 @@ class Runner:
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             said = [line.removeprefix("error: ") for line in proc.stderr.splitlines() if line.startswith("error:")]
-            raise ConfigError(
-                [f"llmtrain verify: the {layout.name} run failed: " + (said[-1] if said else proc.stderr[-2000:])]
-            )
+            line = said[-1] if said else proc.stderr[-2000:]
+            for path, name in self.names.items():  # the run's line names the scratch copy
+                line = line.replace(path, name)
+            raise ConfigError([f"llmtrain verify: the {layout.name} run failed: {line}"])
         return time.monotonic() - started
 
 

@@ -288,3 +288,20 @@ def test_every_shipped_config_stays_valid_under_the_runs_settings(path, tmp_path
         if hasattr(cfg, section) and cfg.data.max_seq_len > verify.MAX_SEQ_LEN:  # scaled as the sequences are
             want = getattr(cfg, section).max_completion_length * verify.MAX_SEQ_LEN // cfg.data.max_seq_len
             assert getattr(runs, section).max_completion_length == want
+
+
+def test_a_failed_run_is_one_line_naming_the_users_model_not_the_scratch_copy(monkeypatch, tmp_path):
+    scratch = str(tmp_path / "model")
+    said = f"error: model.name_or_path: cannot build a model from the config of '{scratch}' (no such class)\n"
+
+    def run(command, env, **kw):
+        return type("Failed", (), {"returncode": 1, "stderr": "Traceback ...\n" + said})()
+
+    monkeypatch.setattr(verify.subprocess, "run", run)
+    runner = verify.Runner("reward", None, [], tmp_path, Where(), {scratch: "org/granite (shrunk)"})
+    with pytest.raises(ConfigError) as e:
+        runner.run(verify.Layout("reference", 1, 4, 1), tmp_path / "a")
+    assert e.value.problems == [
+        "llmtrain verify: the reference run failed: model.name_or_path: cannot build a model from the config of "
+        "'org/granite (shrunk)' (no such class)"
+    ]
