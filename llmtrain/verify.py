@@ -56,9 +56,19 @@ from .core.objective import model_inputs
 from .data.batches import Collator
 from .data.rows import KEPT
 from .data.sources import load_source
-from .errors import ConfigError, ModelError, describe
+from .errors import ConfigError, describe
 from .methods import METHODS, demo_config, sections
-from .model import attention_backend, batch_dependent, check_model, load_model, load_tokenizer, pad_id, random_draws
+from .model import (
+    attention_backend,
+    batch_dependent,
+    check_model,
+    hub_kwargs,
+    load_error,
+    load_model,
+    load_tokenizer,
+    pad_id,
+    random_draws,
+)
 from .observe.metrics import METRICS_FILE, read_metrics
 from .plan import read_launch, recipe_named, recipe_option
 from .processor import is_vision, load_processor, processor_of, save_processor
@@ -167,7 +177,7 @@ def main(argv: list[str]) -> None:
         root = Path(scratch)
         what = "with its own weights" if args.full else "shrunk"
         print(f"llmtrain verify: the {method.name} recipe, on {cfg.model.name_or_path} {what}, {where}")
-        config = read_config(cfg.model)
+        config = check_model(cfg.model, runs_seq_len(cfg))  # as a run reads it: its revision, its checks
         model = Path(cfg.model.name_or_path) if args.full else shrink(cfg.model, config, root / "model")
         findings = Findings(random_draws(config) if method.keeps_dropout(cfg) else [], batch_dependent(config))
         for line in findings.lines():
@@ -274,10 +284,13 @@ def explain(checks: list[Check], findings: Findings) -> None:
 
 
 def fixed(cfg, model: Path, data: list[Path]) -> list[str]:
-    """The overrides every verifying run takes: the shrunk model and the sampled rows, a
-    short sequence length, no evaluation, a checkpoint after every step, quiet logs."""
+    """The overrides every verifying run takes: the shrunk model (a local directory, read
+    without the user's hub revision) and the sampled rows, a short sequence length, no
+    evaluation, a checkpoint after every step, quiet logs."""
+    shrunk = str(model) != cfg.model.name_or_path
     return [
         f"model.name_or_path={model}",
+        *(["model.revision="] if shrunk else []),
         f"data.train=[{', '.join(str(p) for p in data)}]",
         "data.eval=[]",
         "data.eval_fraction=0",
@@ -326,17 +339,6 @@ SIZES = {
 }
 
 
-def read_config(model_cfg):
-    """The user's model config, read as a run reads it (nothing but config.json)."""
-    from transformers import AutoConfig
-
-    name = model_cfg.name_or_path
-    try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
-    except Exception as e:  # a name that is no model
-        raise ModelError(f"model.name_or_path: {name} cannot be read as a model config ({e})") from None
-
-
 def shrink(model_cfg, config, out: Path) -> Path:
     """The user's model (model_cfg.name_or_path, whose config is `config`) rebuilt small in
     `out` with random weights, its tokenizer (and a vision-language model's processor)
@@ -351,9 +353,9 @@ def shrink(model_cfg, config, out: Path) -> Path:
     name, remote = model_cfg.name_or_path, model_cfg.trust_remote_code
     config = copy.deepcopy(config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
+        tokenizer = AutoTokenizer.from_pretrained(name, **hub_kwargs(model_cfg))
     except Exception as e:  # a model without a tokenizer
-        raise ModelError(f"model.name_or_path: {name} has no tokenizer that can be read ({e})") from None
+        raise load_error("a tokenizer", name, e) from None
     text = getattr(config, "text_config", None) or config
     widths = [getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if isinstance(getattr(text, k, None), int)]
     width = widths[0] if widths else 0  # the language model's, before shrinking
@@ -385,7 +387,7 @@ def shrink(model_cfg, config, out: Path) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if vision:  # its processor too: how images become tokens
-        save_processor(load_processor(name, trust_remote_code=remote), out)
+        save_processor(load_processor(name, **hub_kwargs(model_cfg)), out)
     return out
 
 

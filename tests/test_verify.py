@@ -13,7 +13,7 @@ import llmtrain.verify as verify
 from llmtrain.config import ModelConfig, load_config
 from llmtrain.errors import ConfigError
 from llmtrain.methods import METHODS, sections
-from llmtrain.model import random_draws
+from llmtrain.model import check_model, random_draws
 from llmtrain.plan import recipe_named
 from llmtrain.verify import (
     FLOAT32,
@@ -24,7 +24,6 @@ from llmtrain.verify import (
     compare,
     explain,
     packing,
-    read_config,
     runs_seq_len,
     shrink,
     table,
@@ -61,7 +60,7 @@ def test_shrinking_keeps_the_architecture_and_the_vocabulary(cls, settings, kept
     config.save_pretrained(tmp_path / "big")
     tokenizer.save_pretrained(tmp_path / "big")
     model_cfg = ModelConfig(name_or_path=str(tmp_path / "big"))
-    out = shrink(model_cfg, read_config(model_cfg), tmp_path / "small")
+    out = shrink(model_cfg, check_model(model_cfg, 256), tmp_path / "small")
     small = AutoConfig.from_pretrained(out)
     assert type(small) is type(config) and small.vocab_size == len(tokenizer)
     assert small.num_hidden_layers == 2 and small.hidden_size == 64
@@ -256,7 +255,8 @@ def test_a_vision_tower_is_shrunk_and_its_images_still_pack_exactly(family, kind
     if hasattr(tower, "out_hidden_size"):
         tower.out_hidden_size = text.hidden_size
     config.save_pretrained(big)
-    small = shrink(ModelConfig(name_or_path=str(big)), read_config(ModelConfig(name_or_path=str(big))), tmp_path / "s")
+    given = ModelConfig(name_or_path=str(big))
+    small = shrink(given, check_model(given, 256), tmp_path / "s")
     shrunk = AutoConfig.from_pretrained(small).vision_config
     width = next(v for k in ("embed_dim", "hidden_size") if isinstance(v := getattr(shrunk, k, None), int))
     layers = next(v for k in ("num_hidden_layers", "depth") if isinstance(v := getattr(shrunk, k, None), int))
@@ -305,3 +305,16 @@ def test_a_failed_run_is_one_line_naming_the_users_model_not_the_scratch_copy(mo
         "llmtrain verify: the reference run failed: model.name_or_path: cannot build a model from the config of "
         "'org/granite (shrunk)' (no such class)"
     ]
+
+
+def test_the_runs_read_the_shrunk_copy_without_the_users_hub_revision(tmp_path):
+    """A hub model pinned to a revision: the shrunk copy is a local directory, which a run
+    refuses beside model.revision, so the runs clear it; with --full the runs take the hub
+    model itself, at its revision."""
+    method = METHODS["finetune"]
+    given = ["model.name_or_path=org/model", "model.revision=v1", "data.train=rows.jsonl"]
+    cfg = load_config(None, given, method.schema, sections())
+    shrunk = load_config(None, [*given, *verify.fixed(cfg, tmp_path / "model", [tmp_path / "r.jsonl"])], method.schema)
+    assert shrunk.model.revision == "" and shrunk.model.name_or_path == str(tmp_path / "model")
+    full = load_config(None, [*given, *verify.fixed(cfg, "org/model", [tmp_path / "r.jsonl"])], method.schema)
+    assert full.model.revision == "v1"
