@@ -154,24 +154,28 @@ class PackedPairs(PackedDataset):
         return self.rows
 
     def documents(self, j: int) -> list[dict]:
-        """Each pair's chosen answer, then its rejected one; a vision-language model's pairs
-        show their images to each answer."""
-        rows = self.rows[self.bins[j]]
-        docs = []
-        for i in range(len(self.bins[j])):
-            for side in ("chosen", "rejected"):
-                doc = {"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]}
-                if "images" in rows:
-                    doc |= {"images": rows["images"][i]} | {k: rows[f"{side}_{k}"][i] for k in SEQUENCE_INPUTS}
-                docs.append(doc)
-        return docs
+        return answers(self.rows[self.bins[j]])
 
     def __getitem__(self, j: int) -> dict:
-        rows = self.rows[self.bins[j]]
-        docs = self.documents(j)
+        rows = self.rows[self.bins[j]]  # read once: the loader's hot path
+        docs = answers(rows)
         margins = {"margin": rows["margin"]} if "margin" in rows else {}  # reward-model pairs
         out = join_rows(docs) | {"pair_index": rows["pair_index"]} | margins
         return out if "images" not in rows else out | joined_images(docs)
+
+
+def answers(rows: dict) -> list[dict]:
+    """The packed sequence of pairs `rows` (columns of the bin's pairs) as its samples: each
+    pair's chosen answer, then its rejected one; a vision-language model's pairs show their
+    images to each answer."""
+    docs = []
+    for i in range(len(rows["pair_index"])):
+        for side in ("chosen", "rejected"):
+            doc = {"input_ids": rows[f"{side}_input_ids"][i], "labels": rows[f"{side}_labels"][i]}
+            if "images" in rows:
+                doc |= {"images": rows["images"][i]} | {k: rows[f"{side}_{k}"][i] for k in SEQUENCE_INPUTS}
+            docs.append(doc)
+    return docs
 
 
 class PairCollator:
