@@ -4,6 +4,7 @@ prompts, tools, reward, group and steps.
     python benchmarks/agents_vs_trl.py                   # CPU workload, about 15 minutes on 2 idle cores
     python benchmarks/agents_vs_trl.py --repeats 1 --systems llmtrain trl-best
     python benchmarks/agents_vs_trl.py --workload gpu --repeats 1      # one GPU, bigger steps
+    python benchmarks/agents_vs_trl.py --workload cpu-cued               # prompts cued to use a tool
 
 Needs `pip install trl` beside llmtrain. The workload is the offline calculator demo's
 (docs/agents.md):
@@ -49,6 +50,10 @@ LR, GROUP, MAX_TOKENS, TEMPERATURE, TURNS = 1e-4, 8, 160, 1.0, 2
 WORKLOADS = {
     # prompts per step, steps, max length (prompt + completion)
     "cpu": dict(prompts=4, steps=40, seq=256, precision="no"),
+    # the same, with the prompts cued to use a tool (the SFT stage's system message), which
+    # the model then does from the first step: both systems play episodes of the same kind
+    # from start to end, so their step times compare the same work
+    "cpu-cued": dict(prompts=4, steps=40, seq=256, precision="no", cued=True),
     # the same model and prompts, twice the prompts a step, on one GPU
     "gpu": dict(prompts=8, steps=25, seq=256, precision="no"),
 }
@@ -71,14 +76,18 @@ def prepare(workload: str, root: Path) -> dict:
     demo.build_assets(cache)
     demo.build_calc_model(cache)
     rows = demo.make_calc_prompts(w["steps"] * w["prompts"], 41)
-    demo.write_jsonl([as_user_message(r) for r in rows], root / "train.jsonl")
+    demo.write_jsonl([as_user_message(r, w.get("cued", False)) for r in rows], root / "train.jsonl")
     (root / "llmtrain_grpo.yaml").write_text(OURS_CONFIG)
     return {"model": str(cache / "tiny-llama-calc"), "data": str(root / "train.jsonl"), **w}
 
 
-def as_user_message(row: dict) -> dict:
-    """A calculator prompt row as one user message, for both systems alike."""
-    return {"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
+def as_user_message(row: dict, cued: bool = False) -> dict:
+    """A calculator prompt row as one user message (after the SFT stage's cue to use a tool
+    where `cued`), for both systems alike."""
+    from llmtrain.demo import CALC_CUE
+
+    cue = [{"role": "system", "content": CALC_CUE}] if cued else []
+    return {"prompt": [*cue, {"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
 
 
 def held_out(model_dir: str) -> float:
@@ -203,7 +212,8 @@ def report(args, setup: dict, before: float, results: dict) -> None:
         harness.heading(f"GRPO with tools, {args.workload}"),
         "",
         harness.command("agents_vs_trl.py", args, harness.systems_flag(args)) + "; "
-        f"the calculator demo's SFT model and questions, tools add and multiply, {setup['prompts']} prompts x "
+        f"the calculator demo's SFT model and questions{' cued to use a tool' if setup.get('cued') else ''}, tools "
+        f"add and multiply, {setup['prompts']} prompts x "
         f"{GROUP} episodes a step, {setup['steps']} steps, at most {MAX_TOKENS} completion tokens and {TURNS} "
         f"turns, temperature {TEMPERATURE}, dapo loss, lr {LR}, fp32, one process; TRL {trl.__version__}. "
         f"Held-out success before training: {before:.3f} (300 questions, greedy episodes).",

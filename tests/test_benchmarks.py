@@ -222,7 +222,7 @@ def test_agents_benchmark_gives_both_systems_the_same_tools_calls_and_questions(
     from trl.chat_template_utils import parse_response, supports_tool_calling
 
     from llmtrain.calculator import add, multiply
-    from llmtrain.demo import CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts
+    from llmtrain.demo import CALC_CUE, CALC_TOOLS, TOOL_CHAT_TEMPLATE, make_calc_prompts
     from llmtrain.rl.prompts import prompt_ids
     from llmtrain.rl.rewards import accuracy
     from llmtrain.rl.tools import load_tools
@@ -232,6 +232,10 @@ def test_agents_benchmark_gives_both_systems_the_same_tools_calls_and_questions(
     assert [t.fn for t in load_tools(CALC_TOOLS)] == [add, multiply]
     rows = [agents_bench.as_user_message(r) for r in make_calc_prompts(4, seed=1)]
     assert all(r["prompt"] == [{"role": "user", "content": r["prompt"][0]["content"]}] for r in rows)
+    cued = agents_bench.as_user_message(make_calc_prompts(1, seed=1)[0], cued=True)["prompt"]
+    assert cued == [{"role": "system", "content": CALC_CUE}, rows[0]["prompt"][0]]
+    cued = agents_bench.as_user_message(make_calc_prompts(1, seed=1)[0], cued=True)["prompt"]
+    assert cued == [{"role": "system", "content": CALC_CUE}, rows[0]["prompt"][0]]
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = TOOL_CHAT_TEMPLATE
     check_parser(tok)

@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from ..vision import extended
@@ -73,35 +74,37 @@ def play(
     """The episodes of `prompts` (see the module docstring); `boxes[i]` holds prompt i's tools,
     `seeds` None for greedy turns, `shown[i]` prompt i's images (None: text prompts)."""
     episodes = [Trajectory() for _ in prompts]
-    for turn in range(max_turns):
-        going = [i for i, e in enumerate(episodes) if not e.done]
-        if not keep_going(bool(going)):
-            break
-        if not going:  # every episode here has ended, but another process still generates
-            generator.generate(model, [prompts[0][-1:]], None if seeds is None else [0], [1])
-            continue
-        contexts = [prompts[i] + episodes[i].ids for i in going]
-        turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in going]
-        # Each episode's turn may take what its budget has left (one more token, so that
-        # reaching the budget without a stop token shows as a cut turn).
-        limits = [max_tokens - len(episodes[i].ids) for i in going]
-        images = {} if shown is None else {"shown": [extended(shown[i], len(episodes[i].ids)) for i in going]}
-        drawn = generator.generate(model, contexts, turn_seeds, limits, **images)
-        for k, i in enumerate(going):
-            episode, box = episodes[i], boxes[i]
-            last = turn == max_turns - 1
-            logps = drawn.logps[k] if drawn.logps is not None else []
-            results = take(
-                episode, drawn.ids[k], drawn.ended[k], contexts[k], tokenizer, box, stops, max_tokens, last, logps
-            )
-            if not results:
+    # A generator that can keep a turn's KV cache for the next turn (sampling.HFGenerator.multi_turn).
+    with getattr(generator, "multi_turn", nullcontext)():
+        for turn in range(max_turns):
+            going = [i for i, e in enumerate(episodes) if not e.done]
+            if not keep_going(bool(going)):
+                break
+            if not going:  # every episode here has ended, but another process still generates
+                generator.generate(model, [prompts[0][-1:]], None if seeds is None else [0], [1])
                 continue
-            suffix = tool_suffix_ids(tokenizer, results, stops, box.schemas(), template)
-            if len(episode.ids) + len(suffix) >= max_tokens:  # no room for the results and a turn after them
-                episode.truncated = episode.done = True
-                continue
-            episode.ids += suffix
-            episode.sampled += [0] * len(suffix)
+            contexts = [prompts[i] + episodes[i].ids for i in going]
+            turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in going]
+            # Each episode's turn may take what its budget has left (one more token, so that
+            # reaching the budget without a stop token shows as a cut turn).
+            limits = [max_tokens - len(episodes[i].ids) for i in going]
+            images = {} if shown is None else {"shown": [extended(shown[i], len(episodes[i].ids)) for i in going]}
+            drawn = generator.generate(model, contexts, turn_seeds, limits, **images)
+            for k, i in enumerate(going):
+                episode, box = episodes[i], boxes[i]
+                last = turn == max_turns - 1
+                logps = drawn.logps[k] if drawn.logps is not None else []
+                results = take(
+                    episode, drawn.ids[k], drawn.ended[k], contexts[k], tokenizer, box, stops, max_tokens, last, logps
+                )
+                if not results:
+                    continue
+                suffix = tool_suffix_ids(tokenizer, results, stops, box.schemas(), template)
+                if len(episode.ids) + len(suffix) >= max_tokens:  # no room for the results and a turn after them
+                    episode.truncated = episode.done = True
+                    continue
+                episode.ids += suffix
+                episode.sampled += [0] * len(suffix)
     return episodes
 
 

@@ -15,10 +15,13 @@ its own sampling uses one generator for the whole batch.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation import GenerationMixin
 
 from ..config import DataConfig
 from ..data.rows import stop_ids
@@ -27,6 +30,12 @@ from ..processor import SEQUENCE_INPUTS, blank_features, encodes_ahead, placehol
 from ..vision import image_inputs
 
 MASK64 = (1 << 64) - 1
+# generate's keyword for a cache it is given: `cache` since transformers 5.x renamed `past_key_values`
+CACHE_ARGUMENT = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
 
 
 def sample_seed(seed: int, epoch: int, position: int, index: int) -> int:
@@ -46,7 +55,7 @@ def sample_seed(seed: int, epoch: int, position: int, index: int) -> int:
 def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Logits (float32) of the distribution sampled from: tempered, then cut to the top_k
     tokens and to the nucleus of top_p (always keeping the most likely token)."""
-    logits = logits.float() / temperature
+    logits = logits.float() / temperature if temperature != 1 else logits.float()
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -65,15 +74,28 @@ class SeededSampling:
     log-probs of the drawn tokens under the distribution they were drawn from (the sampler's
     side of grpo.importance_correction)."""
 
+    BLOCK = 32  # uniform numbers drawn per row at a time
+
     def __init__(self, seeds: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.logps: list[torch.Tensor] = []  # [rows] per step
+        self.uniforms, self.step = torch.empty(len(seeds), 0), 0
+
+    def draw(self, device) -> torch.Tensor:
+        """Each row's next uniform number. Drawn BLOCK at a time per row: a generator's
+        numbers are the same drawn one at a time or n at once, and a row per decode step
+        would be one tiny call per row per token."""
+        if self.step == self.uniforms.shape[1]:
+            more = torch.stack([torch.rand(self.BLOCK, generator=g) for g in self.generators])
+            self.uniforms = torch.cat([self.uniforms, more], 1)
+        self.step += 1
+        return self.uniforms[:, self.step - 1].to(device)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = filtered_logits(scores, self.temperature, self.top_k, self.top_p).softmax(-1)
         cdf = probs.cumsum(-1)
-        u = torch.stack([torch.rand((), generator=g) for g in self.generators]).to(cdf.device)
+        u = self.draw(cdf.device)
         # 1 - u lies in (0, 1]: the point never sits at 0, where a token of probability 0 could be taken.
         token = torch.searchsorted(cdf, ((1 - u) * cdf[:, -1])[:, None]).clamp(max=cdf.shape[-1] - 1)
         self.logps.append(probs.gather(1, token).squeeze(1).log())
@@ -98,6 +120,126 @@ class Budget:
         forced = torch.full_like(scores, float("-inf"))
         forced[:, self.stop] = 0.0
         return torch.where(over[:, None], forced, scores)
+
+
+class ReservedLayer(DynamicLayer):
+    """A full-attention layer of a generation's KV cache that takes its storage once, for
+    `capacity` positions, writes each step's keys and values into it and attends to the part
+    filled so far (a view): the same tensors as transformers' DynamicLayer, which
+    concatenates them instead, copying the whole cache at every decode step and every layer
+    (a quarter of a small model's decode step at 200 positions; on a GPU, as many bytes per
+    step as the weights for long completions). Written here because transformers has no
+    growing cache without that copy: its StaticCache attends to every reserved position.
+    Past the capacity (or after a beam reorder or a batch selection made new tensors) the
+    storage is taken again, twice as large."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.storage = capacity, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.get_seq_length()
+        end = n + key_states.shape[-2]
+        if not self.holds(key_states, end):
+            k, v = self.keys, self.values
+            size = max(end, self.capacity, 2 * n)
+            self.storage = tuple(s.new_empty((*s.shape[:-2], size, s.shape[-1])) for s in (key_states, value_states))
+            if n:
+                self.storage[0][..., :n, :].copy_(k)
+                self.storage[1][..., :n, :].copy_(v)
+        keys, values = self.storage
+        keys[..., n:end, :].copy_(key_states)
+        values[..., n:end, :].copy_(value_states)
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def holds(self, key_states: torch.Tensor, end: int) -> bool:
+        """Whether the storage still backs `keys` and has room up to `end`."""
+        if self.storage is None:
+            return False
+        keys = self.storage[0]
+        return (
+            keys.shape[-2] >= end
+            and keys.shape[:-2] == key_states.shape[:-2]
+            and (self.keys.numel() == 0 or self.keys.data_ptr() == keys.data_ptr())
+        )
+
+
+def reserved_cache(model, length: int):
+    """The cache `generate` makes for `model` (a DynamicCache on its text config), with its
+    full-attention layers ReservedLayers of `length` positions; None where generate would make
+    another kind (a recurrent or linear-attention layer, an encoder-decoder, a model that
+    brings its own), which it then makes itself."""
+    from transformers import DynamicCache
+
+    config = model.config
+    # transformers' own test of whether a model takes its default cache (no public one)
+    default = getattr(model, "_supports_default_dynamic_cache", None)
+    if config.is_encoder_decoder or default is None or not default():
+        return None
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
+    if not cache.layers or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        return None
+    cache.layers = [ReservedLayer(length) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@dataclass
+class Kept:
+    """A generation's KV cache, kept for a call that continues its rows (HFGenerator.multi_turn)."""
+
+    cache: object
+    rows: list[list[int]]  # each row's tokens: its prompt, then its completion through its end
+    mask: torch.Tensor  # [rows, the cache's columns]: 1 where a column holds the row's own token
+
+
+@dataclass
+class Continued:
+    """A call's inputs continuing a Kept cache: `ids` and `mask` span the cached columns, then
+    each prompt's tokens the cache lacks, aligned right (the columns before them masked out)."""
+
+    cache: object
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def reusable(cache) -> bool:
+    """Whether a filled cache can be continued by a later call: every layer a ReservedLayer
+    (full attention: columns masked out between turns are never attended, where a sliding
+    window would count them)."""
+    return cache is not None and all(isinstance(layer, ReservedLayer) for layer in cache.layers)
+
+
+def kept_rows(cache, prompts: list[list[int]], completions: list[list[int]], mask: torch.Tensor) -> Kept:
+    """What a later call needs to continue `cache` after a call on `prompts` (its columns
+    masked by `mask`) that drew `completions`. The cache holds the prompts' columns, then
+    every step but the last: a completion's tokens up to its end, then, for a row that ended
+    before the others, stand-ins (masked out here)."""
+    width, cached = mask.shape[1], cache.get_seq_length()
+    drawn = torch.arange(cached - width)[None, :] < torch.tensor([len(c) for c in completions])[:, None]
+    return Kept(cache, [p + c for p, c in zip(prompts, completions)], torch.cat([mask, drawn.long()], 1))
+
+
+def continued(kept: Kept, prompts: list[list[int]], pad_id: int) -> Continued | None:
+    """Inputs continuing `kept` for `prompts`, each of which must extend one of its rows
+    (its tokens, then more); None otherwise. The cache is cut to those rows, in order."""
+    index = {tuple(row): i for i, row in enumerate(kept.rows)}
+    lengths = sorted({len(row) for row in kept.rows}, reverse=True)
+    picks = []
+    for p in prompts:
+        j = next((index[tuple(p[:n])] for n in lengths if n < len(p) and tuple(p[:n]) in index), None)
+        if j is None:
+            return None
+        picks.append(j)
+    held = kept.mask[picks]
+    rest = [p[n:] for p, n in zip(prompts, held.sum(1).tolist())]  # the tokens not in the cache
+    span = max(len(r) for r in rest)
+    ids = torch.tensor([[pad_id] * (held.shape[1] + span - len(r)) + r for r in rest])
+    mask = torch.cat([held, torch.tensor([[0] * (span - len(r)) + [1] * len(r) for r in rest])], 1)
+    kept.cache.batch_select_indices(torch.tensor(picks))
+    return Continued(kept.cache, ids, mask)
 
 
 @dataclass
@@ -148,6 +290,22 @@ class HFGenerator:
         self.max_image_pixels = max_image_pixels  # data.max_image_pixels, for a vision-language model's prompts
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._stops = None  # ((the generation config, its end tokens), the stop tokens)
+        self.keeping, self.kept = False, None  # inside multi_turn(): the last call's KV cache (Kept)
+
+    @contextmanager
+    def multi_turn(self):
+        """Inside, each call keeps its KV cache for the next, whose prompts may extend its rows
+        (the next turns of multi-turn episodes): their tokens so far are not run again, only
+        what follows them (a tool's result and the template's tokens). A call whose prompts
+        do not all extend kept rows starts afresh. The cache is let go on leaving. Not under
+        ZeRO-3 or FSDP2, nor for image prompts, nor where a layer's window slides (masked-out
+        columns between turns would count against its window)."""
+        self.keeping = True
+        try:
+            yield
+        finally:
+            self.keeping, self.kept = False, None
 
     def generate(
         self,
@@ -159,14 +317,8 @@ class HFGenerator:
     ) -> Completions:
         from transformers import GenerationConfig
 
-        stops = stop_ids(getattr(model, "generation_config", None), self.tokenizer)
-        width = max(len(p) for p in prompts)
+        stops = self.stops(model)
         device = next(model.parameters()).device
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        images = {} if shown is None else self.images(model, prompts, shown, width, device)
-        processor = processor_of(self.tokenizer)
-        blank = self.synced and processor is not None and "pixel_values" not in images and encodes_ahead(model)
         # Every setting given, so none comes from the model's generation_config (a default
         # temperature or repetition penalty would sample from another distribution than
         # the one the loss's log-probs describe).
@@ -183,17 +335,24 @@ class HFGenerator:
             suppress_tokens=placeholder_ids(model.config) or None,
         )
         sampling = None if seeds is None else SeededSampling(seeds, self.temperature, self.top_k, self.top_p)
-        processors = [] if sampling is None else [sampling]
-        if limits and min(limits) < new:
-            processors.append(Budget(limits, stops[0], width))
         from transformers import LogitsProcessorList
 
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), root_unsharded(model):
-                if blank:  # as the processes whose prompts hold images do: in step
-                    blank_features(model, processor)
+            # Inference mode where the weights are the process's own: no autograd bookkeeping on
+            # any tensor, a few percent of a small model's decode step. Not where the forwards
+            # gather sharded weights, which the next training step reuses.
+            with torch.no_grad() if self.synced else torch.inference_mode(), root_unsharded(model):
+                ids, mask, cache = self.inputs(model, prompts, shown is None, new, device)
+                width = ids.shape[1]
+                images = {} if shown is None else self.images(model, prompts, shown, width, device)
+                processor = processor_of(self.tokenizer)
+                if self.synced and processor is not None and "pixel_values" not in images and encodes_ahead(model):
+                    blank_features(model, processor)  # as the processes whose prompts hold images do: in step
+                processors = [] if sampling is None else [sampling]
+                if limits and min(limits) < new:
+                    processors.append(Budget(limits, stops[0], width))
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -201,6 +360,7 @@ class HFGenerator:
                     logits_processor=LogitsProcessorList(processors),
                     synced_gpus=self.synced,
                     **images,
+                    **({CACHE_ARGUMENT: cache} if cache is not None else {}),
                 )
         finally:
             model.train(was_training)
@@ -209,11 +369,64 @@ class HFGenerator:
             end = next((i for i, t in enumerate(row) if t in stops), None)
             completions.append(row if end is None else row[: end + 1])
             ended.append(end is not None)
+        if self.keeping and not self.synced and shown is None and reusable(cache):
+            self.kept = kept_rows(cache, prompts, completions, mask.cpu())
         logps = None
         if sampling is not None:
             drawn = torch.stack(sampling.logps, 1).float().cpu().tolist() if sampling.logps else [[]] * len(prompts)
             logps = [row[: len(c)] for row, c in zip(drawn, completions)]
         return Completions(completions, ended, logps)
+
+    def inputs(self, model, prompts: list[list[int]], text: bool, new: int, device):
+        """(ids, mask, cache) to generate up to `new` tokens after `prompts`: each prompt
+        left-padded, with a fresh cache; or, for text prompts on the process's own weights,
+        only the tokens a cache lacks: the kept one's (`multi_turn`) where each prompt extends
+        a row of it, else, where prompts repeat, one filled once per distinct prompt (`shared`)."""
+        kept, self.kept = self.kept, None  # a kept cache serves the next call only
+        if text and not self.synced:
+            go_on = continued(kept, prompts, self.pad_id) if kept is not None else None
+            if go_on is None and (shared := self.shared(model, prompts, new, device)) is not None:
+                go_on = continued(shared, prompts, self.pad_id)
+            if go_on is not None:
+                for layer in go_on.cache.layers:
+                    layer.capacity = go_on.ids.shape[1] + new
+                return go_on.ids.to(device), go_on.mask.to(device), go_on.cache
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        return ids, mask, reserved_cache(model, width + new)
+
+    def shared(self, model, prompts: list[list[int]], new: int, device) -> Kept | None:
+        """Where prompts repeat (a GRPO group's completions share theirs), each distinct prompt
+        but its last token run once into a cache, which each prompt then continues with its last
+        token: a group's prompt is run once, not once per completion. None where no prompt
+        repeats, or the cache could not be continued (`reusable`)."""
+        from transformers import GenerationConfig
+
+        distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts))]
+        if len(distinct) == len(prompts) or min(len(p) for p in distinct) < 2:
+            return None
+        heads = [p[:-1] for p in distinct]
+        width = max(len(p) for p in heads)
+        cache = reserved_cache(model, width + 1 + new)
+        if not reusable(cache):
+            return None
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in heads], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in heads], device=device)
+        # generate for its prefill (positions and masks as it makes them); its one token is dropped
+        once = GenerationConfig(max_new_tokens=1, do_sample=False, num_beams=1, pad_token_id=self.pad_id)
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=once, **{CACHE_ARGUMENT: cache})
+        return kept_rows(cache, heads, [[] for _ in heads], mask.cpu())
+
+    def stops(self, model) -> list[int]:
+        """The tokens that end a completion (data.rows.stop_ids; found by rendering a chat,
+        so kept while the model's generation config and its end tokens stay the same)."""
+        config = getattr(model, "generation_config", None)
+        found = getattr(config, "eos_token_id", None)
+        key = (id(config), tuple(found) if isinstance(found, list) else found)
+        if self._stops is None or self._stops[0] != key:
+            self._stops = (key, stop_ids(config, self.tokenizer))
+        return self._stops[1]
 
     def images(self, model, prompts: list[list[int]], shown: list[dict], width: int, device) -> dict:
         """The model's image inputs for prompts padded on the left to `width` (their

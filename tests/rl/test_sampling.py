@@ -4,8 +4,11 @@ else shares its batch; the filters as transformers defines them; stopping and cl
 import pytest
 import torch
 
-from llmtrain.rl.sampling import HFGenerator, SeededSampling, filtered_logits, sample_seed
+from llmtrain.rl import sampling
+from llmtrain.rl.sampling import HFGenerator, ReservedLayer, SeededSampling, filtered_logits, sample_seed
 from tests.support.architectures import ARCHITECTURES
+
+CONTINUED = sampling.continued  # the real one, which a test wraps to see it called
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +120,12 @@ def test_completions_stop_at_the_end_of_turn_or_are_clipped(model_and_tokenizer)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, tokenizer, arch):
+def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, tokenizer, arch, monkeypatch):
     """Generation left-pads a batch's prompts: for absolute positions (GPT-2), sliding
     windows, experts and fused projections alike, a seeded completion is the one the prompt
     gets alone, and the training forward (right-padded, as the loss sees it) gives its
-    tokens the log-probs they have alone, so the policy that sampled is the one scored."""
+    tokens the log-probs they have alone, so the policy that sampled is the one scored.
+    The reserved KV cache gives what transformers' own cache gives, to the bit."""
     from transformers import AutoModelForCausalLM
 
     from llmtrain.core.logps import label_logps
@@ -137,7 +141,34 @@ def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, to
         tokenizer("Reverse the word: lamp, please, and be quick")["input_ids"],
     )
     alone = gen.generate(model, [a], [3]).ids[0]
-    assert gen.generate(model, [b, a], [4, 3]).ids[1] == alone, arch
+    padded = gen.generate(model, [b, a], [4, 3])
+    assert padded.ids[1] == alone, arch
+    assert sampling.reserved_cache(model, 8) is not None, arch
+    # A next turn continues the kept cache where every layer attends to all (full attention):
+    # the completion is the one a fresh call on the whole context draws.
+    after = [b + padded.ids[0] + a[:3], a + padded.ids[1] + b[:5]]
+    fresh = gen.generate(model, after, [7, 8])
+    continued = []
+    monkeypatch.setattr(sampling, "continued", lambda *args: continued.append(CONTINUED(*args)) or continued[-1])
+    with gen.multi_turn():
+        gen.generate(model, [b, a], [4, 3])
+        again = gen.generate(model, after, [7, 8])
+    assert gen.kept is None  # let go on leaving
+    assert again.ids == fresh.ids, arch
+    torch.testing.assert_close(again.logps, fresh.logps, rtol=0, atol=1e-5, msg=arch)
+    # Repeated prompts (a group's) run once into a cache each continues: the same draws.
+    grouped = gen.generate(model, [a, b, a, b], [3, 4, 5, 6])
+    assert [c is not None for c in continued[1:]] == [True] * len(continued[1:]), arch
+    with monkeypatch.context() as m:
+        m.setattr(HFGenerator, "shared", lambda *args: None)
+        each = gen.generate(model, [a, b, a, b], [3, 4, 5, 6])
+    assert grouped.ids == each.ids and grouped.ids[0] == alone, arch
+    torch.testing.assert_close(grouped.logps, each.logps, rtol=0, atol=1e-5, msg=arch)
+    full_attention = sampling.reusable(sampling.reserved_cache(model, 8))
+    assert full_attention == (arch not in ("mistral", "gemma2", "gemma3", "cohere2", "gpt_oss")), arch
+    assert [c is not None for c in continued] == ([True, True] if full_attention else []), arch
+    monkeypatch.setattr(sampling, "reserved_cache", lambda model, length: None)  # generate's own DynamicCache
+    assert gen.generate(model, [b, a], [4, 3]) == padded, arch
 
     def batch(rows):
         examples = [{"input_ids": p + c, "labels": shift([IGNORE] * len(p) + c)} for p, c in rows]
@@ -151,3 +182,37 @@ def test_every_architecture_samples_a_prompt_alike_alone_and_left_padded(zoo, to
         other = gen.generate(model, [b], [4]).ids[0]
         both = token_logps(batch([(b, other), (a, alone)]))
     torch.testing.assert_close(both[len(other) :], one, rtol=1e-4, atol=1e-5, msg=arch)
+
+
+def test_the_reserved_cache_layer_holds_what_a_dynamic_one_does():
+    """Prefill, decode steps past its capacity, a crop (a rolled-back step), a batch
+    selection and a beam reorder: each step attends to the same keys and values as
+    transformers' DynamicLayer, and the decode steps copy nothing while the storage lasts."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    reserved, dynamic = ReservedLayer(capacity=7), DynamicLayer()
+
+    def step(n):
+        k, v = torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g)
+        got, want = reserved.update(k, v), dynamic.update(k, v)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+        assert reserved.get_seq_length() == dynamic.get_seq_length()
+
+    step(5)
+    storage = reserved.storage[0].data_ptr()
+    step(1)
+    step(1)
+    assert reserved.storage[0].data_ptr() == storage  # written in place up to the capacity
+    step(2)  # past it: taken again
+    assert reserved.storage[0].shape[-2] >= 9
+    for layer in (reserved, dynamic):
+        layer.crop(-2)
+    step(1)
+    for layer in (reserved, dynamic):
+        layer.batch_select_indices(torch.tensor([2, 0]))
+    k, v = torch.randn(2, 2, 1, 4, generator=g), torch.randn(2, 2, 1, 4, generator=g)
+    assert all(torch.equal(x, y) for x, y in zip(reserved.update(k, v), dynamic.update(k, v)))
+    for layer in (reserved, dynamic):
+        layer.reorder_cache(torch.tensor([1, 1]))
+    assert all(torch.equal(x, y) for x, y in zip(reserved.update(k, v), dynamic.update(k, v)))
