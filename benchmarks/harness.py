@@ -57,11 +57,15 @@ def sync() -> None:
 
 
 def step_timer():
-    """A TrainerCallback adding up the time of the optimizer steps (in `.seconds`)."""
+    """A TrainerCallback adding up the time of the optimizer steps (in `.seconds`; each
+    step's in `.steps`)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         seconds = 0.0
+
+        def __init__(self):
+            self.steps = []
 
         def on_step_begin(self, args, state, control, **kw):
             sync()
@@ -69,7 +73,8 @@ def step_timer():
 
         def on_step_end(self, args, state, control, **kw):
             sync()
-            self.seconds += time.perf_counter() - self.start
+            self.steps.append(time.perf_counter() - self.start)
+            self.seconds += self.steps[-1]
 
     return StepTimer()
 
