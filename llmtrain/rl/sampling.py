@@ -9,6 +9,11 @@ of prompts gives the same completions on one process or eight. `generate` is kep
 what it does well (the cache, stopping, sharded models); only the draw is ours, because
 its own sampling uses one generator for the whole batch.
 
+The cache given to `generate` is ours where it can be (`reserved_cache`): written in place
+rather than copied at every step, continued by a multi-turn episode's next turn
+(`HFGenerator.multi_turn`), and filled once for prompts that repeat (`HFGenerator.shared`).
+Each gives the tokens a fresh call gives (tests/rl/test_sampling.py).
+
 `Generator` is the interface a faster backend (vLLM, colocated) would implement.
 """
 
@@ -154,6 +159,18 @@ class ReservedLayer(DynamicLayer):
         values[..., n:end, :].copy_(value_states)
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.storage = None  # the selected rows are new tensors: the old storage goes now, not at the next write
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.storage = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.storage = None
 
     def holds(self, key_states: torch.Tensor, end: int) -> bool:
         """Whether the storage still backs `keys` and has room up to `end`."""
