@@ -153,7 +153,10 @@ def test_a_process_whose_peer_left_says_so_in_one_line(tmp_path):
 
     script = tmp_path / "leaving.py"
     script.write_text(LEAVING)
+    # torchrun stops the other ranks once it sees one gone: checking every 5 s rather than
+    # every 0.1 s leaves rank 0 the time to meet the error and say so on a loaded machine.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += ["--monitor-interval", "5"]
     env = dict(os.environ, ACCELERATE_USE_CPU="1")
     proc = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode != 0 and "rank 1 ends" in proc.stdout

@@ -316,8 +316,8 @@ class HFGenerator:
         (the next turns of multi-turn episodes): their tokens so far are not run again, only
         what follows them (a tool's result and the template's tokens). A call whose prompts
         do not all extend kept rows starts afresh. The cache is let go on leaving. Not under
-        ZeRO-3 or FSDP2, nor for image prompts, nor where a layer's window slides (masked-out
-        columns between turns would count against its window)."""
+        ZeRO-3 or FSDP2, nor for a vision-language model (`continues`), nor where a layer's
+        window slides (masked-out columns between turns would count against its window)."""
         self.keeping = True
         try:
             yield
@@ -361,7 +361,7 @@ class HFGenerator:
             # any tensor, a few percent of a small model's decode step. Not where the forwards
             # gather sharded weights, which the next training step reuses.
             with torch.no_grad() if self.synced else torch.inference_mode(), root_unsharded(model):
-                ids, mask, cache = self.inputs(model, prompts, shown is None, new, device)
+                ids, mask, cache = self.inputs(model, prompts, self.continues(shown), new, device)
                 width = ids.shape[1]
                 images = {} if shown is None else self.images(model, prompts, shown, width, device)
                 processor = processor_of(self.tokenizer)
@@ -386,7 +386,7 @@ class HFGenerator:
             end = next((i for i, t in enumerate(row) if t in stops), None)
             completions.append(row if end is None else row[: end + 1])
             ended.append(end is not None)
-        if self.keeping and not self.synced and shown is None and reusable(cache):
+        if self.keeping and self.continues(shown) and reusable(cache):
             self.kept = kept_rows(cache, prompts, completions, mask.cpu())
         logps = None
         if sampling is not None:
@@ -394,13 +394,19 @@ class HFGenerator:
             logps = [row[: len(c)] for row, c in zip(drawn, completions)]
         return Completions(completions, ended, logps)
 
-    def inputs(self, model, prompts: list[list[int]], text: bool, new: int, device):
+    def continues(self, shown) -> bool:
+        """Whether a call may continue a cache: a text model's text prompts, on the process's
+        own weights. Not a vision-language model's, even for text: some place positions by a
+        state their first forward sets (Qwen-VL's rope deltas)."""
+        return shown is None and not self.synced and processor_of(self.tokenizer) is None
+
+    def inputs(self, model, prompts: list[list[int]], continues: bool, new: int, device):
         """(ids, mask, cache) to generate up to `new` tokens after `prompts`: each prompt
-        left-padded, with a fresh cache; or, for text prompts on the process's own weights,
-        only the tokens a cache lacks: the kept one's (`multi_turn`) where each prompt extends
-        a row of it, else, where prompts repeat, one filled once per distinct prompt (`shared`)."""
+        left-padded, with a fresh cache; or, where the call `continues` a cache, only the
+        tokens a cache lacks: the kept one's (`multi_turn`) where each prompt extends a row of
+        it, else, where prompts repeat, one filled once per distinct prompt (`shared`)."""
         kept, self.kept = self.kept, None  # a kept cache serves the next call only
-        if text and not self.synced:
+        if continues:
             go_on = continued(kept, prompts, self.pad_id) if kept is not None else None
             if go_on is None and (shared := self.shared(model, prompts, new, device)) is not None:
                 go_on = continued(shared, prompts, self.pad_id)

@@ -96,6 +96,12 @@ def test_a_completion_with_images_is_the_same_whatever_shares_its_batch(family, 
         assert alone.ids[0] == together.ids[i]
         torch.testing.assert_close(torch.tensor(alone.logps[0]), torch.tensor(together.logps[i]), atol=1e-4, rtol=0)
     assert processor_of(tokenizer) is not None
+    # A vision-language model never continues a cache, even for text prompts (Qwen-VL's rope
+    # deltas are set by a call's first forward): repeated prompts are each run whole.
+    assert not generator.continues(None)
+    with generator.multi_turn():
+        generator.generate(model, [prompts[1], prompts[1]], [3, 4])
+        assert generator.kept is None
 
 
 # --- episodes of turns (grpo.tools, grpo.environment) ---------------------------------------
