@@ -62,10 +62,12 @@ def step_timer():
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
-        seconds = 0.0
-
         def __init__(self):
             self.steps = []
+
+        @property
+        def seconds(self) -> float:
+            return sum(self.steps)
 
         def on_step_begin(self, args, state, control, **kw):
             sync()
@@ -74,7 +76,6 @@ def step_timer():
         def on_step_end(self, args, state, control, **kw):
             sync()
             self.steps.append(time.perf_counter() - self.start)
-            self.seconds += self.steps[-1]
 
     return StepTimer()
 

@@ -239,6 +239,15 @@ def kept_rows(cache, prompts: list[list[int]], completions: list[list[int]], mas
     return Kept(cache, [p + c for p, c in zip(prompts, completions)], torch.cat([mask, drawn.long()], 1))
 
 
+def left_padded(rows: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of token rows padded on the left to the longest, as generation
+    takes a batch."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
 def continued(kept: Kept, prompts: list[list[int]], pad_id: int) -> Continued | None:
     """Inputs continuing `kept` for `prompts`, each of which must extend one of its rows
     (its tokens, then more); None otherwise. The cache is cut to those rows, in order."""
@@ -252,9 +261,9 @@ def continued(kept: Kept, prompts: list[list[int]], pad_id: int) -> Continued | 
         picks.append(j)
     held = kept.mask[picks]
     rest = [p[n:] for p, n in zip(prompts, held.sum(1).tolist())]  # the tokens not in the cache
-    span = max(len(r) for r in rest)
-    ids = torch.tensor([[pad_id] * (held.shape[1] + span - len(r)) + r for r in rest])
-    mask = torch.cat([held, torch.tensor([[0] * (span - len(r)) + [1] * len(r) for r in rest])], 1)
+    rest_ids, rest_mask = left_padded(rest, pad_id)
+    ids = torch.cat([torch.full(held.shape, pad_id, dtype=rest_ids.dtype), rest_ids], 1)
+    mask = torch.cat([held, rest_mask], 1)
     kept.cache.batch_select_indices(torch.tensor(picks))
     return Continued(kept.cache, ids, mask)
 
@@ -361,7 +370,8 @@ class HFGenerator:
             # any tensor, a few percent of a small model's decode step. Not where the forwards
             # gather sharded weights, which the next training step reuses.
             with torch.no_grad() if self.synced else torch.inference_mode(), root_unsharded(model):
-                ids, mask, cache = self.inputs(model, prompts, self.continues(shown), new, device)
+                continues = self.continues(shown)
+                ids, mask, cache = self.inputs(model, prompts, continues, new, device)
                 width = ids.shape[1]
                 images = {} if shown is None else self.images(model, prompts, shown, width, device)
                 processor = processor_of(self.tokenizer)
@@ -386,7 +396,7 @@ class HFGenerator:
             end = next((i for i, t in enumerate(row) if t in stops), None)
             completions.append(row if end is None else row[: end + 1])
             ended.append(end is not None)
-        if self.keeping and self.continues(shown) and reusable(cache):
+        if self.keeping and continues and reusable(cache):
             self.kept = kept_rows(cache, prompts, completions, mask.cpu())
         logps = None
         if sampling is not None:
@@ -414,10 +424,8 @@ class HFGenerator:
                 for layer in go_on.cache.layers:
                     layer.capacity = go_on.ids.shape[1] + new
                 return go_on.ids.to(device), go_on.mask.to(device), go_on.cache
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        return ids, mask, reserved_cache(model, width + new)
+        ids, mask = left_padded(prompts, self.pad_id, device)
+        return ids, mask, reserved_cache(model, ids.shape[1] + new)
 
     def shared(self, model, prompts: list[list[int]], new: int, device) -> Kept | None:
         """Where prompts repeat (a GRPO group's completions share theirs), each distinct prompt
@@ -430,12 +438,10 @@ class HFGenerator:
         if len(distinct) == len(prompts) or min(len(p) for p in distinct) < 2:
             return None
         heads = [p[:-1] for p in distinct]
-        width = max(len(p) for p in heads)
-        cache = reserved_cache(model, width + 1 + new)
+        ids, mask = left_padded(heads, self.pad_id, device)
+        cache = reserved_cache(model, ids.shape[1] + 1 + new)
         if not reusable(cache):
             return None
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in heads], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in heads], device=device)
         # generate for its prefill (positions and masks as it makes them); its one token is dropped
         once = GenerationConfig(max_new_tokens=1, do_sample=False, num_beams=1, pad_token_id=self.pad_id)
         model.generate(input_ids=ids, attention_mask=mask, generation_config=once, **{CACHE_ARGUMENT: cache})
